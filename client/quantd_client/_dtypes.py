@@ -1,0 +1,102 @@
+"""The table of quantization dtypes: every bound and bit width comes from here.
+
+Shared by the engine (torch) and the NumPy dequantizer, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DTypeKind = Literal["int", "nf4", "fp8", "float"]
+
+
+@dataclass(frozen=True)
+class DTypeInfo:
+    """One target dtype.
+
+    ``qmin``/``qmax`` are the code domain of integer dtypes (``int4``: −8…7, ``uint4``: 0…15);
+    for nf4 they are the codebook indices 0…15. ``storage`` is the safetensors dtype of
+    ``N.qdata`` in the artifact; ``packed`` dtypes store ``bits``-wide offsets ``code − qmin``
+    as a little-endian bitstream in ``uint8``.
+    """
+
+    name: str
+    kind: DTypeKind
+    bits: int
+    qmin: int
+    qmax: int
+    storage: str  # safetensors dtype string of N.qdata: I8, U8, F8_E4M3, F8_E5M2, F16, BF16
+    max_finite: float = 0.0  # fp8 / float: the largest finite value
+
+    @property
+    def signed(self) -> bool:
+        return self.qmin < 0
+
+    @property
+    def packed(self) -> bool:
+        return self.bits < 8
+
+    @property
+    def levels(self) -> int:
+        return self.qmax - self.qmin + 1
+
+
+DTYPES: dict[str, DTypeInfo] = {
+    d.name: d
+    for d in (
+        DTypeInfo("int8", "int", 8, -128, 127, "I8"),
+        DTypeInfo("int4", "int", 4, -8, 7, "U8"),
+        DTypeInfo("int3", "int", 3, -4, 3, "U8"),
+        DTypeInfo("int2", "int", 2, -2, 1, "U8"),
+        DTypeInfo("uint8", "int", 8, 0, 255, "U8"),
+        DTypeInfo("uint4", "int", 4, 0, 15, "U8"),
+        DTypeInfo("nf4", "nf4", 4, 0, 15, "U8"),
+        DTypeInfo("fp8_e4m3", "fp8", 8, 0, 0, "F8_E4M3", 448.0),
+        DTypeInfo("fp8_e5m2", "fp8", 8, 0, 0, "F8_E5M2", 57344.0),
+        DTypeInfo("float16", "float", 16, 0, 0, "F16", 65504.0),
+        DTypeInfo("bfloat16", "float", 16, 0, 0, "BF16", 3.3895313892515355e38),
+    )
+}
+
+# The 16-level NormalFloat codebook of QLoRA (Dettmers et al. 2023), values in [−1, 1].
+NF4_CODEBOOK: tuple[float, ...] = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
+OBSERVERS = ("minmax", "percentile", "meanstd", "ema", "mse", "entropy")
+METHODS = ("rtn",)
+GRANULARITIES = ("tensor", "channel", "group")
+INPUT_FORMATS = ("safetensors", "pytorch", "npy", "npz")
+OUTPUT_FORMATS = ("safetensors",)
+
+# Bits of each input dtype (safetensors spelling and torch/numpy spelling) for compression ratios.
+DTYPE_BITS: dict[str, int] = {
+    "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E5M2": 8,
+    "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U8": 8, "BOOL": 8,
+    "float64": 64, "float32": 32, "float16": 16, "bfloat16": 16,
+    "int64": 64, "int32": 32, "int16": 16, "int8": 8, "uint8": 8, "bool": 8,
+}
+
+
+def dtype_info(name: str) -> DTypeInfo:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None

@@ -1,0 +1,350 @@
+"""The v1 wire schemas, defined once (pure pydantic). The server imports them from here.
+
+Field names and meanings follow CONTRACT.md; extra fields are additions, never renames.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ._dtypes import DTYPES
+
+DType = Literal[
+    "int8", "int4", "int3", "int2", "uint8", "uint4", "nf4", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16"
+]
+GranularityName = Literal["tensor", "channel", "group"]
+ObserverName = Literal["minmax", "percentile", "meanstd", "ema", "mse", "entropy"]
+MethodName = Literal["rtn"]
+ScaleDType = Literal["float16", "bfloat16", "float32"]
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+InputFormat = Literal["safetensors", "pytorch", "npy", "npz"]
+
+_OBSERVER_ARGS: dict[str, set[str]] = {
+    "minmax": set(),
+    "percentile": {"percentile"},
+    "meanstd": {"k"},
+    "ema": {"momentum"},
+    "mse": {"grid", "min_ratio", "norm"},
+    "entropy": {"bins", "quant_bins"},
+}
+
+
+def default_symmetric(dtype: str) -> bool:
+    """nf4 and fp8 have no zero point; integer dtypes default to affine as CONTRACT §1 shows."""
+    return DTYPES[dtype].kind in ("nf4", "fp8")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Scheme(_Strict):
+    """How one tensor is quantized. ``symmetric`` left out means: affine for integer dtypes,
+    symmetric for nf4/fp8 (they have no zero point)."""
+
+    dtype: DType = "int4"
+    symmetric: bool = False
+    granularity: GranularityName = "group"
+    axis: int = 0
+    group_size: int = Field(128, ge=1)
+    observer: ObserverName = "minmax"
+    observer_args: dict[str, float] = Field(default_factory=dict)
+    method: MethodName = "rtn"
+    scale_dtype: ScaleDType = "float16"
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"dtype": "int4", "symmetric": False, "granularity": "group",
+                                         "group_size": 128, "observer": "minmax"}]},
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Scheme:
+        info = DTYPES[self.dtype]
+        if "symmetric" not in self.model_fields_set:
+            # Resolved without marking the field as set, so rule overrides can still re-resolve it.
+            object.__setattr__(self, "symmetric", default_symmetric(self.dtype))
+        if info.kind == "int" and not info.signed and self.symmetric:
+            raise ValueError(f"scheme.symmetric: {self.dtype} is unsigned and needs a zero point; "
+                             "use symmetric=false or a signed dtype")
+        if info.kind in ("fp8", "nf4") and not self.symmetric:
+            raise ValueError(f"scheme.symmetric: {self.dtype} has no zero point; use symmetric=true")
+        allowed = _OBSERVER_ARGS[self.observer]
+        unknown = set(self.observer_args) - allowed
+        if unknown:
+            raise ValueError(f"scheme.observer_args: {sorted(unknown)} not understood by observer "
+                             f"{self.observer!r} (it takes {sorted(allowed) or 'no arguments'})")
+        p = self.observer_args.get("percentile")
+        if p is not None and not 0.0 < p <= 100.0:
+            raise ValueError("scheme.observer_args.percentile must be in (0, 100]")
+        k = self.observer_args.get("k")
+        if k is not None and not k > 0:
+            raise ValueError("scheme.observer_args.k must be > 0")
+        m = self.observer_args.get("momentum")
+        if m is not None and not 0.0 < m <= 1.0:
+            raise ValueError("scheme.observer_args.momentum must be in (0, 1]")
+        g = self.observer_args.get("grid")
+        if g is not None and not 1 <= g <= 1000:
+            raise ValueError("scheme.observer_args.grid must be in [1, 1000]")
+        return self
+
+
+class SchemeOverride(_Strict):
+    """A partial scheme in a rule: the fields given replace the config's default scheme."""
+
+    dtype: DType | None = None
+    symmetric: bool | None = None
+    granularity: GranularityName | None = None
+    axis: int | None = None
+    group_size: int | None = Field(None, ge=1)
+    observer: ObserverName | None = None
+    observer_args: dict[str, float] | None = None
+    method: MethodName | None = None
+    scale_dtype: ScaleDType | None = None
+
+
+class Rule(_Strict):
+    match: str = Field(..., min_length=1, description="glob on tensor names (fnmatch)")
+    scheme: SchemeOverride | None = None
+    skip: bool = False
+
+
+class QuantConfig(_Strict):
+    scheme: Scheme = Field(default_factory=Scheme)
+    rules: list[Rule] = Field(default_factory=list)
+    skip_1d: bool = True
+    min_numel: int = Field(0, ge=0)
+    output: Literal["safetensors"] = "safetensors"
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{
+            "scheme": {"dtype": "int4", "symmetric": False, "granularity": "group", "group_size": 128},
+            "rules": [{"match": "lm_head.*", "scheme": {"dtype": "int8", "granularity": "channel"}},
+                      {"match": "*.bias", "skip": True}],
+            "skip_1d": True, "min_numel": 0, "output": "safetensors"}]},
+    )
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> QuantConfig:
+        for i, rule in enumerate(self.rules):
+            if rule.scheme is not None:
+                try:
+                    self._merge(rule.scheme)
+                except ValueError as e:
+                    raise ValueError(f"rules[{i}] ({rule.match!r}): {e}") from None
+        return self
+
+    def _merge(self, override: SchemeOverride) -> Scheme:
+        base = self.scheme.model_dump(exclude_unset=True)
+        patch = override.model_dump(exclude_none=True)
+        if "dtype" in patch and "symmetric" not in patch and "symmetric" in base:
+            if patch["dtype"] != base.get("dtype", "int4"):
+                base.pop("symmetric")  # a new dtype re-resolves its own default
+        return Scheme.model_validate({**base, **patch})
+
+    def scheme_for(self, name: str, shape: tuple[int, ...] | list[int]) -> tuple[Scheme | None, str | None]:
+        """The scheme for one tensor, or ``(None, reason)`` when it stays as it is."""
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        for rule in self.rules:
+            if fnmatch.fnmatchcase(name, rule.match):
+                if rule.skip:
+                    return None, f"rule {rule.match!r}: skip"
+                return (self._merge(rule.scheme) if rule.scheme else self.scheme), None
+        if self.skip_1d and len(shape) <= 1:
+            return None, "1-D tensor (skip_1d)"
+        if numel < self.min_numel:
+            return None, f"numel {numel} < min_numel {self.min_numel}"
+        return self.scheme, None
+
+
+class ErrorStats(BaseModel):
+    """Error statistics of one quantized tensor (CONTRACT §4).
+
+    ``sqnr_db`` is ``10·log10(mean(x²)/mse)``; it is null when the error is exactly zero (infinite).
+    Outliers are elements with ``|x − mean| > outlier_threshold`` (= 3 standard deviations).
+    ``theoretical_max_error`` is half the largest quantization step; unclipped elements never exceed it.
+    """
+
+    numel: int
+    mse: float
+    mae: float
+    max_abs_error: float
+    sqnr_db: float | None
+    cosine: float
+    outlier_rate: float
+    outlier_threshold: float
+    clipped_fraction: float
+    theoretical_max_error: float | None
+    bits_per_weight: float
+    compression_ratio: float
+    theoretical_sqnr_db: float | None = None  # 6.02·b + 1.76 dB for integer dtypes
+
+
+class TensorReport(BaseModel):
+    name: str
+    shape: list[int]
+    in_dtype: str
+    scheme: Scheme | None
+    stats: ErrorStats | None
+    skipped: bool
+    reason: str | None = None
+
+
+class Summary(BaseModel):
+    tensors_quantized: int
+    tensors_skipped: int
+    input_bytes: int
+    output_bytes: int
+    compression_ratio: float
+    bits_per_weight: float
+    mean_sqnr_db: float | None
+    min_sqnr_db: float | None
+    worst_tensor: str | None
+    elapsed_s: float
+    device: str
+
+
+class Report(BaseModel):
+    job_id: str | None
+    config: QuantConfig
+    summary: Summary
+    tensors: list[TensorReport]
+
+
+class InputInfo(BaseModel):
+    filename: str
+    bytes: int
+    sha256: str
+    format: InputFormat
+    tensors: int
+
+
+class Progress(BaseModel):
+    tensors_done: int = 0
+    tensors_total: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    fraction: float = 0.0
+
+
+class JobResult(BaseModel):
+    artifact_bytes: int
+    artifact_sha256: str
+    summary: Summary
+
+
+class JobError(BaseModel):
+    type: str
+    title: str
+    detail: str
+
+
+class Job(BaseModel):
+    id: str
+    status: JobStatus
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    input: InputInfo
+    config: QuantConfig
+    progress: Progress = Field(default_factory=Progress)
+    device: str | None = None
+    result: JobResult | None = None
+    error: JobError | None = None
+    attempts: int = 0
+
+
+class JobList(BaseModel):
+    items: list[Job]
+    next_cursor: str | None = None
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str
+    errors: list[dict[str, Any]] | None = None
+    request_id: str | None = None
+
+
+class AnalyzeResult(BaseModel):
+    scheme: Scheme
+    stats: ErrorStats
+
+
+class AnalyzeTensor(BaseModel):
+    name: str
+    shape: list[int]
+    results: list[AnalyzeResult]
+
+
+class AnalyzeResponse(BaseModel):
+    tensors: list[AnalyzeTensor]
+
+
+class ObserverSpec(_Strict):
+    """The ``observer`` form field of /v1/calibrate: how activation ranges are observed."""
+
+    dtype: DType = "int8"
+    symmetric: bool = False
+    observer: ObserverName = "minmax"
+    observer_args: dict[str, float] = Field(default_factory=dict)
+    granularity: GranularityName = "tensor"
+    axis: int = -1
+
+    def as_scheme(self) -> Scheme:
+        data = self.model_dump(exclude_unset=True)
+        data.setdefault("granularity", "tensor")
+        data.pop("axis", None)
+        scheme = Scheme.model_validate(data)
+        return scheme
+
+
+class LayerCalibration(BaseModel):
+    name: str
+    min: float | list[float]
+    max: float | list[float]
+    scale: float | list[float]
+    zero_point: int | list[int]
+    observer: str
+    num_samples: int
+
+
+class CalibrateResponse(BaseModel):
+    layers: list[LayerCalibration]
+
+
+class DeviceInfo(BaseModel):
+    name: str
+    type: str
+    memory_bytes: int | None = None
+
+
+class Limits(BaseModel):
+    max_upload_bytes: int
+    max_sync_bytes: int
+    max_analyze_configs: int = 16
+    max_queue: int
+
+
+class Info(BaseModel):
+    version: str
+    devices: list[DeviceInfo]
+    dtypes: list[str]
+    observers: list[str]
+    methods: list[str]
+    granularities: list[str]
+    input_formats: list[str]
+    output_formats: list[str]
+    limits: Limits
+    auth: bool = False

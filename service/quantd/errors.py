@@ -1,0 +1,70 @@
+"""Domain errors: raised by the engine, the readers and the jobs layer; mapped to HTTP by the routes.
+
+Nothing below the routes raises ``HTTPException``. Each error carries a problem ``title`` and a
+``status`` the routes use, and a ``detail`` that names the tensor/field at fault.
+"""
+
+from __future__ import annotations
+
+
+class QuantdError(Exception):
+    status: int = 400
+    title: str = "Bad request"
+    type_: str = "about:blank"
+
+    def __init__(self, detail: str, *, tensor: str | None = None, field: str | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.tensor = tensor
+        self.field = field
+
+
+class ConfigError(QuantdError):
+    """A config that cannot apply to a tensor (group_size not dividing, bad axis, ...)."""
+
+    status = 422
+    title = "Config cannot apply"
+    type_ = "urn:quantd:config-error"
+
+    def __init__(self, detail: str, *, tensor: str | None = None, field: str | None = None) -> None:
+        where = " ".join(p for p in (f"field {field!r}" if field else "", f"tensor {tensor!r}" if tensor else "") if p)
+        super().__init__(f"{where}: {detail}" if where else detail, tensor=tensor, field=field)
+
+
+class UnsupportedFormatError(QuantdError):
+    status = 415
+    title = "Unsupported media type"
+    type_ = "urn:quantd:unsupported-format"
+
+
+class UnsafeInputError(QuantdError):
+    """A pickle that would need code to load: refused, never executed."""
+
+    status = 415
+    title = "Unsafe input refused"
+    type_ = "urn:quantd:unsafe-input"
+
+
+class MalformedInputError(QuantdError):
+    """Truncated files, lying headers, overlapping or out-of-range offsets, shape mismatches."""
+
+    status = 422
+    title = "Malformed input"
+    type_ = "urn:quantd:malformed-input"
+
+
+class NonFiniteError(MalformedInputError):
+    title = "Non-finite weights"
+    type_ = "urn:quantd:non-finite"
+
+
+class InputTooLargeError(QuantdError):
+    status = 413
+    title = "Payload too large"
+    type_ = "urn:quantd:too-large"
+
+
+class JobCancelled(QuantdError):
+    status = 409
+    title = "Job cancelled"
+    type_ = "urn:quantd:cancelled"
