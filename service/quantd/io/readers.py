@@ -1,0 +1,318 @@
+"""Safe, tensor-at-a-time readers for every input format.
+
+``open_model(path)`` validates the container's metadata up front (headers, offsets, declared sizes)
+and lists the tensors; ``load(name, device)`` reads ONE tensor into a fresh buffer, so peak memory
+follows the largest tensor, not the file. No reader ever runs code from the file: PyTorch pickles
+are loaded with ``weights_only=True`` and NumPy with ``allow_pickle=False``.
+
+Caveats: a PyTorch zip checkpoint is memory-mapped (pages are read on touch; clean file pages may
+stay resident but are reclaimable); a legacy (non-zip) PyTorch pickle cannot be mapped and is
+loaded whole.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import re
+import zipfile
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+import numpy as np
+import torch
+
+from quantd.errors import InputTooLargeError, MalformedInputError, UnsafeInputError, UnsupportedFormatError
+
+from .formats import ST_TO_TORCH, TORCH_TO_ST, Format, detect_format, dtype_name
+from .st_header import STHeader, read_header
+
+DEFAULT_MAX_TENSOR_BYTES = 16 * 1024**3
+_NP_KINDS = {"f": "float", "i": "int", "u": "uint", "b": "bool"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch spelling without the prefix: float32, bfloat16, int64, ...
+    nbytes: int
+
+
+def sanitize_name(stem: str) -> str:
+    """A tensor name from a filename stem: path parts dropped, odd characters replaced."""
+    stem = re.sub(r"[^A-Za-z0-9_.\-]", "_", stem).strip(".") or "tensor"
+    return stem
+
+
+class ModelReader:
+    """Base class: ``format``, ``tensors`` (in file order) and ``load(name, device)``."""
+
+    format: Format
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tensors: list[TensorInfo] = []
+        self._by_name: dict[str, TensorInfo] = {}
+
+    def _add(self, info: TensorInfo) -> None:
+        if info.name in self._by_name:
+            raise MalformedInputError(f"tensor {info.name!r} appears twice", tensor=info.name)
+        self._by_name[info.name] = info
+        self.tensors.append(info)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no tensor {name!r} in {self.path.name}") from None
+
+    def load(self, name: str, device: str | torch.device) -> torch.Tensor:
+        self.info(name)
+        return self._load(name).to(device)
+
+    def _load(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> ModelReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_exact(f: IO[bytes], n: int, *, what: str, tensor: str) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = f.readinto(view[got:])  # type: ignore[attr-defined]
+        if not k:
+            raise MalformedInputError(f"tensor {tensor!r}: {what} truncated ({got} of {n} bytes)", tensor=tensor)
+        got += k
+    return buf
+
+
+def _torch_from_bytes(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+class SafetensorsReader(ModelReader):
+    format: Format = "safetensors"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._f: BinaryIO = path.open("rb")
+        try:
+            self.header: STHeader = read_header(self._f)
+        except BaseException:
+            self._f.close()
+            raise
+        for e in self.header.entries.values():
+            self._add(TensorInfo(e.name, e.shape, dtype_name(ST_TO_TORCH[e.dtype]), e.nbytes))
+
+    def _load(self, name: str) -> torch.Tensor:
+        e = self.header.entries[name]
+        self._f.seek(self.header.data_start + e.begin)
+        buf = _read_exact(self._f, e.nbytes, what="data", tensor=name)
+        return _torch_from_bytes(buf, ST_TO_TORCH[e.dtype], e.shape)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out[prefix or "tensor"] = obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    # Other leaves (ints, strings, lists of hyper-parameters, ...) are not weights: skipped.
+
+
+class PyTorchReader(ModelReader):
+    format: Format = "pytorch"
+
+    def __init__(self, path: Path, stem: str) -> None:
+        super().__init__(path)
+        with path.open("rb") as f:
+            is_zip = f.read(4) == b"PK\x03\x04"
+        try:
+            obj = torch.load(path, weights_only=True, mmap=is_zip, map_location="cpu")
+        except pickle.UnpicklingError as e:
+            if "weights only" in str(e).lower() or "weights_only" in str(e).lower():
+                raise UnsafeInputError(
+                    "PyTorch checkpoint refused: it needs code beyond plain tensors to load "
+                    f"(weights-only mode): {str(e).splitlines()[0][:300]}") from None
+            raise MalformedInputError(f"corrupt PyTorch pickle: {str(e)[:300]}") from None
+        except Exception as e:  # torch raises RuntimeError/EOFError/KeyError/... on corrupt archives
+            raise MalformedInputError(f"corrupt PyTorch checkpoint ({type(e).__name__}): {str(e)[:300]}") from None
+        if isinstance(obj, Mapping) and len(obj) == 1:
+            # {"state_dict": {...}} / {"model": {...}}: the usual checkpoint wrappers, unwrapped so names
+            # match the model's own state dict. Deeper nesting is flattened with dots.
+            (key, inner), = obj.items()
+            if key in ("state_dict", "model") and isinstance(inner, Mapping):
+                obj = inner
+        flat: dict[str, torch.Tensor] = {}
+        _flatten(obj, "" if not isinstance(obj, torch.Tensor) else stem, flat)
+        self._tensors = flat
+        for name, t in flat.items():
+            if t.layout != torch.strided or t.dtype not in TORCH_TO_ST:
+                raise UnsupportedFormatError(
+                    f"tensor {name!r}: {t.layout} {t.dtype} tensors are not supported", tensor=name)
+            self._add(TensorInfo(name, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size()))
+
+    def _load(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
+@dataclass(frozen=True)
+class _NpyHeader:
+    shape: tuple[int, ...]
+    fortran: bool
+    dtype: np.dtype[Any]
+    header_end: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _read_npy_header(f: IO[bytes], name: str) -> _NpyHeader:
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+    except (ValueError, OSError, EOFError, SyntaxError) as e:
+        raise MalformedInputError(f"tensor {name!r}: bad .npy header: {e}", tensor=name) from None
+    if dtype.hasobject:
+        raise UnsafeInputError(f"tensor {name!r}: object arrays need pickle and are refused", tensor=name)
+    if dtype.kind not in _NP_KINDS or dtype.fields is not None:
+        raise UnsupportedFormatError(f"tensor {name!r}: NumPy dtype {dtype} is not supported", tensor=name)
+    return _NpyHeader(tuple(int(s) for s in shape), bool(fortran), dtype, f.tell())
+
+
+def _torch_from_npy_bytes(buf: bytearray, h: _NpyHeader) -> torch.Tensor:
+    native = h.dtype.newbyteorder("=")
+    arr = np.frombuffer(buf, dtype=h.dtype).reshape(h.shape, order="F" if h.fortran else "C")
+    if not arr.flags.c_contiguous or h.dtype != native:
+        arr = np.ascontiguousarray(arr.astype(native))
+    if arr.size == 0:
+        return torch.from_numpy(np.empty(h.shape, dtype=native))
+    return torch.from_numpy(arr)
+
+
+def _torch_dtype_of(dtype: np.dtype[Any]) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
+
+
+class NpyReader(ModelReader):
+    format: Format = "npy"
+
+    def __init__(self, path: Path, stem: str) -> None:
+        super().__init__(path)
+        self._name = sanitize_name(stem)
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            self._h = _read_npy_header(f, self._name)
+        if size != self._h.header_end + self._h.nbytes:
+            raise MalformedInputError(
+                f"tensor {self._name!r}: shape {list(self._h.shape)} of {self._h.dtype} needs "
+                f"{self._h.nbytes} data bytes but the file holds {size - self._h.header_end}", tensor=self._name)
+        self._add(TensorInfo(self._name, self._h.shape, dtype_name(_torch_dtype_of(self._h.dtype)), self._h.nbytes))
+
+    def _load(self, name: str) -> torch.Tensor:
+        with self.path.open("rb") as f:
+            f.seek(self._h.header_end)
+            return _torch_from_npy_bytes(_read_exact(f, self._h.nbytes, what="data", tensor=name), self._h)
+
+
+class NpzReader(ModelReader):
+    """A zip of ``.npy`` members. Every member's declared size is checked before it is inflated:
+    a decompression bomb fails on its header, and reads never go past the declared size."""
+
+    format: Format = "npz"
+
+    def __init__(self, path: Path, max_tensor_bytes: int) -> None:
+        super().__init__(path)
+        try:
+            self._zf = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+            raise MalformedInputError(f"corrupt .npz archive: {e}") from None
+        self._members: dict[str, tuple[zipfile.ZipInfo, _NpyHeader]] = {}
+        try:
+            for zi in self._zf.infolist():
+                self._scan(zi, max_tensor_bytes)
+        except BaseException:
+            self._zf.close()
+            raise
+
+    def _scan(self, zi: zipfile.ZipInfo, limit: int) -> None:
+        if not zi.filename.endswith(".npy"):
+            raise MalformedInputError(f".npz member {zi.filename!r} is not a .npy array")
+        name = zi.filename.removesuffix(".npy")
+        try:
+            with self._zf.open(zi) as f:
+                h = _read_npy_header(f, name)
+        except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError) as e:
+            raise MalformedInputError(f"tensor {name!r}: corrupt .npz member: {e}", tensor=name) from None
+        if h.nbytes > limit:
+            raise InputTooLargeError(
+                f"tensor {name!r}: shape {list(h.shape)} of {h.dtype} declares {h.nbytes} bytes "
+                f"(limit {limit})", tensor=name)
+        if zi.file_size != h.header_end + h.nbytes:
+            raise MalformedInputError(
+                f"tensor {name!r}: the archive declares {zi.file_size} uncompressed bytes but the .npy "
+                f"header implies {h.header_end + h.nbytes}", tensor=name)
+        self._members[name] = (zi, h)
+        self._add(TensorInfo(name, h.shape, dtype_name(_torch_dtype_of(h.dtype)), h.nbytes))
+
+    def _load(self, name: str) -> torch.Tensor:
+        zi, h = self._members[name]
+        try:
+            with self._zf.open(zi) as f:
+                f.read(h.header_end)
+                buf = _read_exact(f, h.nbytes, what="member data", tensor=name)
+                if f.read(1):
+                    raise MalformedInputError(f"tensor {name!r}: member longer than declared", tensor=name)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+            raise MalformedInputError(f"tensor {name!r}: corrupt .npz member: {e}", tensor=name) from None
+        return _torch_from_npy_bytes(buf, h)
+
+    def close(self) -> None:
+        self._zf.close()
+
+
+def open_model(path: str | os.PathLike[str], filename: str | None = None, *,
+               max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> ModelReader:
+    """Open ``path`` (format detected from content) for tensor-at-a-time reading.
+
+    ``filename`` is the upload's original name (a ``.npy`` tensor is named by its stem).
+    ``max_tensor_bytes`` bounds what a compressed container (npz) may declare per tensor.
+    """
+    p = Path(path)
+    stem = Path(filename or p.name).stem
+    fmt = detect_format(p)
+    if fmt == "safetensors":
+        return SafetensorsReader(p)
+    if fmt == "pytorch":
+        return PyTorchReader(p, sanitize_name(stem))
+    if fmt == "npy":
+        return NpyReader(p, stem)
+    return NpzReader(p, max_tensor_bytes)

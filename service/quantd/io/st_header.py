@@ -1,0 +1,118 @@
+"""Parse and validate a safetensors header before any tensor byte is touched.
+
+Layout: ``u64 little-endian N`` | ``N bytes of UTF-8 JSON`` (may be padded with spaces) | data.
+Every entry is ``name -> {"dtype", "shape", "data_offsets": [begin, end]}`` with offsets relative
+to the start of the data section; ``__metadata__`` is an optional ``str -> str`` map.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from quantd.errors import MalformedInputError
+
+from .formats import ST_ITEMSIZE
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_TENSORS = 1_000_000
+MAX_NDIM = 64
+
+
+@dataclass(frozen=True)
+class STEntry:
+    name: str
+    dtype: str  # safetensors spelling: F32, BF16, I64, ...
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class STHeader:
+    header_len: int
+    data_start: int  # absolute file offset of the data section
+    data_size: int
+    entries: dict[str, STEntry]  # in header order
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry(name: str, raw: Any, data_size: int) -> STEntry:
+    if not isinstance(raw, dict):
+        raise MalformedInputError(f"tensor {name!r}: header entry is not an object", tensor=name)
+    dtype, shape, offsets = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in ST_ITEMSIZE:
+        raise MalformedInputError(
+            f"tensor {name!r}: unknown dtype {dtype!r} (expected one of {sorted(ST_ITEMSIZE)})", tensor=name
+        )
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_int(s) and s >= 0 for s in shape):
+        raise MalformedInputError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative ints",
+                                  tensor=name)
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)):
+        raise MalformedInputError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]", tensor=name)
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size:
+        raise MalformedInputError(
+            f"tensor {name!r}: data_offsets [{begin}, {end}] outside the data section of {data_size} bytes "
+            "(truncated file or lying header)", tensor=name)
+    expected = math.prod(shape) * ST_ITEMSIZE[dtype]
+    if end - begin != expected:
+        raise MalformedInputError(
+            f"tensor {name!r}: data_offsets span {end - begin} bytes but shape {shape} of {dtype} needs "
+            f"{expected}", tensor=name)
+    return STEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _check_overlaps(entries: dict[str, STEntry]) -> None:
+    spans = sorted((e for e in entries.values() if e.nbytes > 0), key=lambda e: (e.begin, e.end))
+    for prev, cur in zip(spans, spans[1:], strict=False):
+        if cur.begin < prev.end:
+            raise MalformedInputError(
+                f"tensor {cur.name!r}: data range [{cur.begin}, {cur.end}) overlaps tensor {prev.name!r} "
+                f"[{prev.begin}, {prev.end})", tensor=cur.name)
+
+
+def read_header(f: BinaryIO, file_size: int | None = None) -> STHeader:
+    """Read and validate the header of the open safetensors file ``f`` (positioned anywhere)."""
+    if file_size is None:
+        file_size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise MalformedInputError(f"safetensors file of {file_size} bytes is too short for its header length")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER_BYTES:
+        raise MalformedInputError(f"safetensors header length {n} exceeds the limit of {MAX_HEADER_BYTES} bytes")
+    if n > file_size - 8:
+        raise MalformedInputError(f"safetensors header length {n} is larger than the file ({file_size} bytes)")
+    raw = f.read(n)
+    if len(raw) != n:
+        raise MalformedInputError("safetensors header truncated")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise MalformedInputError(f"safetensors header is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise MalformedInputError("safetensors header is not a JSON object")
+    meta = obj.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise MalformedInputError("safetensors __metadata__ must map strings to strings")
+    if len(obj) > MAX_TENSORS:
+        raise MalformedInputError(f"safetensors header lists {len(obj)} tensors (limit {MAX_TENSORS})")
+    data_start = 8 + n
+    data_size = file_size - data_start
+    entries = {name: _entry(name, v, data_size) for name, v in obj.items()}
+    _check_overlaps(entries)
+    return STHeader(n, data_start, data_size, entries, meta)
