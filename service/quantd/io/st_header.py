@@ -7,6 +7,7 @@ to the start of the data section; ``__metadata__`` is an optional ``str -> str``
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -77,7 +78,7 @@ def _entry(name: str, raw: Any, data_size: int) -> STEntry:
 
 def _check_overlaps(entries: dict[str, STEntry]) -> None:
     spans = sorted((e for e in entries.values() if e.nbytes > 0), key=lambda e: (e.begin, e.end))
-    for prev, cur in zip(spans, spans[1:], strict=False):
+    for prev, cur in itertools.pairwise(spans):
         if cur.begin < prev.end:
             raise MalformedInputError(
                 f"tensor {cur.name!r}: data range [{cur.begin}, {cur.end}) overlaps tensor {prev.name!r} "
