@@ -1,0 +1,278 @@
+"""The quantd artifact (CONTRACT §5): an incrementally written safetensors file, and its torch reader.
+
+Write path: every output tensor's dtype/shape is planned before quantizing, so the header (with
+room reserved for the summary) is written first, each tensor's bytes are streamed to their
+planned offsets as they are produced, and the header is rewritten in place at the end (padded
+with spaces, which the safetensors format allows). Written to ``dst.tmp``, then ``os.replace``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantd.engine.granularity import granularity_of, scale_shape
+from quantd.engine.types import QuantizedTensor
+from quantd.errors import MalformedInputError
+from quantd_client import Scheme
+from quantd_client._dtypes import DTYPES
+
+from .formats import ST_ITEMSIZE, ST_TO_TORCH, TORCH_TO_ST, dtype_name, torch_dtype
+from .readers import SafetensorsReader
+
+FORMAT_VERSION = 1
+SCALE_ST = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of the artifact: its name, safetensors dtype and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ST_ITEMSIZE[self.dtype]
+
+
+def packed_nbytes(numel: int, bits: int) -> int:
+    return (numel * bits + 7) // 8
+
+
+def quantized_layout(name: str, shape: tuple[int, ...], scheme: Scheme) -> list[OutputTensor]:
+    """The artifact tensors of ``name`` quantized with ``scheme``; ConfigError if it cannot apply."""
+    info = DTYPES[scheme.dtype]
+    numel = math.prod(shape)
+    if info.kind == "float":
+        return [OutputTensor(f"{name}.qdata", info.storage, shape)]
+    sshape = scale_shape(shape, granularity_of(scheme), name=name)
+    if info.packed:
+        qdata = OutputTensor(f"{name}.qdata", "U8", (packed_nbytes(numel, info.bits),))
+    else:
+        qdata = OutputTensor(f"{name}.qdata", info.storage, shape)
+    out = [qdata, OutputTensor(f"{name}.scale", SCALE_ST[scheme.scale_dtype], sshape)]
+    if info.kind == "int" and not scheme.symmetric:
+        out.append(OutputTensor(f"{name}.zero_point", "I8" if info.signed else "U8", sshape))
+    return out
+
+
+def quantized_meta(shape: tuple[int, ...], orig_dtype: torch.dtype, scheme: Scheme) -> dict[str, Any]:
+    """The ``__metadata__["quantd"]["tensors"][N]`` entry."""
+    info = DTYPES[scheme.dtype]
+    return {
+        "dtype": scheme.dtype, "shape": list(shape), "orig_dtype": dtype_name(orig_dtype),
+        "symmetric": scheme.symmetric, "granularity": scheme.granularity, "axis": scheme.axis,
+        "group_size": scheme.group_size, "method": scheme.method, "observer": scheme.observer,
+        "observer_args": dict(scheme.observer_args), "scale_dtype": scheme.scale_dtype,
+        "packed_bits": info.bits if info.packed else None,
+    }
+
+
+def encode_quantized(qt: QuantizedTensor, name: str) -> dict[str, torch.Tensor]:
+    """The artifact tensors of one QuantizedTensor (codes packed below 8 bits, CONTRACT §5)."""
+    info = DTYPES[qt.dtype]
+    if info.kind == "float":
+        return {f"{name}.qdata": qt.codes}
+    if info.packed:
+        from quantd.engine.packing import pack
+
+        offsets = (qt.codes.to(torch.int16) - info.qmin).to(torch.uint8)
+        qdata = pack(offsets.reshape(-1), info.bits)
+    elif info.kind == "int":
+        qdata = qt.codes.to(torch.int8 if info.signed else torch.uint8)
+    else:
+        qdata = qt.codes
+    if qt.scale is None:
+        raise ValueError(f"tensor {name!r}: {qt.dtype} result has no scale")
+    out = {f"{name}.qdata": qdata, f"{name}.scale": qt.scale}
+    if qt.zero_point is not None:
+        out[f"{name}.zero_point"] = qt.zero_point.to(torch.int8 if info.signed else torch.uint8)
+    return out
+
+
+def _header_bytes(layout: list[OutputTensor], offsets: dict[str, tuple[int, int]], quantd: dict[str, Any],
+                  size: int | None) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"quantd": json.dumps(quantd, separators=(",", ":"))}}
+    for o in layout:
+        header[o.name] = {"dtype": o.dtype, "shape": list(o.shape), "data_offsets": list(offsets[o.name])}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    if size is not None:
+        if len(raw) > size:
+            raise RuntimeError(f"artifact header of {len(raw)} bytes overflows its reserved {size} bytes")
+        raw += b" " * (size - len(raw))
+    return raw
+
+
+class ArtifactWriter:
+    """Streams the artifact tensors to ``dst.tmp``; :meth:`finish` writes the summary and renames.
+
+    ``layout`` is every output tensor in file order; ``tensors_meta`` the per-quantized-tensor
+    metadata. Each tensor is written once, with exactly the planned dtype and shape.
+    """
+
+    def __init__(self, dst: str | os.PathLike[str], layout: list[OutputTensor],
+                 tensors_meta: Mapping[str, Mapping[str, Any]], *, summary_reserve: int | None = None) -> None:
+        self.dst = Path(dst)
+        self.tmp = self.dst.with_name(self.dst.name + ".tmp")
+        self._layout = {o.name: o for o in layout}
+        if len(self._layout) != len(layout):
+            raise ValueError("duplicate artifact tensor names")
+        self._offsets: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for o in layout:
+            self._offsets[o.name] = (pos, pos + o.nbytes)
+            pos += o.nbytes
+        self.data_bytes = pos
+        self._meta: dict[str, Any] = {"format_version": FORMAT_VERSION, "producer": "quantd",
+                                      "tensors": {k: dict(v) for k, v in tensors_meta.items()}, "summary": None}
+        longest = max((len(n) for n in self._layout), default=0)
+        reserve = summary_reserve if summary_reserve is not None else 4096 + 16 * longest
+        n = len(_header_bytes(layout, self._offsets, self._meta, None)) + reserve
+        self._header_len = n + (-(8 + n)) % 8  # data starts 8-byte aligned
+        self._written: set[str] = set()
+        self._f = self.tmp.open("wb")
+        self._f.write(self._header_len.to_bytes(8, "little"))
+        self._f.write(_header_bytes(layout, self._offsets, self._meta, self._header_len))
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self._header_len
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        o = self._layout.get(name)
+        if o is None or name in self._written:
+            raise RuntimeError(f"artifact tensor {name!r} is not planned or already written")
+        if TORCH_TO_ST.get(tensor.dtype) != o.dtype or tuple(tensor.shape) != o.shape:
+            raise RuntimeError(f"artifact tensor {name!r}: got {tensor.dtype} {list(tensor.shape)}, planned "
+                               f"{o.dtype} {list(o.shape)}")
+        if o.nbytes:
+            raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            self._f.seek(self.data_start + self._offsets[name][0])
+            self._f.write(memoryview(raw))
+        self._written.add(name)
+
+    def finish(self, summary: Mapping[str, Any] | None) -> int:
+        """Rewrite the header with ``summary``, fsync, rename into place; returns the artifact size."""
+        missing = set(self._layout) - self._written
+        if missing:
+            raise RuntimeError(f"artifact tensors never written: {sorted(missing)[:5]}")
+        self._meta["summary"] = dict(summary) if summary is not None else None
+        self._f.seek(self.data_start + self.data_bytes)
+        self._f.truncate()
+        self._f.seek(8)
+        self._f.write(_header_bytes(list(self._layout.values()), self._offsets, self._meta, self._header_len))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self.tmp, self.dst)
+        return self.data_start + self.data_bytes
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> ArtifactWriter:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if et is not None or not self._f.closed:
+            self.abort()
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def read_quantd_metadata(reader: SafetensorsReader) -> dict[str, Any]:
+    raw = reader.header.metadata.get("quantd")
+    if raw is None:
+        raise MalformedInputError("not a quantd artifact: no __metadata__['quantd']")
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise MalformedInputError(f"quantd metadata is not JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        raise MalformedInputError(f"unsupported quantd artifact format_version {meta.get('format_version')!r}")
+    return meta
+
+
+def _decode(reader: SafetensorsReader, name: str, m: Mapping[str, Any], device: str | torch.device
+            ) -> QuantizedTensor:
+    info = DTYPES[m["dtype"]]
+    shape = tuple(int(s) for s in m["shape"])
+    qdata = reader.load(f"{name}.qdata", device)
+    if info.packed:
+        from quantd.engine.packing import unpack
+
+        offsets = unpack(qdata, info.bits, math.prod(shape)).reshape(shape)
+        codes = offsets if info.kind == "nf4" else offsets.to(torch.int16) + info.qmin
+    else:
+        codes = qdata
+    names = {t.name for t in reader.tensors}
+    scale = reader.load(f"{name}.scale", device) if f"{name}.scale" in names else None
+    zp = reader.load(f"{name}.zero_point", device) if f"{name}.zero_point" in names else None
+    return QuantizedTensor(codes=codes, scale=scale, zero_point=zp, shape=shape, dtype=m["dtype"],
+                           orig_dtype=torch_dtype(m["orig_dtype"]), granularity=m["granularity"],
+                           axis=int(m["axis"]), group_size=int(m["group_size"]), symmetric=bool(m["symmetric"]),
+                           method=m.get("method", "rtn"), observer=m.get("observer", "minmax"))
+
+
+def _passthrough_names(reader: SafetensorsReader, quantized: Mapping[str, Any]) -> list[str]:
+    owned = {f"{n}.{suffix}" for n in quantized for suffix in ("qdata", "scale", "zero_point")}
+    return [t.name for t in reader.tensors if t.name not in owned]
+
+
+def read_artifact_torch(path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+                        ) -> dict[str, QuantizedTensor]:
+    """Every quantized tensor of the artifact at ``path``, unpacked into QuantizedTensor."""
+    with SafetensorsReader(Path(path)) as reader:
+        meta = read_quantd_metadata(reader)
+        return {n: _decode(reader, n, m, device) for n, m in meta["tensors"].items()}
+
+
+def dequantize_artifact(path: str | os.PathLike[str], *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of the artifact: quantized ones dequantized (to ``dtype``, default their original
+    dtype), the others as stored. One tensor is decoded at a time."""
+    from quantd.engine.primitives import dequantize
+
+    out: dict[str, torch.Tensor] = {}
+    with SafetensorsReader(Path(path)) as reader:
+        meta = read_quantd_metadata(reader)
+        for n, m in meta["tensors"].items():
+            qt = _decode(reader, n, m, device)
+            out[n] = dequantize(qt, dtype=dtype or qt.orig_dtype)
+        for n in _passthrough_names(reader, meta["tensors"]):
+            out[n] = reader.load(n, device)
+    return out
+
+
+def load_into_model(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True) -> Any:
+    """Dequantize the artifact into ``model`` (``load_state_dict``; values are cast to each
+    parameter's dtype and device). Returns ``load_state_dict``'s missing/unexpected keys."""
+    state = dequantize_artifact(path)
+    return model.load_state_dict(state, strict=strict)
+
+
+__all__ = [
+    "ST_TO_TORCH",
+    "ArtifactWriter",
+    "OutputTensor",
+    "dequantize_artifact",
+    "encode_quantized",
+    "load_into_model",
+    "quantized_layout",
+    "quantized_meta",
+    "read_artifact_torch",
+]

@@ -1,0 +1,229 @@
+"""File-level pipelines: quantize a model file into an artifact, analyze schemes, calibrate activations.
+
+One tensor at a time: load to the device, check, quantize, measure, write, free. Every output
+tensor is planned (and every config checked against every tensor) before any work starts, so a
+config that cannot apply fails in milliseconds with a ConfigError naming the field and tensor.
+Device errors (``torch.cuda.OutOfMemoryError`` included) propagate as they are: the jobs layer
+decides what to do with them.
+
+Summary conventions: ``input_bytes``/``output_bytes`` count tensor data (the input's tensors and
+the artifact's tensors), not container overhead; ``bits_per_weight`` is the numel-weighted mean
+over quantized tensors (the input's own bits when nothing is quantized).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from quantd.engine.types import QuantizedTensor
+from quantd.errors import ConfigError, JobCancelled, MalformedInputError, NonFiniteError
+from quantd_client import (
+    AnalyzeResponse,
+    AnalyzeResult,
+    AnalyzeTensor,
+    CalibrateResponse,
+    ErrorStats,
+    ObserverSpec,
+    Progress,
+    QuantConfig,
+    Report,
+    Scheme,
+    Summary,
+    TensorReport,
+)
+from quantd_client._dtypes import DTYPE_BITS
+
+from .artifact import ArtifactWriter, OutputTensor, encode_quantized, quantized_layout, quantized_meta
+from .formats import QUANTIZABLE, TORCH_TO_ST, torch_dtype
+from .readers import ModelReader, TensorInfo, open_model
+
+ProgressCallback = Callable[[Progress], None]
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """What happens to one input tensor: its scheme (None: left as it is, with ``reason``) and the
+    artifact tensors it becomes."""
+
+    info: TensorInfo
+    scheme: Scheme | None
+    reason: str | None
+    outputs: tuple[OutputTensor, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.info.shape)
+
+
+def plan(tensors: list[TensorInfo], config: QuantConfig) -> list[TensorPlan]:
+    """The plan of every tensor, in file order. Raises ConfigError (field + tensor) when a scheme
+    cannot apply to a tensor's shape, or when an output name would collide with another tensor."""
+    plans: list[TensorPlan] = []
+    for t in tensors:
+        dt = torch_dtype(t.dtype)
+        scheme: Scheme | None
+        if dt not in QUANTIZABLE:
+            scheme, reason = None, f"{t.dtype} tensor passes through"
+        elif math.prod(t.shape) == 0:
+            scheme, reason = None, "empty tensor"
+        else:
+            scheme, reason = config.scheme_for(t.name, t.shape)
+        if scheme is None:
+            outputs: tuple[OutputTensor, ...] = (OutputTensor(t.name, TORCH_TO_ST[dt], t.shape),)
+        else:
+            outputs = tuple(quantized_layout(t.name, t.shape, scheme))
+        plans.append(TensorPlan(t, scheme, reason, outputs))
+    owner: dict[str, str] = {}
+    for p in plans:
+        for o in p.outputs:
+            if o.name in owner:
+                raise ConfigError(f"artifact tensor {o.name!r} would be written by both {owner[o.name]!r} "
+                                  f"and {p.info.name!r}; skip one with a rule", tensor=p.info.name, field="rules")
+            owner[o.name] = p.info.name
+    return plans
+
+
+def check_finite(x: torch.Tensor, name: str) -> None:
+    """NonFiniteError naming the tensor when a float tensor holds NaN or Inf."""
+    if x.is_floating_point():
+        bad = int((~torch.isfinite(x)).sum().item())
+        if bad:
+            raise NonFiniteError(f"tensor {name!r}: {bad} of {x.numel()} values are NaN or Inf", tensor=name)
+
+
+def _measure(x: torch.Tensor, scheme: Scheme, name: str) -> tuple[ErrorStats, QuantizedTensor]:
+    from quantd.engine.primitives import dequantize, quantize
+    from quantd.engine.stats import error_stats
+
+    qt = quantize(x, scheme, name=name)
+    return error_stats(x, dequantize(qt), qt), qt
+
+
+def _process(reader: ModelReader, writer: ArtifactWriter, p: TensorPlan, device: torch.device) -> TensorReport:
+    name = p.info.name
+    x = reader.load(name, device)
+    base = {"name": name, "shape": list(p.info.shape), "in_dtype": p.info.dtype}
+    if p.scheme is None:
+        writer.write(name, x)
+        return TensorReport(**base, scheme=None, stats=None, skipped=True, reason=p.reason)
+    check_finite(x, name)
+    stats, qt = _measure(x, p.scheme, name)
+    for out_name, t in encode_quantized(qt, name).items():
+        writer.write(out_name, t)
+    return TensorReport(**base, scheme=p.scheme, stats=stats, skipped=False)
+
+
+def summarize(plans: list[TensorPlan], reports: list[TensorReport], output_bytes: int, elapsed_s: float,
+              device: torch.device) -> Summary:
+    """The CONTRACT §4 summary of a finished quantization."""
+    input_bytes = sum(p.info.nbytes for p in plans)
+    quantized = [(p, r) for p, r in zip(plans, reports, strict=True) if r.stats is not None]
+    qnumel = sum(p.numel for p, _ in quantized)
+    if qnumel:
+        bpw = sum(p.numel * r.stats.bits_per_weight for p, r in quantized if r.stats) / qnumel
+    else:
+        numel = sum(p.numel for p in plans)
+        bpw = sum(p.numel * DTYPE_BITS[p.info.dtype] for p in plans) / numel if numel else 0.0
+    sqnrs = [(r.stats.sqnr_db, r.name) for _, r in quantized
+             if r.stats and r.stats.sqnr_db is not None and math.isfinite(r.stats.sqnr_db)]
+    worst = min(sqnrs) if sqnrs else None
+    return Summary(
+        tensors_quantized=len(quantized), tensors_skipped=len(plans) - len(quantized),
+        input_bytes=input_bytes, output_bytes=output_bytes,
+        compression_ratio=input_bytes / output_bytes if output_bytes else 1.0,
+        bits_per_weight=bpw,
+        mean_sqnr_db=sum(s for s, _ in sqnrs) / len(sqnrs) if sqnrs else None,
+        min_sqnr_db=worst[0] if worst else None, worst_tensor=worst[1] if worst else None,
+        elapsed_s=elapsed_s, device=str(device),
+    )
+
+
+def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], config: QuantConfig, *,
+                  device: str | torch.device, filename: str | None = None, job_id: str | None = None,
+                  on_progress: ProgressCallback | None = None,
+                  should_cancel: Callable[[], bool] | None = None) -> Report:
+    """Quantize the model file ``src`` into the artifact ``dst`` (CONTRACT §5) and return the Report.
+
+    ``on_progress`` is called once before the first tensor and after every tensor;
+    ``should_cancel`` is polled between tensors (JobCancelled; no artifact is left behind).
+    """
+    t0 = time.perf_counter()
+    dev = torch.device(device)
+    with open_model(src, filename) as reader:
+        plans = plan(reader.tensors, config)
+        meta = {p.info.name: quantized_meta(p.info.shape, torch_dtype(p.info.dtype), p.scheme)
+                for p in plans if p.scheme is not None}
+        progress = Progress(tensors_total=len(plans), bytes_total=sum(p.info.nbytes for p in plans))
+        if on_progress is not None:
+            on_progress(progress)
+        reports: list[TensorReport] = []
+        with ArtifactWriter(dst, [o for p in plans for o in p.outputs], meta) as writer:
+            for p in plans:
+                if should_cancel is not None and should_cancel():
+                    raise JobCancelled(f"cancelled after {len(reports)} of {len(plans)} tensors")
+                reports.append(_process(reader, writer, p, dev))
+                done = progress.bytes_done + p.info.nbytes
+                progress = Progress(tensors_done=len(reports), tensors_total=len(plans), bytes_done=done,
+                                    bytes_total=progress.bytes_total,
+                                    fraction=done / progress.bytes_total if progress.bytes_total
+                                    else len(reports) / len(plans))
+                if on_progress is not None:
+                    on_progress(progress)
+            summary = summarize(plans, reports, writer.data_bytes, time.perf_counter() - t0, dev)
+            writer.finish(summary.model_dump(mode="json"))
+    return Report(job_id=job_id, config=config, summary=summary, tensors=reports)
+
+
+def _analyzable(t: TensorInfo) -> bool:
+    return torch_dtype(t.dtype) in QUANTIZABLE and len(t.shape) >= 2 and math.prod(t.shape) > 0
+
+
+def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: str | torch.device,
+                 filename: str | None = None) -> AnalyzeResponse:
+    """Error statistics of every scheme (in order) on every float tensor with ≥ 2 dims; no artifact.
+
+    1-D tensors (biases, norms) and integer tensors are left out, as ``skip_1d`` does by default.
+    Every scheme is checked against every tensor first (ConfigError naming both)."""
+    dev = torch.device(device)
+    out: list[AnalyzeTensor] = []
+    with open_model(src, filename) as reader:
+        targets = [t for t in reader.tensors if _analyzable(t)]
+        for t in targets:
+            for s in schemes:
+                quantized_layout(t.name, t.shape, s)
+        for t in targets:
+            x = reader.load(t.name, dev)
+            check_finite(x, t.name)
+            results = [AnalyzeResult(scheme=s, stats=_measure(x, s, t.name)[0]) for s in schemes]
+            out.append(AnalyzeTensor(name=t.name, shape=list(t.shape), results=results))
+            del x
+    return AnalyzeResponse(tensors=out)
+
+
+def calibrate_file(src: str | os.PathLike[str], spec: ObserverSpec, *, device: str | torch.device,
+                   filename: str | None = None) -> CalibrateResponse:
+    """Static activation ranges from a samples file (name → ``[N, ...]`` float activations)."""
+    from quantd.engine.calibration import calibrate_layers
+
+    dev = torch.device(device)
+    with open_model(src, filename) as reader:
+        for t in reader.tensors:
+            if torch_dtype(t.dtype) not in QUANTIZABLE or len(t.shape) < 1 or math.prod(t.shape) == 0:
+                raise MalformedInputError(
+                    f"tensor {t.name!r}: activation samples must be non-empty float tensors [N, ...], got "
+                    f"{t.dtype} {list(t.shape)}", tensor=t.name)
+
+        def samples() -> Iterator[tuple[str, torch.Tensor]]:
+            for t in reader.tensors:
+                x = reader.load(t.name, dev)
+                check_finite(x, t.name)
+                yield t.name, x
+
+        layers = calibrate_layers(samples(), spec)
+    return CalibrateResponse(layers=list(layers))
