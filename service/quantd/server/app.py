@@ -1,0 +1,138 @@
+"""``create_app(settings)``: the FastAPI application, its typed state and its lifespan.
+
+The lifespan starts the job service (SQLite store, storage, and the embedded workers unless
+``workers == 0`` or ``embedded_workers`` is off) and stops it on shutdown. Importing this module
+does nothing heavy: torch and the job layer are imported when the app starts."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, get_args
+
+import anyio
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+import quantd
+from quantd_client import DeviceInfo
+from quantd_client._schemas import JobStatus
+
+from .deps import AppState
+from .logging import RequestMiddleware
+from .metrics import Metrics
+from .problems import install_problem_handlers
+from .routes import health, info, jobs, sync
+from .routes._docs import finish_openapi
+from .settings import Settings
+
+log = logging.getLogger("quantd.server")
+
+DESCRIPTION = """Quantization service for ML weights.
+
+Errors are RFC 9457 `application/problem+json`. When API keys are configured every `/v1` call needs
+`Authorization: Bearer <key>`. Uploads are multipart, streamed to disk; see each endpoint's request body."""
+
+
+def jobs_config(settings: Settings, *, workers: int | None) -> Any:
+    from quantd.jobs import JobsConfig
+
+    return JobsConfig(data_dir=settings.data_dir, workers=workers, device=settings.device,
+                      lease_s=settings.lease_s, heartbeat_s=min(5.0, settings.lease_s / 3),
+                      ttl_s=settings.job_ttl_s, max_queue=settings.max_queue)
+
+
+def embedded_worker_count(settings: Settings) -> int:
+    return settings.workers if settings.embedded_workers else 0
+
+
+def sync_device(device: str) -> str:
+    """The device of the synchronous endpoints: ``auto`` → the first CUDA device, else CPU."""
+    import torch
+
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    return "cuda:0" if device == "cuda" else device
+
+
+def list_devices() -> list[DeviceInfo]:
+    import torch
+
+    out = [DeviceInfo(name="cpu", type="cpu", memory_bytes=_host_memory())]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            out.append(DeviceInfo(name=f"cuda:{i}", type="cuda", memory_bytes=int(props.total_memory)))
+    return out
+
+
+def _host_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _register_gauges(metrics: Metrics, state: AppState) -> None:
+    def jobs_by_status() -> list[tuple[tuple[tuple[str, str], ...], float]]:
+        counts = state.jobs.counts_by_status()
+        return [((("status", s),), float(counts.get(s, 0))) for s in get_args(JobStatus)]
+
+    metrics.gauge("quantd_jobs", "jobs by status", jobs_by_status)
+    metrics.gauge("quantd_queue_depth", "jobs queued", lambda: [((), float(state.jobs.queue_depth()))])
+    metrics.gauge("quantd_workers_busy", "workers (any process) running a job",
+                  lambda: [((), float(state.jobs.busy_workers()))])
+    metrics.gauge("quantd_workers_live", "workers (any process) with a recent heartbeat",
+                  lambda: [((), float(state.jobs.live_workers()))])
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from quantd.jobs import JobService
+
+        settings.warn_unsafe()
+        settings.tmp_dir.mkdir(parents=True, exist_ok=True)
+        keys = settings.tenant_keys()
+        device = await anyio.to_thread.run_sync(sync_device, settings.device)
+        devices = await anyio.to_thread.run_sync(list_devices)
+        service = JobService(jobs_config(settings, workers=embedded_worker_count(settings)))
+        await service.start()
+        state = AppState(
+            settings=settings, metrics=metrics, jobs=service, sync_device=device, devices=devices,
+            key_digests=[(hashlib.sha256(k.encode()).digest(), t) for k, t in keys.items()],
+            sync_limiter=anyio.CapacityLimiter(settings.sync_concurrency),
+        )
+        _register_gauges(metrics, state)
+        app.state.quantd = state
+        log.info("quantd started", extra={"data_dir": str(settings.data_dir), "auth": bool(keys),
+                                          "embedded_workers": embedded_worker_count(settings),
+                                          "sync_device": device})
+        try:
+            yield
+        finally:
+            app.state.quantd = None
+            await service.stop()
+            log.info("quantd stopped")
+
+    app = FastAPI(title="quantd", version=quantd.__version__, description=DESCRIPTION, lifespan=lifespan)
+    install_problem_handlers(app)
+    for module in (health, info, sync, jobs):
+        app.include_router(module.router)
+    app.add_middleware(RequestMiddleware, metrics=metrics)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            app.openapi_schema = finish_openapi(schema)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,87 @@
+"""Serving a stored file: ETag, If-None-Match (304), single ``Range`` (206 / 416), streamed in chunks."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import anyio
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from .problems import problem_response, request_id_of
+
+CHUNK = 1 << 20
+_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def parse_range(header: str, size: int) -> tuple[int, int] | str | None:
+    """One ``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` range → ``(start, end_inclusive)``.
+
+    Returns None for a header to ignore (malformed, or several ranges: RFC 9110 lets a server
+    answer those with the whole file), and the string ``"unsatisfiable"`` for a range past the end."""
+    m = _RANGE_RE.match(header.strip().replace(" ", ""))
+    if m is None:
+        return None
+    a, b = m.groups()
+    if not a and not b:
+        return None
+    if not a:  # suffix range: the last n bytes
+        n = int(b)
+        if n == 0:
+            return "unsatisfiable"
+        return (max(0, size - n), size - 1) if size else "unsatisfiable"
+    start = int(a)
+    end = min(int(b), size - 1) if b else size - 1
+    if b and int(b) < start:
+        return None
+    if start >= size:
+        return "unsatisfiable"
+    return start, end
+
+
+async def _chunks(path: Path, start: int, length: int) -> AsyncIterator[bytes]:
+    async with await anyio.open_file(path, "rb") as f:
+        await f.seek(start)
+        left = length
+        while left > 0:
+            chunk = await f.read(min(CHUNK, left))
+            if not chunk:
+                break
+            left -= len(chunk)
+            yield chunk
+
+
+def file_response(request: Request, path: Path, *, etag_hex: str, media_type: str = "application/octet-stream",
+                  filename: str | None = None, headers: dict[str, str] | None = None,
+                  on_done: Callable[[], None] | None = None) -> Response:
+    """The file at ``path`` with strong ETag ``"<etag_hex>"``, honouring If-None-Match, Range and If-Range."""
+    size = os.stat(path).st_size
+    etag = f'"{etag_hex}"'
+    base = {"ETag": etag, "Accept-Ranges": "bytes", **(headers or {})}
+    if filename:
+        base["Content-Disposition"] = f'attachment; filename="{filename}"'
+    background = BackgroundTask(on_done) if on_done else None
+    inm = request.headers.get("if-none-match")
+    if inm is not None and (inm.strip() == "*" or etag in [t.strip().removeprefix("W/") for t in inm.split(",")]):
+        return Response(status_code=304, headers={"ETag": etag}, background=background)
+    rng = request.headers.get("range")
+    if_range = request.headers.get("if-range")
+    if rng is not None and (if_range is None or if_range.strip() == etag):
+        parsed = parse_range(rng, size)
+        if parsed == "unsatisfiable":
+            resp = problem_response(416, f"range {rng!r} is outside the {size}-byte file",
+                                    headers={"Content-Range": f"bytes */{size}"}, request_id=request_id_of(request))
+            resp.background = background
+            return resp
+        if isinstance(parsed, tuple):
+            start, end = parsed
+            length = end - start + 1
+            return StreamingResponse(
+                _chunks(path, start, length), status_code=206, media_type=media_type, background=background,
+                headers={**base, "Content-Range": f"bytes {start}-{end}/{size}", "Content-Length": str(length)})
+    return StreamingResponse(_chunks(path, 0, size), media_type=media_type, background=background,
+                             headers={**base, "Content-Length": str(size)})

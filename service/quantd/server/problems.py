@@ -1,0 +1,172 @@
+"""RFC 9457 problem details for every error the server returns, Starlette's own included."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from quantd.errors import QuantdError
+
+log = logging.getLogger("quantd.server")
+
+PROBLEM_JSON = "application/problem+json"
+
+
+class ProblemException(Exception):
+    """Raised by routes and dependencies (HTTP layer only) to answer with a problem."""
+
+    def __init__(self, status: int, detail: str, *, title: str | None = None, type_: str = "about:blank",
+                 headers: Mapping[str, str] | None = None, errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.title = title or _phrase(status)
+        self.type_ = type_
+        self.headers = dict(headers or {})
+        self.errors = errors
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def request_id_of(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
+
+
+def problem_response(status: int, detail: str, *, title: str | None = None, type_: str = "about:blank",
+                     errors: list[dict[str, Any]] | None = None, headers: Mapping[str, str] | None = None,
+                     request_id: str | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"type": type_, "title": title or _phrase(status), "status": status, "detail": detail}
+    if errors is not None:
+        body["errors"] = errors
+    if request_id is not None:
+        body["request_id"] = request_id
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}), media_type=PROBLEM_JSON)
+
+
+def _loc(loc: Sequence[Any]) -> list[str | int]:
+    return [p if isinstance(p, int) else str(p) for p in loc]
+
+
+def validation_errors(errors: Sequence[Mapping[str, Any]], *, prefix: Sequence[str | int] = ()) -> list[dict[str, Any]]:
+    """Pydantic error dicts → ``[{"loc", "msg"}]`` (input values are left out: they may be large or secret)."""
+    return [{"loc": [*prefix, *_loc(e.get("loc", ()))], "msg": str(e.get("msg", ""))} for e in errors]
+
+
+def form_validation_problem(field: str, exc: ValidationError) -> ProblemException:
+    """A pydantic error in a JSON form field (``config``, ``configs``, ``observer``) → 422 naming the field."""
+    errs = validation_errors(exc.errors(include_url=False), prefix=("body", field))
+    first = errs[0] if errs else {"loc": ["body", field], "msg": "invalid"}
+    detail = f"{'.'.join(str(p) for p in first['loc'][1:])}: {first['msg']}"
+    if len(errs) > 1:
+        detail += f" (and {len(errs) - 1} more)"
+    return ProblemException(422, detail, title="Validation failed", type_="urn:quantd:validation-error",
+                            errors=errs)
+
+
+def _quantd_error(request: Request, exc: QuantdError) -> JSONResponse:
+    errors = None
+    if exc.status == 422:
+        loc: list[str | int] = ["body"]
+        if exc.tensor:
+            loc += ["tensors", exc.tensor]
+        if exc.field:
+            loc.append(exc.field)
+        errors = [{"loc": loc, "msg": exc.detail}]
+    headers: dict[str, str] = {}
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, int(retry_after + 0.999)))
+    return problem_response(exc.status, exc.detail, title=exc.title, type_=exc.type_, errors=errors,
+                            headers=headers, request_id=request_id_of(request))
+
+
+def _problem(request: Request, exc: ProblemException) -> JSONResponse:
+    return problem_response(exc.status, exc.detail, title=exc.title, type_=exc.type_, errors=exc.errors,
+                            headers=exc.headers, request_id=request_id_of(request))
+
+
+def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    detail = exc.detail if isinstance(exc.detail, str) else _phrase(exc.status_code)
+    if exc.status_code == 404 and detail == "Not Found":
+        detail = f"no such endpoint: {request.url.path}"
+    elif exc.status_code == 405:
+        detail = f"method {request.method} not allowed on {request.url.path}"
+    return problem_response(exc.status_code, detail, headers=exc.headers, request_id=request_id_of(request))
+
+
+def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errs = validation_errors(exc.errors())
+    detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errs[:3]) or "invalid request"
+    return problem_response(422, detail, title="Validation failed", type_="urn:quantd:validation-error",
+                            errors=errs, request_id=request_id_of(request))
+
+
+def _internal(request: Request, exc: Exception) -> JSONResponse:
+    rid = request_id_of(request)
+    log.error("unhandled error", exc_info=exc, extra={"request_id": rid})
+    return problem_response(500, "internal server error; quote the request id when reporting it",
+                            request_id=rid)
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    # Starlette types handlers as (Request, Exception); each one is registered for its own class.
+    app.add_exception_handler(QuantdError, _quantd_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ProblemException, _problem)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _request_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _internal)
+
+
+PROBLEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["type", "title", "status", "detail"],
+    "properties": {
+        "type": {"type": "string", "format": "uri-reference"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "errors": {"type": "array", "items": {"type": "object", "properties": {
+            "loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+            "msg": {"type": "string"}}}},
+        "request_id": {"type": "string"},
+    },
+}
+
+_EXAMPLES: dict[int, tuple[str, str]] = {
+    400: ("Bad Request", "multipart body has no 'file' part"),
+    401: ("Unauthorized", "missing or invalid API key: send 'Authorization: Bearer <key>'"),
+    404: ("Not Found", "job 'j_0123' not found"),
+    409: ("Job not ready", "job 'j_0123' is running; the report exists once it has succeeded"),
+    410: ("Job expired", "job 'j_0123' finished more than job_ttl_s ago; its files are gone"),
+    413: ("Payload too large", "upload exceeds the sync limit of 268435456 bytes; submit it to /v1/jobs"),
+    415: ("Unsupported media type", "not a safetensors, PyTorch, .npy or .npz file (magic bytes)"),
+    416: ("Range Not Satisfiable", "range starts past the end of the 1234-byte artifact"),
+    422: ("Config cannot apply", "field 'group_size' tensor 'layers.0.weight': 100 does not divide 4096"),
+    429: ("Queue full", "1000 jobs queued; retry later"),
+    503: ("Service Unavailable", "no worker heartbeat in the last 60 s"),
+}
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` entries for the given problem statuses, with an example each."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for s in statuses:
+        title, detail = _EXAMPLES.get(s, (_phrase(s), _phrase(s)))
+        example: dict[str, Any] = {"type": "about:blank", "title": title, "status": s, "detail": detail}
+        if s == 422:
+            example["errors"] = [{"loc": ["body", "config", "scheme", "group_size"], "msg": detail}]
+        out[s] = {"description": title, "content": {PROBLEM_JSON: {"schema": PROBLEM_SCHEMA, "example": example}}}
+    return out

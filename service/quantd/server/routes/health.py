@@ -1,0 +1,46 @@
+"""Liveness, readiness and metrics: no auth (they carry no tenant data)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from ..deps import StateDep
+from ..problems import problem_responses
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", summary="Liveness: 200 while the process lives",
+            responses={200: {"content": {"application/json": {"example": {"status": "ok"}}}}})
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="Readiness: database, storage and at least one worker",
+            responses={200: {"content": {"application/json": {"example": {
+                "status": "ready", "checks": {"database": True, "storage": True, "workers": 1}}}}},
+                **problem_responses(503)})
+async def readyz(state: StateDep) -> JSONResponse:
+    checks: dict[str, Any] = await anyio.to_thread.run_sync(state.jobs.ready)
+    ok = bool(checks.get("database")) and bool(checks.get("storage")) and int(checks.get("workers", 0)) > 0
+    if ok:
+        return JSONResponse({"status": "ready", "checks": checks})
+    failing = [k for k in ("database", "storage") if not checks.get(k)]
+    if int(checks.get("workers", 0)) <= 0:
+        failing.append("workers (no live worker heartbeat)")
+    return JSONResponse({"type": "about:blank", "title": "Service Unavailable", "status": 503,
+                         "detail": f"not ready: {', '.join(failing)}", "checks": checks},
+                        status_code=503, media_type="application/problem+json", headers={"Retry-After": "5"})
+
+
+@router.get("/metrics", summary="Prometheus text exposition", response_class=PlainTextResponse,
+            responses={200: {"content": {"text/plain; version=0.0.4": {"example": (
+                "# TYPE quantd_http_requests_total counter\n"
+                'quantd_http_requests_total{method="GET",route="/healthz",status="200"} 3\n')}}}})
+async def metrics(state: StateDep) -> PlainTextResponse:
+    text = await anyio.to_thread.run_sync(state.metrics.render)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")

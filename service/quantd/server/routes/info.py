@@ -1,0 +1,34 @@
+"""``GET /v1/info``: what this server can do and its limits."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from fastapi import APIRouter
+
+import quantd
+from quantd_client import DTYPES, Info, Limits
+from quantd_client._schemas import GranularityName, InputFormat, MethodName, ObserverName
+
+from ..deps import StateDep, TenantDep
+from ..problems import problem_responses
+
+router = APIRouter(prefix="/v1", tags=["info"])
+
+
+@router.get("/info", response_model=Info, summary="Version, devices, supported dtypes and limits",
+            responses=problem_responses(401))
+async def info(state: StateDep, _tenant: TenantDep) -> Info:
+    s = state.settings
+    return Info(
+        version=quantd.__version__,
+        devices=state.devices,
+        dtypes=list(DTYPES),
+        observers=list(get_args(ObserverName)),
+        methods=list(get_args(MethodName)),
+        granularities=list(get_args(GranularityName)),
+        input_formats=list(get_args(InputFormat)),
+        output_formats=["safetensors"],
+        limits=Limits(max_upload_bytes=s.max_upload_bytes, max_sync_bytes=s.max_sync_bytes, max_queue=s.max_queue),
+        auth=state.auth_enabled,
+    )

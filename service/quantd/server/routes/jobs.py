@@ -1,0 +1,129 @@
+"""Asynchronous jobs: submit (streamed upload, checked against the config first), list, get,
+follow (SSE), report, artifact (Range/ETag), cancel."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import TypeAdapter
+
+from quantd_client import Job, JobList, QuantConfig, Report
+
+from ..deps import AppState, StateDep, TenantDep
+from ..files import file_response
+from ..problems import ProblemException, problem_responses
+from ..sse import sse_stream
+from ..uploads import UploadedFile, receive_multipart
+from ._docs import ARTIFACT_200, JOB_BODY, UPLOAD_ERRORS
+from ._forms import parse_json_field, run_engine
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+_CONFIG = TypeAdapter(QuantConfig)
+_JOB_ERRORS = problem_responses(401, 404, 410)
+_IDEM_MAX = 200
+
+def _check_upload(up: UploadedFile, config: QuantConfig | None) -> Any:
+    """Format by magic bytes, tensor list, and (for the model) the config planned against it:
+    415/422 before the job is accepted. Returns the jobs layer's StoredUpload."""
+    from quantd import io
+    from quantd.jobs.storage import StoredUpload
+
+    fmt = io.detect_format(up.path)
+    with io.open_model(up.path, filename=up.filename) as reader:
+        tensors = list(reader.tensors)
+    if config is not None:
+        io.plan(tensors, config)
+    return StoredUpload(path=up.path, filename=up.filename, bytes=up.bytes, sha256=up.sha256, format=fmt,
+                        tensors=len(tensors))
+
+
+async def _accept(request: Request, state: AppState, tenant: str, idempotency_key: str | None) -> Job:
+    form = await receive_multipart(
+        request, tmp_dir=state.settings.tmp_dir, max_file_bytes=state.settings.max_upload_bytes,
+        file_fields={"file", "calibration"}, text_fields={"config"}, required={"file", "config"})
+    try:
+        config = parse_json_field(form, "config", _CONFIG)
+        upload = await run_engine(state, _check_upload, form.files["file"], config)
+        calib = form.files.get("calibration")
+        calibration = await run_engine(state, _check_upload, calib, None) if calib is not None else None
+        state.metrics.inc("quantd_uploads_total", endpoint="jobs")
+        return await state.jobs.submit(tenant=tenant, upload=upload, config=config, calibration=calibration,
+                                       idempotency_key=idempotency_key)
+    finally:
+        form.cleanup()  # files the jobs layer adopted have moved; the rest go
+
+
+@router.post("", status_code=202, response_model=Job, openapi_extra=JOB_BODY,
+             summary="Submit a quantization job (streamed upload); 202 with Location",
+             responses={202: {"description": "Accepted: the job is persisted and queued",
+                              "headers": {"Location": {"schema": {"type": "string"},
+                                                       "description": "/v1/jobs/{id}"}}},
+                        **UPLOAD_ERRORS, **problem_responses(409, 429)})
+async def submit_job(
+    request: Request, state: StateDep, tenant: TenantDep,
+    idempotency_key: Annotated[str | None, Header(max_length=_IDEM_MAX,
+                                                  description="same key + same input → the same job")] = None,
+) -> JSONResponse:
+    job = await _accept(request, state, tenant, idempotency_key)
+    return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
+
+
+@router.get("", response_model=JobList, summary="The caller's jobs, newest first",
+            responses=problem_responses(401, 422))
+async def list_jobs(
+    state: StateDep, tenant: TenantDep,
+    status: Annotated[str | None, Query(description="queued|running|succeeded|failed|cancelled")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page")] = None,
+) -> JobList:
+    return await state.jobs.list(tenant, status=status, limit=limit, cursor=cursor)
+
+
+@router.get("/{job_id}", response_model=Job, summary="One job", responses=_JOB_ERRORS)
+async def get_job(job_id: str, state: StateDep, tenant: TenantDep) -> Job:
+    return await state.jobs.get(tenant, job_id)
+
+
+@router.get("/{job_id}/events", summary="Follow a job: progress events, then one terminal event",
+            response_class=StreamingResponse,
+            responses={200: {"description": "Server-sent events", "content": {"text/event-stream": {
+                "schema": {"type": "string"},
+                "example": ('event: progress\ndata: {"tensors_done":3,"tensors_total":10,"bytes_done":0,'
+                            '"bytes_total":0,"fraction":0.3}\n\nevent: succeeded\ndata: {"id":"..."}\n\n')}}},
+                       **_JOB_ERRORS})
+async def job_events(job_id: str, state: StateDep, tenant: TenantDep) -> StreamingResponse:
+    await state.jobs.get(tenant, job_id)  # 404 as a problem, before the stream starts
+    stream = sse_stream(state.jobs.events(tenant, job_id), keepalive_s=state.settings.sse_keepalive_s)
+    return StreamingResponse(stream, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.get("/{job_id}/report", response_model=Report, summary="Per-tensor statistics (409 until succeeded)",
+            responses={**_JOB_ERRORS, **problem_responses(409)})
+async def job_report(job_id: str, state: StateDep, tenant: TenantDep) -> Report:
+    return await state.jobs.report(tenant, job_id)
+
+
+@router.get("/{job_id}/artifact", summary="The artifact, streamed; ETag = sha256; Range honoured",
+            response_class=Response,
+            responses={200: ARTIFACT_200,
+                       206: {"description": "Partial content (one range)", "headers": {
+                           "Content-Range": {"schema": {"type": "string"}, "example": "bytes 0-1023/4096"}},
+                           "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                               "format": "binary"}}}},
+                       304: {"description": "Not modified (If-None-Match matched the ETag)"},
+                       **_JOB_ERRORS, **problem_responses(409, 416)})
+async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
+    path, sha = await state.jobs.artifact_path(tenant, job_id)
+    if not path.is_file():
+        raise ProblemException(410, f"the artifact of job {job_id!r} is gone", title="Job files expired")
+    return file_response(request, path, etag_hex=sha, filename=f"{job_id}.quantd.safetensors")
+
+
+@router.delete("/{job_id}", response_model=Job, summary="Cancel a queued or running job and delete its files",
+               responses=_JOB_ERRORS)
+async def cancel_job(job_id: str, state: StateDep, tenant: TenantDep) -> Job:
+    return await state.jobs.cancel(tenant, job_id)

@@ -1,0 +1,127 @@
+"""Server settings: one ``Settings`` read from ``QUANTD_*`` variables, checked once at startup.
+
+The data directory defaults to ``./quantd-data`` (relative to the working directory) so a first
+``quantd serve`` keeps everything next to where it was started; containers set ``QUANTD_DATA_DIR=/data``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger("quantd.server")
+
+GiB = 1024**3
+MiB = 1024**2
+_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+class SettingsError(ValueError):
+    """A settings value, or a combination of them, that the server refuses to start with."""
+
+
+def parse_api_keys(spec: str, *, source: str = "QUANTD_API_KEYS") -> dict[str, str]:
+    """``"tenant-a:key1,tenant-b:key2"`` (commas or newlines; ``#`` comments) → ``{key: tenant}``."""
+    keys: dict[str, str] = {}
+    for n, raw in enumerate(re.split(r"[,\n]", spec), start=1):
+        item = raw.strip()
+        if not item or item.startswith("#"):
+            continue
+        tenant, sep, key = item.partition(":")
+        tenant, key = tenant.strip(), key.strip()
+        if not sep or not tenant or not key:
+            raise SettingsError(f"{source}: entry {n} is not 'tenant:key'")
+        if not _TENANT_RE.match(tenant):
+            raise SettingsError(f"{source}: entry {n}: tenant name {tenant!r} must match {_TENANT_RE.pattern}")
+        if len(key) < 8:
+            raise SettingsError(f"{source}: entry {n} (tenant {tenant!r}): key shorter than 8 characters")
+        if key in keys and keys[key] != tenant:
+            raise SettingsError(f"{source}: entry {n}: the same key is given to two tenants")
+        keys[key] = tenant
+    return keys
+
+
+class Settings(BaseSettings):
+    """Every field reads ``QUANTD_<NAME>`` (e.g. ``QUANTD_MAX_UPLOAD_BYTES``)."""
+
+    model_config = SettingsConfigDict(env_prefix="QUANTD_", extra="ignore", validate_default=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    data_dir: Path = Path("quantd-data")
+    workers: int = Field(1, ge=0, le=64, description="embedded workers in `quantd serve`; 0 = API only")
+    device: str = "auto"
+    api_keys: SecretStr | None = None
+    api_keys_file: Path | None = None
+    max_upload_bytes: int = Field(10 * GiB, ge=1)
+    max_sync_bytes: int = Field(256 * MiB, ge=1)
+    max_queue: int = Field(1000, ge=1)
+    job_ttl_s: float = Field(7 * 24 * 3600, gt=0, description="finished jobs and their files are kept this long")
+    lease_s: float = Field(60.0, gt=0, description="a running job whose worker stops heartbeating for this long is re-queued")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    embedded_workers: bool = True
+    sse_keepalive_s: float = Field(15.0, gt=0)
+    sync_concurrency: int = Field(2, ge=1, description="sync /v1 engine calls running at once")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: object) -> object:
+        return v.upper() if isinstance(v, str) else v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not _DEVICE_RE.match(v):
+            raise ValueError("device must be auto, cpu, cuda or cuda:N")
+        return v
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Settings:
+        if self.max_sync_bytes > self.max_upload_bytes:
+            raise ValueError(f"max_sync_bytes ({self.max_sync_bytes}) must not exceed "
+                             f"max_upload_bytes ({self.max_upload_bytes})")
+        if self.api_keys is not None:
+            parse_api_keys(self.api_keys.get_secret_value())
+        if self.api_keys_file is not None:
+            if not self.api_keys_file.is_file():
+                raise ValueError(f"api_keys_file {str(self.api_keys_file)!r} is not a readable file")
+            parse_api_keys(self.api_keys_file.read_text(), source="QUANTD_API_KEYS_FILE")
+        return self
+
+    def tenant_keys(self) -> dict[str, str]:
+        """``{key: tenant}`` from QUANTD_API_KEYS and QUANTD_API_KEYS_FILE together; empty = open mode."""
+        keys: dict[str, str] = {}
+        if self.api_keys is not None:
+            keys.update(parse_api_keys(self.api_keys.get_secret_value()))
+        if self.api_keys_file is not None:
+            keys.update(parse_api_keys(self.api_keys_file.read_text(), source="QUANTD_API_KEYS_FILE"))
+        return keys
+
+    @property
+    def tmp_dir(self) -> Path:
+        return self.data_dir / "tmp"
+
+    def is_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def warn_unsafe(self) -> None:
+        """Log loudly what is allowed but unsafe: an open server on a non-loopback address."""
+        if not self.tenant_keys():
+            if self.is_loopback():
+                log.info("open mode: no API keys configured; every caller is tenant 'default'")
+            else:
+                log.warning("OPEN MODE ON A PUBLIC ADDRESS: host %s with no API keys; anyone who can reach "
+                            "port %d can upload and run jobs. Set QUANTD_API_KEYS or QUANTD_API_KEYS_FILE.",
+                            self.host, self.port)

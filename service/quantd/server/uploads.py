@@ -1,0 +1,222 @@
+"""Streaming multipart uploads: file parts go straight to a temp file under ``data_dir/tmp``, hashed
+while they stream; the size limit is enforced from ``Content-Length`` before the body is read and
+again byte by byte while it streams. Nothing is spooled whole in memory.
+
+The client's filename is kept for display only (sanitised); the stored path is a random name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import unicodedata
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import anyio
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect, Request
+
+from .problems import ProblemException
+
+# Room for the multipart framing and the small JSON fields around a file at the size limit.
+FORM_OVERHEAD_BYTES = 1024 * 1024
+MAX_FIELD_BYTES = 256 * 1024
+_UNSAFE_CHARS = re.compile(r"[^\w.\- ()+=,@]")
+
+
+def sanitize_filename(raw: str | None, *, default: str = "upload") -> str:
+    """A display name: the last path component, no control characters, at most 200 characters."""
+    if not raw:
+        return default
+    name = unicodedata.normalize("NFC", raw).replace("\\", "/").rsplit("/", 1)[-1]
+    name = "".join(c for c in name if unicodedata.category(c)[0] != "C")
+    name = _UNSAFE_CHARS.sub("_", name).strip(" .")
+    return name[:200] or default
+
+
+@dataclass
+class UploadedFile:
+    """One file part stored on disk. ``path`` is ours (random name under data_dir/tmp)."""
+
+    field: str
+    path: Path
+    filename: str
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class MultipartForm:
+    files: dict[str, UploadedFile] = field(default_factory=dict)
+    fields: dict[str, str] = field(default_factory=dict)
+
+    def cleanup(self) -> None:
+        """Delete every temp file of this form that still exists (a consumer may have moved it)."""
+        for f in self.files.values():
+            with contextlib.suppress(FileNotFoundError):
+                f.path.unlink()
+
+
+def too_large(limit: int, hint: str) -> ProblemException:
+    return ProblemException(413, f"upload exceeds {limit} bytes{hint}", title="Payload too large",
+                            type_="urn:quantd:too-large")
+
+
+class _Collector:
+    """python-multipart callbacks → temp files and text fields, enforcing limits as bytes arrive."""
+
+    def __init__(self, tmp_dir: Path, *, file_fields: set[str], text_fields: set[str], max_file_bytes: int,
+                 hint: str) -> None:
+        self.tmp_dir = tmp_dir
+        self.file_fields = file_fields
+        self.text_fields = text_fields
+        self.max_file_bytes = max_file_bytes
+        self.hint = hint
+        self.form = MultipartForm()
+        self._header_field = b""
+        self._header_value = b""
+        self._headers: dict[bytes, bytes] = {}
+        self._name = ""
+        self._fh: BinaryIO | None = None
+        self._file: UploadedFile | None = None
+        self._hash: Any = None
+        self._text = bytearray()
+        self._is_file = False
+
+    def callbacks(self) -> dict[str, Callable[..., None]]:
+        return {
+            "on_part_begin": self._part_begin, "on_header_field": self._header_field_cb,
+            "on_header_value": self._header_value_cb, "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished, "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+        }
+
+    def _part_begin(self) -> None:
+        self._headers = {}
+        self._text = bytearray()
+
+    def _header_field_cb(self, data: bytes, start: int, end: int) -> None:
+        self._header_field += data[start:end]
+
+    def _header_value_cb(self, data: bytes, start: int, end: int) -> None:
+        self._header_value += data[start:end]
+
+    def _header_end(self) -> None:
+        self._headers[self._header_field.lower()] = self._header_value
+        self._header_field = b""
+        self._header_value = b""
+
+    def _headers_finished(self) -> None:
+        disposition, options = parse_options_header(self._headers.get(b"content-disposition", b""))
+        if disposition != b"form-data" or b"name" not in options:
+            raise ProblemException(400, "multipart part without 'Content-Disposition: form-data; name=...'")
+        self._name = options[b"name"].decode("utf-8", "replace")
+        if self._name in self.form.files or self._name in self.form.fields:
+            raise ProblemException(400, f"multipart field {self._name!r} given twice")
+        self._is_file = self._name in self.file_fields
+        if self._is_file:
+            raw = options.get(b"filename")
+            filename = sanitize_filename(raw.decode("utf-8", "replace") if raw else None)
+            path = self.tmp_dir / f"upload-{uuid.uuid4().hex}"
+            # Registered before the first byte so cleanup() finds even a half-written file.
+            self._file = UploadedFile(self._name, path, filename, 0, "")
+            self.form.files[self._name] = self._file
+            self._fh = open(path, "xb")  # noqa: SIM115 - closed in _part_end / close()
+            self._hash = hashlib.sha256()
+        elif self._name not in self.text_fields:
+            expected = sorted(self.file_fields | self.text_fields)
+            raise ProblemException(400, f"unexpected multipart field {self._name!r}; this endpoint takes {expected}")
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        chunk = data[start:end]
+        if self._is_file:
+            assert self._fh is not None and self._file is not None  # set in _headers_finished
+            self._file.bytes += len(chunk)
+            if self._file.bytes > self.max_file_bytes:
+                raise too_large(self.max_file_bytes, self.hint)
+            self._hash.update(chunk)
+            self._fh.write(chunk)
+        else:
+            self._text += chunk
+            if len(self._text) > MAX_FIELD_BYTES:
+                raise ProblemException(413, f"form field {self._name!r} exceeds {MAX_FIELD_BYTES} bytes",
+                                       title="Payload too large")
+
+    def _part_end(self) -> None:
+        if self._is_file:
+            assert self._fh is not None and self._file is not None
+            self._fh.close()
+            self._fh = None
+            self._file.sha256 = self._hash.hexdigest()
+        else:
+            try:
+                self.form.fields[self._name] = self._text.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ProblemException(400, f"form field {self._name!r} is not UTF-8") from None
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: int, file_fields: set[str],
+                            text_fields: set[str], required: set[str], hint: str = "") -> MultipartForm:
+    """Parse a ``multipart/form-data`` body while it streams. Raises ProblemException 400/413/415;
+    on any failure the temp files written so far are deleted."""
+    ctype, options = parse_options_header(request.headers.get("content-type", ""))
+    if ctype != b"multipart/form-data" or not options.get(b"boundary"):
+        raise ProblemException(415, "expected a multipart/form-data body with a boundary",
+                               title="Unsupported media type")
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise ProblemException(400, "Content-Length is not a number")
+        if int(length) > max_file_bytes + FORM_OVERHEAD_BYTES:
+            raise too_large(max_file_bytes, hint)
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    col = _Collector(tmp_dir, file_fields=file_fields, text_fields=text_fields, max_file_bytes=max_file_bytes,
+                     hint=hint)
+    parser = MultipartParser(options[b"boundary"], col.callbacks())
+    total = 0
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > max_file_bytes + FORM_OVERHEAD_BYTES:
+                raise too_large(max_file_bytes, hint)
+            # Disk writes leave the event loop only for big chunks; small ones cost less inline.
+            if len(chunk) >= 1 << 20:
+                await anyio.to_thread.run_sync(parser.write, chunk)
+            else:
+                parser.write(chunk)
+        parser.finalize()
+    except MultipartParseError as e:
+        col.close()
+        col.form.cleanup()
+        raise ProblemException(400, f"malformed multipart body: {e}") from None
+    except ClientDisconnect:
+        col.close()
+        col.form.cleanup()
+        raise ProblemException(400, "client disconnected before the body was complete") from None
+    except BaseException:
+        col.close()
+        col.form.cleanup()
+        raise
+    missing = sorted(required - set(col.form.files) - set(col.form.fields))
+    if missing or any(f.sha256 == "" for f in col.form.files.values()):
+        col.close()
+        col.form.cleanup()
+        raise ProblemException(400, f"multipart body is missing field(s) {missing or 'end'}")
+    return col.form
+
+
+def remove_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
