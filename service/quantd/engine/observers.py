@@ -1,0 +1,336 @@
+"""Range observers: the ``(lo, hi)`` a block of weights or activations is quantized to.
+
+``observe_range(blocks, scheme)`` works on the block view ``[B, K]`` (one range per block row) and is
+vectorised over blocks; ``quantize`` calls it for the range. The searches (``mse``, ``entropy``) are
+vectorised over their candidates too and chunked so their extra memory stays bounded
+(``CHUNK_ELEMENTS`` float32 elements per temporary, a few temporaries alive at once: ≤ ~64 MB).
+
+Observers (``scheme.observer``, arguments in ``scheme.observer_args``):
+
+- ``minmax``: ``lo = min(x)``, ``hi = max(x)`` per block (one ``aminmax`` pass).
+- ``percentile`` (``percentile`` = p, default 99.99): symmetric → ``hi = Q_p(|x|)``, ``lo = −hi``;
+  affine → ``lo = Q_{100−p}(x)``, ``hi = Q_p(x)``. ``Q`` is ``torch.quantile``'s linear interpolation,
+  computed exactly from the needed tail only (``topk``/``kthvalue``), without its 16M-element limit.
+- ``meanstd`` (``k``, default 3): ``mean ± k·std`` (population std), clipped to ``[min, max]``.
+- ``ema``: on one weight tensor there is nothing to average over, so it equals ``minmax``; its use is
+  streaming activations (:class:`quantd.engine.calibration` / ``ActivationObserver``).
+- ``mse`` (``grid`` = G, default 100; ``min_ratio``, default 0.2; ``norm`` = n, default 2): clip ratios
+  ``r ∈ linspace(min_ratio, 1, G)``; candidate range ``(r·lo, r·hi)`` (affine) or ``±r·absmax``
+  (symmetric, nf4, fp8); pick per block the ``r`` minimising ``Σ|x − x̂_r|ⁿ`` where ``x̂_r`` is the
+  fake quantization with that range (same qparams rules as ``choose_qparams``). ``r = 1`` (min-max) is
+  always a candidate, so the result is never worse than min-max. Large grids are searched coarse to fine
+  (see :func:`mse_search_indices`).
+- ``entropy`` (``bins``, default 2048; ``quant_bins``): the KL-divergence calibration of TensorRT /
+  ONNX Runtime, see :func:`entropy_range`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from quantd.engine.qparams import choose_qparams
+from quantd.errors import MalformedInputError, NonFiniteError
+from quantd_client import Scheme
+from quantd_client._dtypes import NF4_CODEBOOK, DTypeInfo, dtype_info
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "mse_chunk_plan",
+    "mse_search_indices",
+    "observe_range",
+    "percentile_range",
+]
+
+# Float32 elements per temporary in the chunked searches (16 MB); a few temporaries live at once.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def observe_range(blocks: torch.Tensor, scheme: Scheme, *, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo[B], hi[B])`` float32 on ``blocks.device`` for the block view ``blocks[B, K]``."""
+    if blocks.dim() != 2 or blocks.shape[0] == 0 or blocks.shape[1] == 0:
+        raise MalformedInputError(f"observer needs a non-empty 2-D block view [B, K], got shape "
+                                  f"{tuple(blocks.shape)}", tensor=name)
+    x = blocks.float()
+    lo, hi = torch.aminmax(x, dim=1)
+    if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+        raise NonFiniteError(f"tensor {name!r} has NaN or Inf values; cannot observe a range", tensor=name)
+    info = dtype_info(scheme.dtype)
+    obs = scheme.observer
+    args = scheme.observer_args
+    if obs in ("minmax", "ema") or info.kind == "float":
+        return lo, hi
+    if obs == "percentile":
+        return percentile_range(x, float(args.get("percentile", 99.99)), symmetric=scheme.symmetric)
+    if obs == "meanstd":
+        var, mean = torch.var_mean(x, dim=1, correction=0)
+        k = float(args.get("k", 3.0))
+        spread = k * var.sqrt()
+        return torch.maximum(mean - spread, lo), torch.minimum(mean + spread, hi)
+    if obs == "mse":
+        return _mse_range(x, lo, hi, scheme, info)
+    if obs == "entropy":
+        return entropy_range(x, lo, hi, scheme, info)
+    raise MalformedInputError(f"unknown observer {obs!r}", tensor=name, field="observer")
+
+
+def qparams_for(lo: torch.Tensor, hi: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``choose_qparams`` for ``scheme``, as float32 tensors (scale, zero point or None)."""
+    scale, zp = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
+                               scale_dtype=scheme.scale_dtype)
+    return scale.float(), (None if zp is None else zp.float())
+
+
+# --------------------------------------------------------------------------------------------- percentile
+
+
+def _upper_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.quantile(x, q, dim=1)`` (linear interpolation), from the top ``K − ⌊q(K−1)⌋`` values only."""
+    rows, k = x.shape
+    pos = q * (k - 1)
+    i0 = min(math.floor(pos), k - 1)
+    i1 = min(i0 + 1, k - 1)
+    frac = pos - i0
+    out = torch.empty(rows, dtype=x.dtype, device=x.device)
+    tail = k - i0  # values at ascending indices i0 and i1 are the tail-th and (tail−1)-th largest
+    step = max(1, CHUNK_ELEMENTS // max(k, 1))
+    for r in range(0, rows, step):
+        xc = x[r:r + step]
+        if tail <= k // 2 + 1:
+            top = torch.topk(xc, tail, dim=1, largest=True, sorted=True).values
+            v0, v1 = top[:, tail - 1], top[:, max(tail - 2, 0)]
+        else:
+            v0 = torch.kthvalue(xc, i0 + 1, dim=1).values
+            v1 = torch.kthvalue(xc, i1 + 1, dim=1).values if i1 != i0 else v0
+        out[r:r + step] = v0 + (v1 - v0) * frac
+    return out
+
+
+def percentile_range(x: torch.Tensor, p: float, *, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Range from the ``p``-th percentile per row of ``x[B, K]`` (exact, any size)."""
+    q = p / 100.0
+    if symmetric:
+        hi = _upper_quantile(x.abs(), q)
+        return -hi, hi
+    # Q_{1−q}(x) = −Q_q(−x): the lower tail is the upper tail of −x.
+    return -_upper_quantile(-x, q), _upper_quantile(x, q)
+
+
+# -------------------------------------------------------------------------------------------------- mse
+
+
+def mse_chunk_plan(rows: int, candidates: int, cols: int, budget: int = CHUNK_ELEMENTS) -> tuple[int, int, int]:
+    """``(rows, candidates, cols)`` per chunk of the ``[rows, candidates, cols]`` error tensor, so that
+    one chunk holds at most ``budget`` elements (columns are split only when one row alone is larger)."""
+    cols_c = min(cols, budget)
+    cand_c = max(1, min(candidates, budget // cols_c))
+    rows_c = max(1, min(rows, budget // (cand_c * cols_c)))
+    return rows_c, cand_c, cols_c
+
+
+def mse_search_indices(grid: int) -> tuple[list[int], int]:
+    """The coarse stage of the mse search: grid indices evaluated first, and the refinement radius.
+
+    Grids up to 16 are searched exhaustively (radius 0). Larger grids evaluate every ``S``-th ratio
+    (``S ≈ √(G/2)``, always including ``r = 1``), then the ``2S − 1`` ratios around each block's best
+    coarse ratio: about ``2√(2G)`` evaluations instead of ``G`` (28 for G = 100). This finds the grid
+    optimum whenever the error is unimodal at the coarse resolution; it is never worse than min-max.
+    """
+    if grid <= 16:
+        return list(range(grid)), 0
+    stride = max(1, round(math.sqrt(grid / 2)))
+    coarse = list(range(0, grid, stride))
+    if coarse[-1] != grid - 1:
+        coarse.append(grid - 1)
+    return coarse, stride - 1
+
+
+def _fake_quant_error(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Scheme,
+                      info: DTypeInfo, norm: float) -> torch.Tensor:
+    """``Σ_k |x − x̂|ⁿ`` for ``x[R, K]`` and candidate ranges ``lo, hi [R, C]`` → ``[R, C]``."""
+    scale, zp = qparams_for(lo, hi, scheme)
+    s = scale.unsqueeze(-1)
+    xe = x.unsqueeze(1)
+    t = xe / s
+    if info.kind == "int":
+        t.round_()
+        if zp is None:
+            t.clamp_(info.qmin, info.qmax)
+        else:
+            zpe = zp.unsqueeze(-1)
+            t.clamp_(min=info.qmin - zpe, max=info.qmax - zpe)
+        t.mul_(s)
+    elif info.kind == "nf4":
+        cb = torch.tensor(NF4_CODEBOOK, dtype=x.dtype, device=x.device)
+        idx = torch.bucketize(t.clamp_(-1.0, 1.0), (cb[1:] + cb[:-1]) / 2)
+        t = cb[idx].mul_(s)
+    else:  # fp8: saturate, then cast (the float8 cast of an out-of-range value is NaN)
+        f8 = torch.float8_e4m3fn if scheme.dtype == "fp8_e4m3" else torch.float8_e5m2
+        t = t.clamp_(-info.max_finite, info.max_finite).to(f8).to(x.dtype).mul_(s)
+    t.sub_(xe).abs_()
+    return t.square_().sum(-1) if norm == 2.0 else t.pow_(norm).sum(-1)
+
+
+def _candidate_errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ratios: torch.Tensor,
+                      scheme: Scheme, info: DTypeInfo, norm: float) -> torch.Tensor:
+    """Errors ``[B, C]`` of the candidate ranges ``(r·lo, r·hi)``, ``ratios[B, C]``, chunked."""
+    rows, k = x.shape
+    cands = ratios.shape[1]
+    rows_c, cand_c, cols_c = mse_chunk_plan(rows, cands, k)
+    err = torch.zeros(rows, cands, dtype=torch.float32, device=x.device)
+    for r in range(0, rows, rows_c):
+        for c in range(0, cands, cand_c):
+            rr = ratios[r:r + rows_c, c:c + cand_c]
+            clo, chi = lo[r:r + rows_c, None] * rr, hi[r:r + rows_c, None] * rr
+            for j in range(0, k, cols_c):
+                err[r:r + rows_c, c:c + cand_c] += _fake_quant_error(
+                    x[r:r + rows_c, j:j + cols_c], clo, chi, scheme, info, norm)
+    return err
+
+
+def _mse_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Scheme,
+               info: DTypeInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    args = scheme.observer_args
+    grid = int(args.get("grid", 100))
+    min_ratio = float(args.get("min_ratio", 0.2))
+    norm = float(args.get("norm", 2.0))
+    lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+    if scheme.symmetric:
+        amax = torch.maximum(-lo, hi)
+        lo, hi = -amax, amax
+    rows = x.shape[0]
+    grid_r = torch.linspace(min_ratio, 1.0, grid, device=x.device) if grid > 1 else torch.ones(1, device=x.device)
+    coarse, radius = mse_search_indices(grid)
+    idx = torch.tensor(coarse, device=x.device).expand(rows, -1)
+    err = _candidate_errors(x, lo, hi, grid_r[idx], scheme, info, norm)
+    best = idx.gather(1, err.argmin(1, keepdim=True))  # [B, 1]; argmin takes the first (smallest r) tie
+    if radius:
+        offs = torch.arange(-radius, radius + 1, device=x.device)
+        idx = (best + offs).clamp(0, grid - 1)
+        err = _candidate_errors(x, lo, hi, grid_r[idx], scheme, info, norm)
+        best = idx.gather(1, err.argmin(1, keepdim=True))
+    r = grid_r[best.squeeze(1)]
+    return lo * r, hi * r
+
+
+# ---------------------------------------------------------------------------------------------- entropy
+
+# Thresholds tried per block by the entropy observer (evenly spaced window widths, both ends included).
+ENTROPY_MAX_CANDIDATES = 256
+
+
+def batched_histogram(v: torch.Tensor, a: torch.Tensor, width: torch.Tensor, nbins: int) -> torch.Tensor:
+    """Per-row histograms ``[B, nbins]`` (int64) of ``v[B, K]`` over ``[a, a + nbins·width]``.
+
+    Values outside fall into the first/last bin. One ``bincount`` on row-offset bin indices per chunk.
+    """
+    rows, k = v.shape
+    hist = torch.zeros(rows, nbins, dtype=torch.int64, device=v.device)
+    cols_c = min(k, CHUNK_ELEMENTS)
+    rows_c = max(1, CHUNK_ELEMENTS // cols_c)
+    for r in range(0, rows, rows_c):
+        n = min(rows_c, rows - r)
+        offs = torch.arange(n, device=v.device).unsqueeze(1) * nbins
+        for j in range(0, k, cols_c):
+            t = (v[r:r + n, j:j + cols_c] - a[r:r + n, None]) / width[r:r + n, None]
+            idx = t.floor_().clamp_(0, nbins - 1).long() + offs
+            hist[r:r + n] += torch.bincount(idx.flatten(), minlength=n * nbins).view(n, nbins)
+    return hist
+
+
+def _smooth(d: torch.Tensor, inwin: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """ONNX Runtime's ``smooth_distribution``: move ``eps`` mass onto the empty bins of the window."""
+    zeros = (d == 0) & inwin
+    nonzeros = (d != 0) & inwin
+    n_zeros = zeros.sum(-1, keepdim=True)
+    n_nonzeros = nonzeros.sum(-1, keepdim=True).clamp(min=1)
+    return d + eps * zeros - (eps * n_zeros / n_nonzeros) * nonzeros
+
+
+def kl_divergences(hist: torch.Tensor, start: torch.Tensor, width: torch.Tensor, levels: int) -> torch.Tensor:
+    """``KL(P‖Q)`` ``[B, C]`` of each candidate window ``[start, start + width)`` (in bins) of ``hist[B, n]``.
+
+    As TensorRT / ONNX Runtime: P = the window's bins with the mass outside added to its two edge bins;
+    Q = the window merged into ``levels`` equal runs of ``width // levels`` bins (the rest to the last),
+    each run's mass spread evenly over its bins that are non-empty in P; both smoothed; KL of the
+    normalised distributions. ``start[B, C]``, ``width[C]`` (≥ ``levels``).
+    """
+    n = hist.shape[1]
+    h = hist.float().unsqueeze(1)  # [B, 1, n]
+    rel = torch.arange(n, device=hist.device) - start.unsqueeze(-1)  # [B, C, n]
+    w = width.view(1, -1, 1)
+    inwin = (rel >= 0) & (rel < w)
+    run = torch.div(rel, torch.div(w, levels, rounding_mode="floor"), rounding_mode="floor").clamp_(0, levels - 1)
+    sliced = torch.where(inwin, h, 0.0)
+    prefix = torch.nn.functional.pad(hist.float().cumsum(1), (1, 0))  # [B, n + 1]
+    left = prefix.gather(1, start)
+    right = prefix[:, -1:] - prefix.gather(1, start + width.view(1, -1))
+    p = sliced.clone()
+    p.scatter_add_(2, start.unsqueeze(-1), left.unsqueeze(-1))
+    p.scatter_add_(2, (start + width.view(1, -1) - 1).unsqueeze(-1), right.unsqueeze(-1))
+    nz = (p > 0) & inwin
+    qsum = torch.zeros(*start.shape, levels, device=hist.device).scatter_add_(2, run, sliced)
+    qcnt = torch.zeros_like(qsum).scatter_add_(2, run, nz.float())
+    q = torch.where(nz, (qsum / qcnt.clamp(min=1.0)).gather(2, run), 0.0)
+    p, q = _smooth(p, inwin), _smooth(q, inwin)
+    p = p / p.sum(-1, keepdim=True)
+    q = q / q.sum(-1, keepdim=True)
+    terms = torch.where(inwin & (p > 0), p * (p / q.clamp(min=1e-30)).log(), 0.0)
+    kl = terms.sum(-1)
+    return torch.where(q.sum(-1) > 0, kl, torch.inf)
+
+
+def entropy_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Scheme,
+                  info: DTypeInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL-divergence calibration per block row of ``x[B, K]`` (``lo``/``hi``: its min/max).
+
+    Symmetric: histogram of ``|x|`` over ``[0, absmax]``, windows ``[0, t)``, ``quant_bins`` defaults to
+    half the levels (128 for int8, as TensorRT). Affine: histogram of ``x`` over ``[min(lo,0), max(hi,0)]``,
+    windows shrinking both ends towards 0 in proportion (the affine clip ``(r·lo, r·hi)``), ``quant_bins``
+    defaults to all the levels. The histogram has ``min(bins, max(2·quant_bins, K))`` bins (a block of
+    K values fills no more), and at most ``ENTROPY_MAX_CANDIDATES`` window widths are tried per block.
+    nf4 and fp8 are treated as 16 / 256 uniform levels: an approximation of their non-uniform grids.
+    """
+    args = scheme.observer_args
+    total_levels = info.levels if info.kind == "int" else 2 ** info.bits
+    levels = int(args.get("quant_bins", total_levels // 2 if scheme.symmetric else total_levels))
+    levels = max(levels, 1)
+    nbins = max(levels, min(int(args.get("bins", 2048)), max(2 * levels, x.shape[1])))
+    lo0, hi0 = lo.clamp(max=0.0), hi.clamp(min=0.0)
+    if scheme.symmetric:
+        v, a, b = x.abs(), torch.zeros_like(lo0), torch.maximum(-lo0, hi0)
+    else:
+        v, a, b = x, lo0, hi0
+    bin_w = (b - a) / nbins
+    empty = bin_w <= 0
+    bin_w = torch.where(empty, torch.ones_like(bin_w), bin_w)
+    hist = batched_histogram(v, a, bin_w, nbins)
+    n_cand = min(nbins - levels + 1, ENTROPY_MAX_CANDIDATES)
+    step = (nbins - levels) / max(n_cand - 1, 1)
+    widths = torch.tensor(sorted({round(levels + i * step) for i in range(n_cand)}), device=x.device)
+    zero_pos = (-a / bin_w).unsqueeze(1)  # the bin position of 0 (0 for symmetric)
+    rows = x.shape[0]
+    best = torch.empty(rows, dtype=torch.long, device=x.device)
+    best_start = torch.empty(rows, dtype=torch.long, device=x.device)
+    budget = CHUNK_ELEMENTS // 4  # ~10 temporaries of [rows, candidates, nbins]
+    cand_c = max(1, min(widths.numel(), budget // nbins))
+    rows_c = max(1, budget // (cand_c * nbins))
+    for r in range(0, rows, rows_c):
+        hr = hist[r:r + rows_c]
+        kl_parts, start_parts = [], []
+        for c in range(0, widths.numel(), cand_c):
+            wc = widths[c:c + cand_c]
+            start = (zero_pos[r:r + rows_c] * (1.0 - wc.float() / nbins)).round().long()
+            start = torch.minimum(start.clamp(min=0), nbins - wc)
+            kl_parts.append(kl_divergences(hr, start, wc, levels))
+            start_parts.append(start)
+        kl = torch.cat(kl_parts, 1)
+        idx = kl.argmin(1)
+        best[r:r + rows_c] = widths[idx]
+        best_start[r:r + rows_c] = torch.cat(start_parts, 1).gather(1, idx.unsqueeze(1)).squeeze(1)
+    t_lo = a + best_start * bin_w
+    t_hi = a + (best_start + best) * bin_w
+    if scheme.symmetric:
+        t_lo = -t_hi
+    return torch.where(empty, lo0, t_lo), torch.where(empty, hi0, t_hi)
