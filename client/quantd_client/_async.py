@@ -1,0 +1,263 @@
+"""The asynchronous client: :mod:`._client` with ``await``. Everything but the I/O lives in ``_base``."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from ._base import (
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_TIMEOUT,
+    BaseClient,
+    ConfigArg,
+    RequestSpec,
+    SchemeArg,
+    ServerSentEvent,
+    SSEDecoder,
+    TimeoutArg,
+    content_range_start,
+    etag_sha256,
+    hash_existing,
+    part_path,
+    summary_header,
+)
+from ._exceptions import APIConnectionError, APIStatusError, ChecksumMismatch
+from ._job import AsyncJobHandle
+from ._progress import ProgressArg, Reporter
+from ._results import Artifact
+from ._schemas import AnalyzeResponse, CalibrateResponse, Info, Job, JobList, ObserverSpec, Report
+from ._upload import UploadInput
+
+
+class AsyncClient(BaseClient):
+    """Asynchronous quantd client. ``async with AsyncClient(url) as c: ...`` closes the connection pool."""
+
+    def __init__(self, base_url: str | None = None, *, api_key: str | None = None,
+                 timeout: TimeoutArg = DEFAULT_TIMEOUT, max_retries: int = DEFAULT_MAX_RETRIES,
+                 headers: Mapping[str, str] | None = None, transport: httpx.AsyncBaseTransport | None = None,
+                 http_client: httpx.AsyncClient | None = None) -> None:
+        super().__init__(base_url, api_key=api_key, timeout=timeout, max_retries=max_retries, headers=headers)
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.AsyncClient(timeout=self.timeout, transport=transport)
+        self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+        self._clock: Callable[[], float] = time.monotonic
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    # -- transport --------------------------------------------------------------------------------
+
+    async def _request(self, spec: RequestSpec, *, stream: bool = False,
+                 timeout: httpx.Timeout | None = None) -> httpx.Response:
+        """Send with retries; returns a 2xx/3xx response (unread when ``stream``), raises the typed error."""
+        attempt = 0
+        while True:
+            url, headers, kwargs = self._build(spec)
+            reporter: Reporter | None = None
+            if spec.body is not None:
+                reporter = Reporter(spec.upload_progress, spec.upload_label, spec.body.content_length)
+                kwargs["content"] = spec.body.aiter_bytes(reporter.update)
+            request = self._http.build_request(spec.method, url, headers=headers,
+                                               timeout=timeout or self.timeout, **kwargs)
+            try:
+                response = await self._http.send(request, stream=stream)
+            except httpx.TransportError as e:
+                delay = self._retry_delay(spec, attempt, error=e)
+                if delay is None:
+                    raise self._transport_error(e) from e
+                await self._sleep(delay)
+                attempt += 1
+                continue
+            finally:
+                if reporter is not None:
+                    reporter.close()
+            self._note(response)
+            if response.status_code < 400:
+                return response
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+            delay = self._retry_delay(spec, attempt, response=response)
+            if delay is None:
+                raise self._error(response)
+            await self._sleep(delay)
+            attempt += 1
+
+    async def _json(self, spec: RequestSpec) -> Any:
+        return (await self._request(spec)).json()
+
+    # -- synchronous work ---------------------------------------------------------------------------
+
+    async def info(self) -> Info:
+        """Server version, devices, dtypes, observers, formats and limits."""
+        return Info.model_validate(await self._json(RequestSpec("GET", "/v1/info")))
+
+    async def quantize(self, x: UploadInput, config: ConfigArg | None = None, *, name: str | None = None,
+                 output: str | os.PathLike[str] | None = None, progress: ProgressArg = False) -> Artifact:
+        """Quantize in one request. ``x``: a NumPy array (named ``name`` or "tensor"), a dict of arrays,
+        or a path (streamed). With ``output`` the artifact is streamed to that path, else kept in memory."""
+        spec = self._spec_quantize(x, config, name, progress)
+        if output is None:
+            response = await self._request(spec)
+            return Artifact(data=response.content, summary=summary_header(response),
+                            request_id=self.last_request_id)
+        dst = Path(output)
+        tmp = part_path(dst)
+        response = await self._request(spec, stream=True)
+        try:
+            with open(tmp, "wb") as f:
+                async for chunk in response.aiter_bytes():
+                    f.write(chunk)
+        except httpx.TransportError as e:
+            tmp.unlink(missing_ok=True)
+            raise self._transport_error(e) from e
+        finally:
+            await response.aclose()
+        os.replace(tmp, dst)
+        return Artifact(path=dst, summary=summary_header(response), request_id=self.last_request_id)
+
+    async def analyze(self, x: UploadInput, schemes: Sequence[SchemeArg] | SchemeArg, *,
+                name: str | None = None) -> AnalyzeResponse:
+        """Error statistics of each scheme on every tensor, without producing an artifact."""
+        return AnalyzeResponse.model_validate(await self._json(self._spec_analyze(x, schemes, name)))
+
+    async def calibrate(self, x: UploadInput, observer: ObserverSpec | Mapping[str, Any], *,
+                  name: str | None = None) -> CalibrateResponse:
+        """Static activation ranges and qparams from samples (name → ``[N, ...]``)."""
+        return CalibrateResponse.model_validate(await self._json(self._spec_calibrate(x, observer, name)))
+
+    # -- jobs --------------------------------------------------------------------------------------
+
+    async def submit(self, x: UploadInput, config: ConfigArg, *, calibration: UploadInput | None = None,
+               idempotency_key: str | None = None, progress: ProgressArg = None,
+               name: str | None = None) -> AsyncJobHandle:
+        """Upload a model (streamed from disk) as a job; 202 → a :class:`AsyncJobHandle`."""
+        spec = self._spec_submit(x, config, calibration, idempotency_key, progress, name)
+        return AsyncJobHandle(self, Job.model_validate(await self._json(spec)))
+
+    async def get_job(self, job_id: str) -> AsyncJobHandle:
+        return AsyncJobHandle(self, await self._get_job_model(job_id))
+
+    async def _get_job_model(self, job_id: str) -> Job:
+        return Job.model_validate(await self._json(RequestSpec("GET", f"/v1/jobs/{job_id}")))
+
+    async def list_jobs(self, status: str | None = None, limit: int | None = None, *,
+                  page_size: int | None = None) -> AsyncIterator[AsyncJobHandle]:
+        """The caller's jobs, newest first, fetched page by page as the iterator advances.
+        ``limit`` caps how many are yielded in all; ``page_size`` is the server's ``?limit=``."""
+        cursor: str | None = None
+        yielded = 0
+        while True:
+            size = page_size if limit is None else min(page_size or limit, limit - yielded)
+            page = JobList.model_validate(await self._json(RequestSpec(
+                "GET", "/v1/jobs", params=self._jobs_params(status, size, cursor))))
+            for job in page.items:
+                if limit is not None and yielded >= limit:
+                    return
+                yielded += 1
+                yield AsyncJobHandle(self, job)
+            if not page.next_cursor or not page.items or (limit is not None and yielded >= limit):
+                return
+            cursor = page.next_cursor
+
+    async def cancel(self, job_id: str) -> AsyncJobHandle | None:
+        """Cancel a queued or running job (its files are deleted); the job as the server left it."""
+        response = await self._request(RequestSpec("DELETE", f"/v1/jobs/{job_id}"))
+        if response.status_code == 204 or not response.content:
+            return None
+        return AsyncJobHandle(self, Job.model_validate(response.json()))
+
+    async def _report(self, job_id: str) -> Report:
+        return Report.model_validate(await self._json(RequestSpec("GET", f"/v1/jobs/{job_id}/report")))
+
+    async def _events(self, job_id: str, read_timeout: float | None) -> AsyncIterator[ServerSentEvent]:
+        """The job's SSE stream, decoded. Raises ``APIStatusError`` if the server will not stream."""
+        spec = RequestSpec("GET", f"/v1/jobs/{job_id}/events", headers={"Accept": "text/event-stream"})
+        timeout = self.timeout if read_timeout is None else httpx.Timeout(self.timeout, read=read_timeout)
+        response = await self._request(spec, stream=True, timeout=timeout)
+        try:
+            if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                raise APIStatusError("the server did not answer with text/event-stream",
+                                     status=response.status_code)
+            decoder = SSEDecoder()
+            async for line in response.aiter_lines():
+                event = decoder.feed(line)
+                if event is not None:
+                    yield event
+        except httpx.TransportError as e:
+            raise self._transport_error(e) from e
+        finally:
+            await response.aclose()
+
+    async def _download(self, job_id: str, path: str | os.PathLike[str], expected: str | None,
+                  progress: ProgressArg) -> Path:
+        """Stream the artifact into ``path.part`` (resuming it with Range), check sha256, rename."""
+        dst = Path(path)
+        part = part_path(dst)
+        attempt = 0
+        while True:
+            try:
+                return await self._download_once(job_id, dst, part, expected, progress)
+            except APIConnectionError:
+                if attempt >= self.max_retries:
+                    raise
+                await self._sleep(self.retry.delay(attempt, None, self._rand))
+                attempt += 1
+
+    async def _download_once(self, job_id: str, dst: Path, part: Path, expected: str | None,
+                       progress: ProgressArg) -> Path:
+        have = part.stat().st_size if part.exists() else 0
+        try:
+            response = await self._request(self._spec_download(job_id, have, expected), stream=True)
+        except APIStatusError as e:
+            if e.status != 416 or not have:
+                raise
+            part.unlink()  # the partial file does not fit the artifact any more: start over
+            have = 0
+            response = await self._request(self._spec_download(job_id, 0, expected), stream=True)
+        try:
+            if response.status_code == 206 and content_range_start(response) == have:
+                digest, done = hash_existing(part)
+                mode = "ab"
+            else:
+                digest, done, mode = hashlib.sha256(), 0, "wb"
+            want = expected or etag_sha256(response)
+            length = response.headers.get("content-length")
+            reporter = Reporter(progress, f"download {dst.name}", done + int(length) if length else None)
+            reporter.set(done)
+            try:
+                with open(part, mode) as f:
+                    async for chunk in response.aiter_bytes():
+                        f.write(chunk)
+                        digest.update(chunk)
+                        reporter.update(len(chunk))
+            except httpx.TransportError as e:
+                raise self._transport_error(e) from e  # the .part stays: the next attempt resumes it
+            finally:
+                reporter.close()
+        finally:
+            await response.aclose()
+        got = digest.hexdigest()
+        if want and got != want:
+            part.unlink(missing_ok=True)
+            raise ChecksumMismatch(f"artifact of job {job_id}: sha256 {got} != expected {want}; file removed",
+                                   request_id=self.last_request_id)
+        os.replace(part, dst)
+        return dst

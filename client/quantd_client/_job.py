@@ -1,0 +1,197 @@
+"""Job handles: a Job model plus the client that can refresh, wait on, download and report it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ._base import TERMINAL_STATUSES, event_fraction
+from ._exceptions import APIConnectionError, APIStatusError, AuthError, JobTimeout
+from ._progress import ProgressArg, Reporter
+from ._schemas import Job, JobError, JobResult, JobStatus, Progress, Report
+
+if TYPE_CHECKING:
+    from ._async import AsyncClient
+    from ._client import Client
+
+POLL_FIRST = 0.5
+POLL_FACTOR = 1.5
+POLL_MAX = 5.0
+
+
+class _HandleBase:
+    model: Job
+
+    @property
+    def id(self) -> str:
+        return self.model.id
+
+    @property
+    def status(self) -> JobStatus:
+        return self.model.status
+
+    @property
+    def progress(self) -> Progress:
+        return self.model.progress
+
+    @property
+    def result(self) -> JobResult | None:
+        return self.model.result
+
+    @property
+    def error(self) -> JobError | None:
+        return self.model.error
+
+    @property
+    def done(self) -> bool:
+        return self.model.status in TERMINAL_STATUSES
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, status={self.status!r}, fraction={self.progress.fraction:.2f})"
+
+    def _expected_sha(self) -> str | None:
+        return self.model.result.artifact_sha256 if self.model.result else None
+
+
+class JobHandle(_HandleBase):
+    """A job on the server, as last seen (``.model``). Methods talk to the server."""
+
+    def __init__(self, client: Client, model: Job) -> None:
+        self._client = client
+        self.model = model
+
+    def refresh(self) -> JobHandle:
+        self.model = self._client._get_job_model(self.id)
+        return self
+
+    def wait(self, timeout: float | None = None, progress: ProgressArg = None) -> JobHandle:
+        """Block until the job succeeds, fails or is cancelled; follows ``/events`` and falls back to
+        polling with backoff. Raises :class:`JobTimeout` after ``timeout`` seconds."""
+        c = self._client
+        deadline = None if timeout is None else c._clock() + timeout
+        reporter = Reporter(progress, f"job {self.id}", 1.0, units="fraction")
+        try:
+            if not self.done and not self._follow_events(deadline, reporter):
+                self._poll(deadline, reporter)
+            self.refresh()
+            if self.model.status == "succeeded":
+                reporter.set(1.0)
+        finally:
+            reporter.close()
+        return self
+
+    def _follow_events(self, deadline: float | None, reporter: Reporter) -> bool:
+        c = self._client
+        remaining = None if deadline is None else max(0.0, deadline - c._clock())
+        try:
+            for event in c._events(self.id, remaining):
+                if event.event == "progress":
+                    frac = event_fraction(event.json())
+                    if frac is not None:
+                        reporter.set(frac)
+                elif event.event in TERMINAL_STATUSES:
+                    return True
+                if deadline is not None and c._clock() >= deadline:
+                    raise JobTimeout(f"job {self.id} still {self.status} after the timeout")
+        except (APIConnectionError, APIStatusError, ValueError) as e:
+            if isinstance(e, AuthError):
+                raise  # polling would fail the same way; anything else falls back to polling
+        return False
+
+    def _poll(self, deadline: float | None, reporter: Reporter) -> None:
+        c = self._client
+        delay = POLL_FIRST
+        while True:
+            self.refresh()
+            reporter.set(self.progress.fraction)
+            if self.done:
+                return
+            now = c._clock()
+            if deadline is not None and now >= deadline:
+                raise JobTimeout(f"job {self.id} still {self.status} after the timeout")
+            c._sleep(delay if deadline is None else min(delay, deadline - now))
+            delay = min(delay * POLL_FACTOR, POLL_MAX)
+
+    def download(self, path: str | os.PathLike[str], progress: ProgressArg = None) -> Path:
+        """Stream the artifact to ``path`` (via ``path.part``, resumable), sha256-checked."""
+        return self._client._download(self.id, path, self._expected_sha(), progress)
+
+    def report(self) -> Report:
+        return self._client._report(self.id)
+
+    def cancel(self) -> JobHandle:
+        handle = self._client.cancel(self.id)
+        if handle is not None:
+            self.model = handle.model
+        return self
+
+
+class AsyncJobHandle(_HandleBase):
+    """The :class:`JobHandle` of :class:`AsyncClient`; the same methods, awaited."""
+
+    def __init__(self, client: AsyncClient, model: Job) -> None:
+        self._client = client
+        self.model = model
+
+    async def refresh(self) -> AsyncJobHandle:
+        self.model = await self._client._get_job_model(self.id)
+        return self
+
+    async def wait(self, timeout: float | None = None, progress: ProgressArg = None) -> AsyncJobHandle:
+        c = self._client
+        deadline = None if timeout is None else c._clock() + timeout
+        reporter = Reporter(progress, f"job {self.id}", 1.0, units="fraction")
+        try:
+            if not self.done and not await self._follow_events(deadline, reporter):
+                await self._poll(deadline, reporter)
+            await self.refresh()
+            if self.model.status == "succeeded":
+                reporter.set(1.0)
+        finally:
+            reporter.close()
+        return self
+
+    async def _follow_events(self, deadline: float | None, reporter: Reporter) -> bool:
+        c = self._client
+        remaining = None if deadline is None else max(0.0, deadline - c._clock())
+        try:
+            async for event in c._events(self.id, remaining):
+                if event.event == "progress":
+                    frac = event_fraction(event.json())
+                    if frac is not None:
+                        reporter.set(frac)
+                elif event.event in TERMINAL_STATUSES:
+                    return True
+                if deadline is not None and c._clock() >= deadline:
+                    raise JobTimeout(f"job {self.id} still {self.status} after the timeout")
+        except (APIConnectionError, APIStatusError, ValueError) as e:
+            if isinstance(e, AuthError):
+                raise  # polling would fail the same way; anything else falls back to polling
+        return False
+
+    async def _poll(self, deadline: float | None, reporter: Reporter) -> None:
+        c = self._client
+        delay = POLL_FIRST
+        while True:
+            await self.refresh()
+            reporter.set(self.progress.fraction)
+            if self.done:
+                return
+            now = c._clock()
+            if deadline is not None and now >= deadline:
+                raise JobTimeout(f"job {self.id} still {self.status} after the timeout")
+            await c._sleep(delay if deadline is None else min(delay, deadline - now))
+            delay = min(delay * POLL_FACTOR, POLL_MAX)
+
+    async def download(self, path: str | os.PathLike[str], progress: ProgressArg = None) -> Path:
+        return await self._client._download(self.id, path, self._expected_sha(), progress)
+
+    async def report(self) -> Report:
+        return await self._client._report(self.id)
+
+    async def cancel(self) -> AsyncJobHandle:
+        handle = await self._client.cancel(self.id)
+        if handle is not None:
+            self.model = handle.model
+        return self
