@@ -1,0 +1,57 @@
+"""quantd.jobs: the durable job layer under the HTTP server.
+
+The server uses ``JobService`` (see docs/architecture.md, "jobs API"), as specified there, with:
+- ``submit(..., calibration=None, idempotency_key=None)`` takes ownership of the upload files (moved
+  under ``uploads/`` or deleted). Stream uploads into ``new_upload_path(suffix)`` (under ``data_dir/tmp``).
+- ``start()``/``stop()`` are async (``start_sync``/``stop_sync`` too); ``ready()`` returns ``Readiness``
+  (truthy when DB, storage and ≥1 worker are up; ``.database``, ``.storage``, ``.workers``).
+- ``cancel`` of a running job returns it still ``running`` (cancel asked); of a finished job, deletes its
+  files. ``report``/``artifact_path`` raise JobNotReady (409) until succeeded, JobExpired (410) once the
+  files were deleted (TTL or DELETE). Errors: quantd.jobs.errors (JobNotFound 404, JobNotReady 409,
+  JobExpired 410, IdempotencyConflict 409, QueueFull 429 with ``retry_after``, InvalidListQuery 422).
+- ``events`` raises JobNotFound on its first step: call ``get`` first to answer 404 before streaming.
+"""
+
+from .config import JobsConfig, worker_devices
+from .errors import (
+    IdempotencyConflict,
+    InvalidListQuery,
+    JobExpired,
+    JobNotFound,
+    JobNotReady,
+    QueueFull,
+    StorageError,
+)
+from .pool import WorkerPool, open_backends, run_worker
+from .records import JobRecord
+from .service import JobService, Readiness, decode_cursor, encode_cursor
+from .storage import ArtifactStore, LocalStorage, StoredArtifact, StoredUpload
+from .store import JobStore, SQLiteJobStore
+from .worker import QuantizeFn
+
+__all__ = [
+    "ArtifactStore",
+    "IdempotencyConflict",
+    "InvalidListQuery",
+    "JobExpired",
+    "JobNotFound",
+    "JobNotReady",
+    "JobRecord",
+    "JobService",
+    "JobStore",
+    "JobsConfig",
+    "LocalStorage",
+    "QuantizeFn",
+    "QueueFull",
+    "Readiness",
+    "SQLiteJobStore",
+    "StorageError",
+    "StoredArtifact",
+    "StoredUpload",
+    "WorkerPool",
+    "decode_cursor",
+    "encode_cursor",
+    "open_backends",
+    "run_worker",
+    "worker_devices",
+]

@@ -1,0 +1,65 @@
+"""Errors of the jobs layer. Each carries the HTTP ``status`` and problem ``title`` the routes use."""
+
+from __future__ import annotations
+
+from quantd.errors import QuantdError
+
+
+class JobNotFound(QuantdError):
+    """No such job for this tenant (another tenant's job is reported the same way)."""
+
+    status = 404
+    title = "Job not found"
+    type_ = "urn:quantd:job-not-found"
+
+
+class JobNotReady(QuantdError):
+    """The report or artifact was asked for before the job succeeded."""
+
+    status = 409
+    title = "Job not ready"
+    type_ = "urn:quantd:job-not-ready"
+
+
+class JobExpired(QuantdError):
+    """The job's files were deleted (TTL sweep, or DELETE after it finished); the job row stays."""
+
+    status = 410
+    title = "Job files expired"
+    type_ = "urn:quantd:job-expired"
+
+
+class IdempotencyConflict(QuantdError):
+    """An idempotency key reused with a different input or config."""
+
+    status = 409
+    title = "Idempotency key reused"
+    type_ = "urn:quantd:idempotency-conflict"
+
+
+class QueueFull(QuantdError):
+    """Too many queued jobs; the routes answer 429 with ``Retry-After: retry_after``."""
+
+    status = 429
+    title = "Queue full"
+    type_ = "urn:quantd:queue-full"
+
+    def __init__(self, detail: str, *, retry_after: int) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+
+class InvalidListQuery(QuantdError):
+    """A bad ``status``, ``limit`` or ``cursor`` in a job listing."""
+
+    status = 422
+    title = "Invalid query"
+    type_ = "urn:quantd:invalid-query"
+
+
+class StorageError(QuantdError):
+    """A storage path outside the data dir, or a file the job needs that is gone: a server fault."""
+
+    status = 500
+    title = "Storage error"
+    type_ = "urn:quantd:storage-error"

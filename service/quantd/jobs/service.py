@@ -1,0 +1,259 @@
+"""``JobService``: the async facade the HTTP layer uses. Blocking DB and file calls run in threads."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from quantd_client import InputInfo, Job, JobList, Progress, QuantConfig, Report
+
+from .config import JobsConfig
+from .errors import IdempotencyConflict, InvalidListQuery, JobExpired, JobNotFound, JobNotReady
+from .pool import WorkerPool, open_backends
+from .records import STATUSES, JobRecord
+from .storage import ArtifactStore, StoredUpload, is_job_id
+from .store import JobStore
+from .worker import QuantizeFn
+
+T = TypeVar("T")
+MAX_LIMIT = 100
+
+
+@dataclass(frozen=True)
+class Readiness:
+    database: bool
+    storage: bool
+    workers: int
+
+    @property
+    def ok(self) -> bool:
+        return self.database and self.storage and self.workers > 0
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def encode_cursor(created_at: float, job_id: str) -> str:
+    raw = json.dumps([created_at, job_id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        created_at, job_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        if not isinstance(created_at, (int, float)) or not isinstance(job_id, str):
+            raise ValueError(cursor)
+    except (ValueError, TypeError, binascii.Error):
+        raise InvalidListQuery(f"cursor {cursor[:64]!r} is not one this server issued", field="cursor") from None
+    return float(created_at), job_id
+
+
+def _input_info(upload: StoredUpload) -> dict[str, Any]:
+    return InputInfo.model_validate({"filename": upload.filename, "bytes": upload.bytes, "sha256": upload.sha256,
+                                     "format": upload.format, "tensors": upload.tensors}).model_dump(mode="json")
+
+
+class JobService:
+    """Jobs for the HTTP layer: submit, read, list, cancel, follow; embedded workers and reaper.
+
+    ``quantize_fn`` defaults to ``quantd.io.pipeline.quantize_file``; ``config.workers == 0`` runs no
+    embedded workers (the API alone, with ``quantd worker`` processes on the same data dir)."""
+
+    def __init__(self, config: JobsConfig, *, quantize_fn: QuantizeFn | None = None) -> None:
+        self.config = config
+        self._quantize_fn = quantize_fn
+        self._store: JobStore | None = None
+        self._storage: ArtifactStore | None = None
+        self._pool: WorkerPool | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start_sync(self) -> None:
+        self._store, self._storage = open_backends(self.config)
+        self._pool = WorkerPool(self.config, self._store, self._storage, self._quantize_fn,
+                                workers=self.config.workers != 0)
+        self._pool.start()
+
+    def stop_sync(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+        if self._store is not None:
+            self._store.close()
+        self._pool = self._store = self._storage = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.start_sync)
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.stop_sync)
+
+    @property
+    def store(self) -> JobStore:
+        if self._store is None:
+            raise RuntimeError("JobService not started")
+        return self._store
+
+    @property
+    def storage(self) -> ArtifactStore:
+        if self._storage is None:
+            raise RuntimeError("JobService not started")
+        return self._storage
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    # -- submission --------------------------------------------------------------------------
+    def new_upload_path(self, suffix: str = "") -> Path:
+        """A fresh path under ``data_dir/tmp`` for the server to stream an upload into."""
+        return self.storage.new_tmp_path(suffix)
+
+    async def submit(self, *, tenant: str, upload: StoredUpload, config: QuantConfig,
+                     calibration: StoredUpload | None = None, idempotency_key: str | None = None) -> Job:
+        """Persist a queued job (committed before this returns) and wake a worker. Takes ownership
+        of the upload files: moved under ``uploads/`` or deleted."""
+        return await self._run(self._submit, tenant, upload, config, calibration, idempotency_key)
+
+    def _submit(self, tenant: str, upload: StoredUpload, config: QuantConfig,
+                calibration: StoredUpload | None, idempotency_key: str | None) -> Job:
+        job_id, storage = uuid.uuid4().hex, self.storage
+        config_json = config.model_dump(mode="json", exclude_unset=True)
+
+        def adopt() -> None:
+            storage.adopt_upload(upload.path, job_id, "input")
+            if calibration is not None:
+                storage.adopt_upload(calibration.path, job_id, "calibration")
+
+        try:
+            rec, created = self.store.insert(
+                job_id=job_id, tenant=tenant, config=config_json, input=_input_info(upload),
+                calibration=None if calibration is None else _input_info(calibration),
+                idempotency_key=idempotency_key, max_attempts=self.config.max_attempts,
+                max_queue=self.config.max_queue, retry_after=self.config.queue_full_retry_after_s,
+                before_commit=adopt)
+        except BaseException:
+            storage.delete_job_files(job_id)
+            raise
+        finally:
+            for u in (upload, calibration):
+                if u is not None:
+                    u.path.unlink(missing_ok=True)
+        if not created and (rec.input.get("sha256") != upload.sha256 or rec.config != config_json):
+            raise IdempotencyConflict(f"idempotency key {idempotency_key!r} was used for job {rec.id} "
+                                      "with a different input or config", field="idempotency_key")
+        if created and self._pool is not None:
+            self._pool.wake.set()
+        return rec.to_job()
+
+    # -- reads -------------------------------------------------------------------------------
+    def _record(self, tenant: str, job_id: str) -> JobRecord:
+        rec = self.store.get(job_id) if is_job_id(job_id) else None
+        if rec is None or rec.tenant != tenant:
+            raise JobNotFound(f"job {job_id[:64]!r} not found", field="job_id")
+        return rec
+
+    async def get(self, tenant: str, job_id: str) -> Job:
+        return (await self._run(self._record, tenant, job_id)).to_job()
+
+    async def list(self, tenant: str, *, status: str | None = None, limit: int = 20,
+                   cursor: str | None = None) -> JobList:
+        if status is not None and status not in STATUSES:
+            raise InvalidListQuery(f"status {status[:32]!r} is not one of {list(STATUSES)}", field="status")
+        if not 1 <= limit <= MAX_LIMIT:
+            raise InvalidListQuery(f"limit {limit} is not in [1, {MAX_LIMIT}]", field="limit")
+        after = None if cursor is None else decode_cursor(cursor)
+        recs = await self._run(self.store.list_jobs, tenant, status=status, limit=limit + 1, after=after)
+        page = recs[:limit]
+        next_cursor = encode_cursor(page[-1].created_at, page[-1].id) if len(recs) > limit else None
+        return JobList(items=[r.to_job() for r in page], next_cursor=next_cursor)
+
+    async def cancel(self, tenant: str, job_id: str) -> Job:
+        """queued → cancelled, files deleted; running → cancel asked (the job is returned still
+        ``running``; the worker ends it ``cancelled`` at its next tensor and deletes the files);
+        finished → its files are deleted (report/artifact then raise JobExpired)."""
+        return await self._run(self._cancel, tenant, job_id)
+
+    def _cancel(self, tenant: str, job_id: str) -> Job:
+        rec = self._record(tenant, job_id)
+        if rec.terminal:
+            self.storage.delete_job_files(job_id)
+            self.store.mark_expired(job_id)
+            return rec.to_job()
+        after = self.store.request_cancel(job_id) or rec
+        if after.status == "cancelled":
+            self.storage.delete_job_files(job_id)
+        return after.to_job()
+
+    def _succeeded(self, tenant: str, job_id: str) -> JobRecord:
+        rec = self._record(tenant, job_id)
+        if rec.status != "succeeded":
+            raise JobNotReady(f"job {job_id} is {rec.status}; its report and artifact exist once it has "
+                              "succeeded", field="status")
+        if rec.expired_at is not None:
+            raise JobExpired(f"the files of job {job_id} were deleted (TTL {self.config.ttl_s:g} s or DELETE)")
+        return rec
+
+    async def report(self, tenant: str, job_id: str) -> Report:
+        def read() -> Report:
+            self._succeeded(tenant, job_id)
+            text = self.storage.get_report(job_id)
+            if text is None:
+                raise JobExpired(f"the report of job {job_id} is gone")
+            return Report.model_validate_json(text)
+
+        return await self._run(read)
+
+    async def artifact_path(self, tenant: str, job_id: str) -> tuple[Path, str]:
+        """The artifact's path and sha256 (its ETag). JobNotReady (409) until succeeded;
+        JobExpired (410) once its files are deleted."""
+        def find() -> tuple[Path, str]:
+            rec = self._succeeded(tenant, job_id)
+            path = self.storage.artifact_path(job_id)
+            if not path.is_file() or rec.result is None:
+                raise JobExpired(f"the artifact of job {job_id} is gone")
+            return path, str(rec.result["artifact_sha256"])
+
+        return await self._run(find)
+
+    async def events(self, tenant: str, job_id: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """("progress", Progress) first and on every change, then one terminal (status, Job) event.
+        Raises JobNotFound on the first step (call ``get`` first to answer 404 before streaming)."""
+        rec = await self._run(self._record, tenant, job_id)
+        last: dict[str, Any] | None = None
+        while not rec.terminal:
+            progress = Progress.model_validate(rec.progress).model_dump(mode="json")
+            if progress != last:
+                last = progress
+                yield "progress", progress
+            await asyncio.sleep(self.config.events_poll_s)  # the poll interval of the job row
+            rec = await self._run(self._record, tenant, job_id)
+        yield rec.status, rec.to_job().model_dump(mode="json")
+
+    # -- metrics and readiness ----------------------------------------------------------------
+    def queue_depth(self) -> int:
+        return self.store.queue_depth()
+
+    def counts_by_status(self) -> dict[str, int]:
+        return self.store.counts_by_status()
+
+    def busy_workers(self) -> int:
+        """Workers running a job: this process's, plus other worker processes on the same DB."""
+        local = {w.id for w in self._pool.workers} if self._pool else set()
+        others = [w for w in self.store.live_workers(self.config.lease_s) if w["id"] not in local]
+        return (self._pool.busy() if self._pool else 0) + sum(w["busy_job"] is not None for w in others)
+
+    async def ready(self) -> Readiness:
+        def check() -> Readiness:
+            if self._store is None or self._storage is None or self._pool is None:
+                return Readiness(database=False, storage=False, workers=0)
+            local = {w.id for w in self._pool.workers}
+            remote = [w for w in self._store.live_workers(self.config.lease_s) if w["id"] not in local]
+            return Readiness(database=self._store.ping(), storage=self._storage.writable(),
+                             workers=self._pool.alive() + len(remote))
+
+        return await self._run(check)

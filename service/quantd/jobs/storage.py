@@ -1,0 +1,186 @@
+"""Where a job's files live: the ``ArtifactStore`` interface and its local-disk implementation.
+
+Layout under ``data_dir``: ``uploads/{id}.input`` (+ ``{id}.calibration``), ``artifacts/{id}.safetensors``,
+``reports/{id}.json``, ``tmp/`` (uploads being received, artifacts being written). Paths are built
+from job ids only (32 hex digits, checked), never from client filenames, and every path is checked
+to resolve inside ``data_dir``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+from .errors import StorageError
+
+UploadKind = Literal["input", "calibration"]
+_JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class StoredUpload:
+    """An upload the server has stored under ``data_dir`` (see ``ArtifactStore.new_tmp_path``).
+
+    ``filename`` is the client's, for display only; it never names a file on disk."""
+
+    path: Path
+    filename: str
+    bytes: int
+    sha256: str
+    format: str
+    tensors: int
+
+
+@dataclass(frozen=True)
+class StoredArtifact:
+    path: Path
+    bytes: int
+    sha256: str
+
+
+def is_job_id(job_id: str) -> bool:
+    return bool(_JOB_ID.match(job_id))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class ArtifactStore(Protocol):
+    """The file side of the job layer. An object-store backend implements the same calls."""
+
+    def init(self) -> None: ...
+    def new_tmp_path(self, suffix: str = "") -> Path: ...
+    def adopt_upload(self, src: Path, job_id: str, kind: UploadKind) -> Path: ...
+    def upload_path(self, job_id: str, kind: UploadKind) -> Path: ...
+    def artifact_tmp_path(self, job_id: str) -> Path: ...
+    def commit_artifact(self, tmp: Path, job_id: str) -> StoredArtifact: ...
+    def artifact_path(self, job_id: str) -> Path: ...
+    def put_report(self, job_id: str, report_json: str) -> None: ...
+    def get_report(self, job_id: str) -> str | None: ...
+    def delete_job_files(self, job_id: str) -> None: ...
+    def writable(self) -> bool: ...
+    def sweep_tmp(self, older_than_s: float) -> int: ...
+    def list_upload_ids(self, older_than_s: float) -> list[str]: ...
+
+
+class LocalStorage:
+    """Files on the local disk under ``data_dir``; renames are atomic within one filesystem."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.root = Path(data_dir).resolve()
+        self.uploads = self.root / "uploads"
+        self.artifacts = self.root / "artifacts"
+        self.reports = self.root / "reports"
+        self.tmp = self.root / "tmp"
+
+    def init(self) -> None:
+        for d in (self.uploads, self.artifacts, self.reports, self.tmp):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def inside(self, path: Path) -> Path:
+        """``path`` resolved, or StorageError when it resolves outside ``data_dir``."""
+        resolved = Path(path).resolve()
+        if not resolved.is_relative_to(self.root):
+            raise StorageError(f"path {str(path)!r} is outside the data dir", field="path")
+        return resolved
+
+    def _job_file(self, folder: Path, job_id: str, suffix: str) -> Path:
+        if not is_job_id(job_id):
+            raise StorageError(f"{job_id!r} is not a job id", field="job_id")
+        return self.inside(folder / f"{job_id}{suffix}")
+
+    def new_tmp_path(self, suffix: str = "") -> Path:
+        """A fresh path in ``tmp/`` for the server to stream an upload into."""
+        if not re.fullmatch(r"(\.[A-Za-z0-9]{1,16})?", suffix):
+            raise StorageError(f"suffix {suffix!r} is not an extension", field="suffix")
+        return self.inside(self.tmp / f"upload-{uuid.uuid4().hex}{suffix}")
+
+    def adopt_upload(self, src: Path, job_id: str, kind: UploadKind) -> Path:
+        dst = self.upload_path(job_id, kind)
+        os.replace(self.inside(src), dst)
+        return dst
+
+    def upload_path(self, job_id: str, kind: UploadKind) -> Path:
+        return self._job_file(self.uploads, job_id, f".{kind}")
+
+    def artifact_tmp_path(self, job_id: str) -> Path:
+        if not is_job_id(job_id):
+            raise StorageError(f"{job_id!r} is not a job id", field="job_id")
+        # Unique per attempt: a worker whose lease was lost never writes into another's file.
+        return self.inside(self.tmp / f"artifact-{job_id}-{uuid.uuid4().hex[:12]}.part")
+
+    def commit_artifact(self, tmp: Path, job_id: str) -> StoredArtifact:
+        tmp = self.inside(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        digest, size = sha256_file(tmp), tmp.stat().st_size
+        dst = self.artifact_path(job_id)
+        os.replace(tmp, dst)
+        return StoredArtifact(path=dst, bytes=size, sha256=digest)
+
+    def artifact_path(self, job_id: str) -> Path:
+        return self._job_file(self.artifacts, job_id, ".safetensors")
+
+    def put_report(self, job_id: str, report_json: str) -> None:
+        dst = self._job_file(self.reports, job_id, ".json")
+        tmp = self.inside(self.tmp / f"report-{job_id}-{uuid.uuid4().hex[:12]}.part")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(report_json)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+
+    def get_report(self, job_id: str) -> str | None:
+        try:
+            return self._job_file(self.reports, job_id, ".json").read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+
+    def delete_job_files(self, job_id: str) -> None:
+        for path in (self.upload_path(job_id, "input"), self.upload_path(job_id, "calibration"),
+                     self.artifact_path(job_id), self._job_file(self.reports, job_id, ".json")):
+            path.unlink(missing_ok=True)
+
+    def writable(self) -> bool:
+        probe = self.tmp / f"probe-{uuid.uuid4().hex}"
+        try:
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError:
+            return False
+        return True
+
+    def sweep_tmp(self, older_than_s: float) -> int:
+        """Delete leftovers in ``tmp/`` (uploads never submitted, parts of dead workers)."""
+        cutoff, n = time.time() - older_than_s, 0
+        for path in self.tmp.iterdir():
+            try:
+                if path.is_file() and path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    n += 1
+            except FileNotFoundError:
+                continue
+        return n
+
+    def list_upload_ids(self, older_than_s: float) -> list[str]:
+        """Job ids of uploads older than ``older_than_s`` (to find those no job row owns)."""
+        cutoff, ids = time.time() - older_than_s, set()
+        for path in self.uploads.iterdir():
+            try:
+                if is_job_id(path.stem) and path.stat().st_mtime < cutoff:
+                    ids.add(path.stem)
+            except FileNotFoundError:
+                continue
+        return sorted(ids)

@@ -1,0 +1,250 @@
+"""Workers: threads that claim jobs, run the quantization pipeline under a lease, and record the end.
+
+Crash policy:
+- ``torch.cuda.OutOfMemoryError`` → the CUDA cache is emptied and the job fails with
+  ``urn:quantd:out-of-memory`` (no retry on CPU: a model that does not fit would only be slow there;
+  the user can resubmit with a CPU server or a smaller model).
+- a ``quantd.errors.QuantdError`` → the job fails with its type/title/detail (deterministic: no retry).
+- any other exception → logged with its traceback, the job fails with ``urn:quantd:internal``;
+  the worker keeps running.
+- the worker process dying → its lease expires (or its owner is seen dead) and the reaper re-queues the
+  job, failing it after ``max_attempts`` with "worker lost N times". A job is never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from quantd.errors import JobCancelled, QuantdError
+from quantd_client import Progress, QuantConfig, Report
+
+from .records import JobRecord
+from .storage import ArtifactStore
+from .store import JobStore
+
+log = logging.getLogger("quantd.jobs")
+
+HOST = socket.gethostname()
+BOOT = uuid.uuid4().hex[:12]  # this process's identity: a restarted process with the same pid differs
+
+
+class QuantizeFn(Protocol):
+    def __call__(self, src: Path, dst: Path, config: QuantConfig, *, device: str, filename: str | None,
+                 job_id: str | None, on_progress: Callable[[Progress], None] | None,
+                 should_cancel: Callable[[], bool] | None) -> Report: ...
+
+
+def default_quantize_fn() -> QuantizeFn:
+    from quantd.io.pipeline import quantize_file
+
+    fn: QuantizeFn = quantize_file
+    return fn
+
+
+def new_worker_id(index: int) -> str:
+    return f"{HOST}/{os.getpid()}/{BOOT}/w{index}"
+
+
+def owner_is_dead(owner: str | None) -> bool:
+    """True when a lease owner (``host/pid/boot/wN#attempt``) is a process on this host that is gone:
+    its pid is not running, or the pid is ours but from an earlier boot. Unknown hosts: False
+    (their leases expire instead)."""
+    if not owner:
+        return True
+    parts = owner.split("/")
+    if len(parts) != 4 or parts[0] != HOST or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return parts[2] != BOOT
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _error(type_: str, title: str, detail: str) -> dict[str, str]:
+    return {"type": type_, "title": title, "detail": detail}
+
+
+class _Lease:
+    """Keeps one claimed job's lease alive from a side thread; throttles progress writes;
+    answers ``should_cancel`` (a user cancel, a lost lease, or a shutdown)."""
+
+    def __init__(self, store: JobStore, job: JobRecord, *, lease_s: float, heartbeat_s: float,
+                 progress_write_s: float, shutdown: threading.Event, on_beat: Callable[[], None]) -> None:
+        self.store, self.job_id, self.owner = store, job.id, job.lease_owner or ""
+        self.on_beat = on_beat
+        self.lease_s, self.heartbeat_s, self.progress_write_s = lease_s, heartbeat_s, progress_write_s
+        self.shutdown = shutdown
+        self.state = "ok"
+        self._progress: dict[str, Any] | None = None
+        self._last_write = 0.0
+        self._last_check = time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"quantd-lease-{job.id[:8]}", daemon=True)
+
+    def __enter__(self) -> _Lease:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.heartbeat_s):
+            try:
+                self._update(self.store.heartbeat(self.job_id, self.owner, self.lease_s, self._progress))
+                self.on_beat()
+            except Exception:  # a missed beat is survivable: the lease outlasts several
+                log.exception("job %s: heartbeat failed", self.job_id)
+
+    def _update(self, state: str) -> None:
+        if state != "ok":
+            self.state = state
+
+    def on_progress(self, progress: Progress) -> None:
+        self._progress = progress.model_dump()
+        now = time.monotonic()
+        final = progress.tensors_total > 0 and progress.tensors_done >= progress.tensors_total
+        if final or now - self._last_write >= self.progress_write_s:
+            self._last_write = now
+            self._update(self.store.heartbeat(self.job_id, self.owner, self.lease_s, self._progress))
+
+    def should_cancel(self) -> bool:
+        now = time.monotonic()
+        if self.state == "ok" and now - self._last_check >= self.progress_write_s:
+            self._last_check = now
+            self._update(self.store.lease_state(self.job_id, self.owner))
+        return self.state != "ok" or self.shutdown.is_set()
+
+
+class Worker:
+    """One worker thread bound to one device."""
+
+    def __init__(self, index: int, device: str, *, store: JobStore, storage: ArtifactStore,
+                 quantize_fn: QuantizeFn, lease_s: float, heartbeat_s: float, poll_s: float,
+                 progress_write_s: float, wake: threading.Event, stop: threading.Event) -> None:
+        self.id = new_worker_id(index)
+        self.device = device
+        self.store, self.storage, self.quantize_fn = store, storage, quantize_fn
+        self.lease_s, self.heartbeat_s, self.poll_s = lease_s, heartbeat_s, poll_s
+        self.progress_write_s = progress_write_s
+        self.wake, self.stop = wake, stop
+        self.busy_job: str | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"quantd-worker-{index}", daemon=True)
+
+    def start(self) -> None:
+        self.store.register_worker(self.id, self.device)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _loop(self) -> None:
+        last_beat = 0.0
+        while not self.stop.is_set():
+            try:
+                if time.monotonic() - last_beat >= self.heartbeat_s:
+                    self.store.worker_heartbeat(self.id, None)
+                    last_beat = time.monotonic()
+                job = self.store.claim(self.id, self.device, self.lease_s)
+            except Exception:  # the DB briefly unavailable must not kill the worker
+                log.exception("worker %s: claim failed", self.id)
+                job = None
+            if job is None:
+                self.wake.wait(self.poll_s)
+                self.wake.clear()
+                continue
+            self.busy_job = job.id
+            try:
+                self.store.worker_heartbeat(self.id, job.id)
+                self.run_job(job)
+            except Exception:
+                # Recording the end failed (DB or disk): the lease expires and the reaper retries it.
+                log.exception("worker %s: job %s could not be recorded", self.id, job.id)
+            finally:
+                self.busy_job = None
+                last_beat = 0.0
+        try:
+            self.store.unregister_worker(self.id)
+        except Exception:
+            log.exception("worker %s: unregister failed", self.id)
+
+    def run_job(self, job: JobRecord) -> None:
+        owner = job.lease_owner or ""
+        log.info("worker %s: job %s attempt %d on %s", self.id, job.id, job.attempts, self.device)
+        tmp = self.storage.artifact_tmp_path(job.id)
+        try:
+            with _Lease(self.store, job, lease_s=self.lease_s, heartbeat_s=self.heartbeat_s,
+                        progress_write_s=self.progress_write_s, shutdown=self.stop,
+                        on_beat=lambda: self.store.worker_heartbeat(self.id, job.id)) as lease:
+                outcome = self._quantize(job, tmp, lease)
+            if isinstance(outcome, dict):
+                if self.store.fail(job.id, owner, outcome):
+                    self.storage.delete_job_files(job.id)
+                return
+            if outcome is None:  # cancelled, lease lost, or shutting down
+                self._end_interrupted(job, owner)
+                return
+            artifact = self.storage.commit_artifact(tmp, job.id)
+            report = outcome.model_copy(update={"job_id": job.id})
+            self.storage.put_report(job.id, report.model_dump_json())
+            result = {"artifact_bytes": artifact.bytes, "artifact_sha256": artifact.sha256,
+                      "summary": report.summary.model_dump(mode="json")}
+            if not self.store.complete(job.id, owner, result):
+                self._end_interrupted(job, owner)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _quantize(self, job: JobRecord, tmp: Path, lease: _Lease) -> Report | dict[str, str] | None:
+        """The pipeline's Report; an error dict when the job fails; None when interrupted."""
+        import torch
+
+        src = self.storage.upload_path(job.id, "input")
+        if not src.is_file():
+            return _error("urn:quantd:storage-error", "Storage error", f"the upload of job {job.id} is gone")
+        try:
+            return self.quantize_fn(src, tmp, QuantConfig.model_validate(job.config), device=self.device,
+                                    filename=job.input.get("filename"), job_id=job.id,
+                                    on_progress=lease.on_progress, should_cancel=lease.should_cancel)
+        except JobCancelled:
+            return None
+        except torch.cuda.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            log.warning("worker %s: job %s out of memory on %s", self.id, job.id, self.device)
+            return _error("urn:quantd:out-of-memory", "Out of device memory",
+                          f"out of memory on {self.device}: {str(e).splitlines()[0] if str(e) else ''}")
+        except QuantdError as e:
+            return _error(e.type_, e.title, e.detail)
+        except Exception as e:
+            log.exception("worker %s: job %s crashed", self.id, job.id)
+            return _error("urn:quantd:internal", "Internal error", f"{type(e).__name__}: {e}")
+
+    def _end_interrupted(self, job: JobRecord, owner: str) -> None:
+        state = self.store.lease_state(job.id, owner)
+        if state == "cancel":
+            self.store.finish_cancelled(job.id, owner)
+            self.storage.delete_job_files(job.id)
+        elif state == "ok" and self.stop.is_set():
+            self.store.release(job.id, owner)
+        elif state == "ok":  # the pipeline stopped on its own accord: do not leave it running
+            self.store.fail(job.id, owner, _error("urn:quantd:internal", "Internal error",
+                                                  "the pipeline stopped without a cancel"))
+        # "lost": the job was re-queued or ended by someone else; nothing of ours to record.
