@@ -3,8 +3,9 @@
 The server uses ``JobService`` (see docs/architecture.md, "jobs API"), as specified there, with:
 - ``submit(..., calibration=None, idempotency_key=None)`` takes ownership of the upload files (moved
   under ``uploads/`` or deleted). Stream uploads into ``new_upload_path(suffix)`` (under ``data_dir/tmp``).
-- ``start()``/``stop()`` are async (``start_sync``/``stop_sync`` too); ``ready()`` returns ``Readiness``
-  (truthy when DB, storage and ≥1 worker are up; ``.database``, ``.storage``, ``.workers``).
+- ``start()``/``stop()`` are async (``start_sync``/``stop_sync`` too). Sync, blocking (call from a
+  thread): ``ready() -> {"database": bool, "storage": bool, "workers": int}``, ``live_workers() -> int``,
+  ``busy_workers() -> int`` (workers of every process on the DB), ``queue_depth()``, ``counts_by_status()``.
 - ``cancel`` of a running job returns it still ``running`` (cancel asked); of a finished job, deletes its
   files. ``report``/``artifact_path`` raise JobNotReady (409) until succeeded, JobExpired (410) once the
   files were deleted (TTL or DELETE). Errors: quantd.jobs.errors (JobNotFound 404, JobNotReady 409,
@@ -24,7 +25,7 @@ from .errors import (
 )
 from .pool import WorkerPool, open_backends, run_worker
 from .records import JobRecord
-from .service import JobService, Readiness, decode_cursor, encode_cursor
+from .service import JobService, decode_cursor, encode_cursor
 from .storage import ArtifactStore, LocalStorage, StoredArtifact, StoredUpload
 from .store import JobStore, SQLiteJobStore
 from .worker import QuantizeFn
@@ -43,7 +44,6 @@ __all__ = [
     "LocalStorage",
     "QuantizeFn",
     "QueueFull",
-    "Readiness",
     "SQLiteJobStore",
     "StorageError",
     "StoredArtifact",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import builtins
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,20 +24,6 @@ from .worker import QuantizeFn
 
 T = TypeVar("T")
 MAX_LIMIT = 100
-
-
-@dataclass(frozen=True)
-class Readiness:
-    database: bool
-    storage: bool
-    workers: int
-
-    @property
-    def ok(self) -> bool:
-        return self.database and self.storage and self.workers > 0
-
-    def __bool__(self) -> bool:
-        return self.ok
 
 
 def encode_cursor(created_at: float, job_id: str) -> str:
@@ -241,19 +227,23 @@ class JobService:
     def counts_by_status(self) -> dict[str, int]:
         return self.store.counts_by_status()
 
+    def _remote_workers(self) -> builtins.list[dict[str, Any]]:
+        local = {w.id for w in self._pool.workers} if self._pool else set()
+        return [w for w in self.store.live_workers(self.config.lease_s) if w["id"] not in local]
+
     def busy_workers(self) -> int:
         """Workers running a job: this process's, plus other worker processes on the same DB."""
-        local = {w.id for w in self._pool.workers} if self._pool else set()
-        others = [w for w in self.store.live_workers(self.config.lease_s) if w["id"] not in local]
-        return (self._pool.busy() if self._pool else 0) + sum(w["busy_job"] is not None for w in others)
+        local = self._pool.busy() if self._pool else 0
+        return local + sum(w["busy_job"] is not None for w in self._remote_workers())
 
-    async def ready(self) -> Readiness:
-        def check() -> Readiness:
-            if self._store is None or self._storage is None or self._pool is None:
-                return Readiness(database=False, storage=False, workers=0)
-            local = {w.id for w in self._pool.workers}
-            remote = [w for w in self._store.live_workers(self.config.lease_s) if w["id"] not in local]
-            return Readiness(database=self._store.ping(), storage=self._storage.writable(),
-                             workers=self._pool.alive() + len(remote))
+    def live_workers(self) -> int:
+        """Workers alive: this process's threads, plus other processes' with a heartbeat within lease_s."""
+        return (self._pool.alive() if self._pool else 0) + len(self._remote_workers())
 
-        return await self._run(check)
+    def ready(self) -> dict[str, Any]:
+        """``{"database": bool, "storage": bool, "workers": int}``; ready when all are truthy.
+        Blocking (a DB query and a probe file): call it from a thread."""
+        if self._store is None or self._storage is None:
+            return {"database": False, "storage": False, "workers": 0}
+        return {"database": self._store.ping(), "storage": self._storage.writable(),
+                "workers": self.live_workers()}
