@@ -45,7 +45,8 @@ def jobs_config(settings: Settings, *, workers: int | None) -> Any:
                       ttl_s=settings.job_ttl_s, max_queue=settings.max_queue)
 
 
-def embedded_worker_count(settings: Settings) -> int:
+def embedded_worker_count(settings: Settings) -> int | None:
+    """Workers inside the API process: None = one per CUDA device (one CPU worker without CUDA)."""
     return settings.workers if settings.embedded_workers else 0
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 
 from .logging import configure_logging
 from .settings import Settings
@@ -25,27 +23,13 @@ def run_server(settings: Settings) -> None:
                 log_level=settings.log_level.lower(), timeout_graceful_shutdown=30)
 
 
-def run_worker(settings: Settings, *, workers: int | None = None) -> None:
-    """Workers only (no HTTP), over the same data dir; stops on SIGINT/SIGTERM."""
-    from quantd.jobs import JobService
+def run_worker(settings: Settings) -> None:
+    """Workers only (no HTTP) over the same data dir; stops gracefully on SIGINT/SIGTERM.
+    ``settings.workers`` of 0 or unset = one per device."""
+    from quantd.jobs import run_worker as run_jobs_worker
 
     from .app import jobs_config
 
     configure_logging(settings.log_level)
-    n = settings.workers if workers is None else workers
-    service = JobService(jobs_config(settings, workers=max(1, n)))
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await service.start()
-        log.info("quantd worker started", extra={"data_dir": str(settings.data_dir), "workers": max(1, n)})
-        try:
-            await stop.wait()
-        finally:
-            await service.stop()
-            log.info("quantd worker stopped")
-
-    asyncio.run(main())
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    run_jobs_worker(jobs_config(settings, workers=settings.workers or None))

@@ -56,7 +56,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     data_dir: Path = Path("quantd-data")
-    workers: int = Field(1, ge=0, le=64, description="embedded workers in `quantd serve`; 0 = API only")
+    workers: int | None = Field(None, ge=0, le=64, description=(
+        "workers: unset = one per CUDA device (one CPU worker without CUDA); 0 = API only (serve)"))
     device: str = "auto"
     api_keys: SecretStr | None = None
     api_keys_file: Path | None = None

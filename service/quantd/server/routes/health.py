@@ -26,11 +26,11 @@ async def healthz() -> dict[str, str]:
                 **problem_responses(503)})
 async def readyz(state: StateDep) -> JSONResponse:
     checks: dict[str, Any] = await anyio.to_thread.run_sync(state.jobs.ready)
-    ok = bool(checks.get("database")) and bool(checks.get("storage")) and int(checks.get("workers", 0)) > 0
-    if ok:
+    workers = int(checks.get("workers", 0))
+    if checks.get("database") and checks.get("storage") and workers > 0:
         return JSONResponse({"status": "ready", "checks": checks})
     failing = [k for k in ("database", "storage") if not checks.get(k)]
-    if int(checks.get("workers", 0)) <= 0:
+    if workers <= 0:
         failing.append("workers (no live worker heartbeat)")
     return JSONResponse({"type": "about:blank", "title": "Service Unavailable", "status": 503,
                          "detail": f"not ready: {', '.join(failing)}", "checks": checks},

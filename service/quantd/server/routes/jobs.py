@@ -76,7 +76,7 @@ async def submit_job(
 async def list_jobs(
     state: StateDep, tenant: TenantDep,
     status: Annotated[str | None, Query(description="queued|running|succeeded|failed|cancelled")] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
     cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page")] = None,
 ) -> JobList:
     return await state.jobs.list(tenant, status=status, limit=limit, cursor=cursor)

@@ -1,0 +1,129 @@
+"""Health, readiness, info, metrics, problem+json for Starlette's own errors, request ids, OpenAPI."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from quantd.server.settings import GiB
+
+from .conftest import KEY_A, assert_problem
+
+
+async def test_healthz_and_readyz_with_an_embedded_worker(server):
+    r = await server.client.get("/healthz")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    r = await server.client.get("/readyz")
+    assert r.status_code == 200, r.text
+    assert r.json()["checks"] == {"database": True, "storage": True, "workers": 1}
+
+
+async def test_readyz_is_503_without_any_worker(make_server):
+    async with make_server(workers=0) as h:
+        body = assert_problem(await h.client.get("/readyz"), 503)
+        assert "workers" in body["detail"]
+        assert body["checks"]["database"] is True and body["checks"]["workers"] == 0
+
+
+async def test_info_reports_limits_devices_and_capabilities(make_server):
+    async with make_server(max_upload_bytes=3 * GiB, max_sync_bytes=1000, max_queue=7) as h:
+        info = (await h.client.get("/v1/info")).json()
+    assert info["limits"] == {"max_upload_bytes": 3 * GiB, "max_sync_bytes": 1000, "max_analyze_configs": 16,
+                              "max_queue": 7}
+    assert info["devices"][0]["name"] == "cpu" and info["devices"][0]["memory_bytes"] > 0
+    assert "int4" in info["dtypes"] and "nf4" in info["dtypes"]
+    assert "percentile" in info["observers"] and info["methods"] == ["rtn"]
+    assert set(info["input_formats"]) == {"safetensors", "pytorch", "npy", "npz"}
+    assert info["auth"] is False
+
+
+async def test_unknown_path_and_wrong_method_are_problems(server):
+    body = assert_problem(await server.client.get("/v1/nope"), 404)
+    assert "/v1/nope" in body["detail"]
+    body = assert_problem(await server.client.put("/v1/info"), 405)
+    assert "PUT" in body["detail"]
+
+
+async def test_query_validation_is_a_422_problem_naming_the_parameter(server):
+    body = assert_problem(await server.client.get("/v1/jobs", params={"limit": "0"}), 422)
+    assert body["errors"][0]["loc"] == ["query", "limit"]
+    body = assert_problem(await server.client.get("/v1/jobs", params={"status": "bogus"}), 422)
+    assert "status" in body["detail"]
+
+
+async def test_unhandled_error_is_a_clean_500_with_the_request_id(server, caplog):
+    async def boom() -> None:
+        raise RuntimeError("secret internals /etc/shadow")
+
+    server.app.add_api_route("/boom", boom)
+    with caplog.at_level(logging.ERROR, logger="quantd.server"):
+        r = await server.client.get("/boom", headers={"X-Request-ID": "rid-123"})
+    body = assert_problem(r, 500)
+    assert "secret" not in r.text and body["request_id"] == "rid-123"
+    assert r.headers["x-request-id"] == "rid-123"
+    assert any(getattr(rec, "request_id", None) == "rid-123" and rec.exc_info for rec in caplog.records)
+    assert (await server.client.get("/healthz")).status_code == 200
+
+
+async def test_request_id_is_generated_or_echoed_and_access_log_has_no_secrets(make_server, caplog):
+    async with make_server(api_keys=f"a:{KEY_A}") as h:
+        with caplog.at_level(logging.INFO, logger="quantd.access"):
+            r1 = await h.client.get("/v1/info", headers={"Authorization": f"Bearer {KEY_A}"})
+            r2 = await h.client.get("/healthz", headers={"X-Request-ID": "bad id with spaces"})
+    assert r1.status_code == 200
+    assert re.fullmatch(r"[0-9a-f]{32}", r1.headers["x-request-id"])
+    assert re.fullmatch(r"[0-9a-f]{32}", r2.headers["x-request-id"])
+    lines = [rec for rec in caplog.records if rec.name == "quantd.access"]
+    assert {rec.path for rec in lines} >= {"/v1/info", "/healthz"}
+    info_line = next(rec for rec in lines if rec.path == "/v1/info")
+    assert info_line.status == 200 and info_line.method == "GET" and info_line.tenant == "a"
+    assert info_line.duration_ms >= 0
+    assert KEY_A not in caplog.text
+
+
+async def test_metrics_exposition_counts_requests_by_route(server):
+    await server.client.get("/healthz")
+    await server.client.get("/v1/jobs/0123/report")
+    text = (await server.client.get("/metrics")).text
+    assert 'quantd_http_requests_total{method="GET",route="/healthz",status="200"} 1' in text
+    assert 'quantd_http_requests_total{method="GET",route="/v1/jobs/{job_id}/report",status="404"} 1' in text
+    assert re.search(r'quantd_http_request_duration_seconds_bucket\{method="GET",route="/healthz",le="\+Inf"\} 1', text)
+    assert 'quantd_jobs{status="queued"} 0' in text
+    assert "quantd_queue_depth 0" in text and "quantd_workers_busy 0" in text
+    for line in text.splitlines():  # every sample line parses as name{labels} value
+        if line and not line.startswith("#"):
+            assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [0-9.e+-]+|.* \+Inf', line), line
+
+
+async def test_openapi_documents_multipart_bodies_and_problem_responses(server):
+    spec = (await server.client.get("/openapi.json")).json()
+    paths = spec["paths"]
+    for p in ("/healthz", "/readyz", "/metrics", "/v1/info", "/v1/analyze", "/v1/quantize", "/v1/calibrate",
+              "/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/events", "/v1/jobs/{job_id}/report",
+              "/v1/jobs/{job_id}/artifact"):
+        assert p in paths, p
+    assert "delete" in paths["/v1/jobs/{job_id}"]
+    body = paths["/v1/jobs"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    assert body["schema"]["properties"]["config"]["$ref"] == "#/components/schemas/QuantConfig"
+    assert set(body["schema"]["required"]) == {"file", "config"}
+    assert body["example"]
+    post = paths["/v1/jobs"]["post"]["responses"]
+    assert {"202", "413", "415", "422", "429"} <= set(post)
+    assert "application/problem+json" in post["422"]["content"]
+    assert "Location" in post["202"]["headers"]
+    art = paths["/v1/jobs/{job_id}/artifact"]["get"]["responses"]
+    assert {"200", "206", "409", "416"} <= set(art)
+    assert "Quantd-Summary" in paths["/v1/quantize"]["post"]["responses"]["200"]["headers"]
+    assert paths["/v1/analyze"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"][
+        "configs"]["maxItems"] == 16
+    for name in ("QuantConfig", "Scheme", "ObserverSpec", "Job", "Report"):
+        assert name in spec["components"]["schemas"], name
+    assert "HTTPValidationError" not in str(spec)
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/metrics", "/readyz"])
+async def test_ops_endpoints_need_no_key(make_server, path):
+    async with make_server(api_keys=f"a:{KEY_A}") as h:
+        assert (await h.client.get(path)).status_code == 200
