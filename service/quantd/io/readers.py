@@ -149,11 +149,13 @@ class PyTorchReader(ModelReader):
         try:
             obj = torch.load(path, weights_only=True, mmap=is_zip, map_location="cpu")
         except pickle.UnpicklingError as e:
-            if "weights only" in str(e).lower() or "weights_only" in str(e).lower():
+            msg = str(e)
+            why = msg.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0][:300] if msg else ""
+            if "Weights only load failed" in msg and "Unsupported operand" not in why:
                 raise UnsafeInputError(
-                    "PyTorch checkpoint refused: it needs code beyond plain tensors to load "
-                    f"(weights-only mode): {str(e).splitlines()[0][:300]}") from None
-            raise MalformedInputError(f"corrupt PyTorch pickle: {str(e)[:300]}") from None
+                    f"PyTorch checkpoint refused: loading it needs code beyond plain tensors (weights-only "
+                    f"mode; nothing was executed): {why}") from None
+            raise MalformedInputError(f"corrupt PyTorch pickle: {why or msg[:300]}") from None
         except Exception as e:  # torch raises RuntimeError/EOFError/KeyError/... on corrupt archives
             raise MalformedInputError(f"corrupt PyTorch checkpoint ({type(e).__name__}): {str(e)[:300]}") from None
         if isinstance(obj, Mapping) and len(obj) == 1:

@@ -1,0 +1,239 @@
+"""Hostile inputs: each raises the right typed error, quickly, without reading out of proportion."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from quantd.errors import (
+    InputTooLargeError,
+    MalformedInputError,
+    QuantdError,
+    UnsafeInputError,
+    UnsupportedFormatError,
+)
+from quantd.io import open_model
+
+
+@contextmanager
+def fast_error(kind: type[QuantdError], match: str | None = None, budget_s: float = 2.0) -> Iterator[None]:
+    t0 = time.perf_counter()
+    with pytest.raises(kind, match=match) as ei:
+        yield
+    assert time.perf_counter() - t0 < budget_s, "hostile input took too long to refuse"
+    assert type(ei.value) is kind  # not a subclass standing in for another error
+
+
+def _open_and_load_all(p: Path) -> None:
+    with open_model(p) as r:
+        for t in r.tensors:
+            r.load(t.name, "cpu")
+
+
+F32_2x2 = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+
+
+def test_huge_header_length(tmp_path: Path) -> None:
+    p = tmp_path / "m.safetensors"
+    p.write_bytes(struct.pack("<Q", 2**62) + b'{"a": 1}' + b"\x00" * 32)
+    with fast_error(MalformedInputError, "header length"):
+        open_model(p)
+
+
+def test_header_longer_than_file(st_file: Callable[..., Path]) -> None:
+    with fast_error(MalformedInputError, "larger than the file"):
+        open_model(st_file({"w": F32_2x2}, b"\x00" * 16, header_len=10_000))
+
+
+def test_header_not_json(tmp_path: Path) -> None:
+    p = tmp_path / "m.safetensors"
+    body = b"{not json at all" + b"\xff\xfe"
+    p.write_bytes(struct.pack("<Q", len(body)) + body + b"\x00" * 16)
+    with fast_error(MalformedInputError, "JSON"):
+        open_model(p)
+
+
+def test_header_not_an_object(tmp_path: Path) -> None:
+    p = tmp_path / "m.safetensors"
+    body = b"{}"
+    p.write_bytes(struct.pack("<Q", len(body)) + body)
+    with open_model(p) as r:  # an empty safetensors file is valid: no tensors
+        assert r.tensors == []
+
+
+def test_offsets_past_end(st_file: Callable[..., Path]) -> None:
+    h = {"w": {"dtype": "F32", "shape": [1000, 1000], "data_offsets": [0, 4_000_000]}}
+    with fast_error(MalformedInputError, "'w'.*outside the data section"):
+        open_model(st_file(h, b"\x00" * 64))
+
+
+def test_overlapping_ranges(st_file: Callable[..., Path]) -> None:
+    h = {"a": F32_2x2, "b": {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 24]}}
+    with fast_error(MalformedInputError, "overlaps"):
+        open_model(st_file(h, b"\x00" * 24))
+
+
+def test_truncated_data(tmp_path: Path) -> None:
+    p = tmp_path / "m.safetensors"
+    save_file({"a": torch.randn(64, 64), "b": torch.randn(64, 64)}, str(p))
+    p.write_bytes(p.read_bytes()[:-100])
+    with fast_error(MalformedInputError, "truncated file or lying header"):
+        open_model(p)
+
+
+def test_dtype_shape_mismatch(st_file: Callable[..., Path]) -> None:
+    h = {"w": {"dtype": "F16", "shape": [2, 2], "data_offsets": [0, 16]}}
+    with fast_error(MalformedInputError, "'w'.*needs 8"):
+        open_model(st_file(h, b"\x00" * 16))
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"dtype": "F7", "shape": [2], "data_offsets": [0, 8]}, "unknown dtype"),
+    ({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}, "shape"),
+    ({"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}, "shape"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0]}, "data_offsets"),
+    ({"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 8]}, "outside|needs"),
+    ("not an object", "not an object"),
+])
+def test_bad_entries(st_file: Callable[..., Path], entry: object, match: str) -> None:
+    with fast_error(MalformedInputError, match):
+        open_model(st_file({"w": entry}, b"\x00" * 8))
+
+
+class _Boom:
+    """Unpickling this would create ``marker``: the readers must never run it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.marker), "w"))
+
+
+@pytest.mark.parametrize("how", ["torch_zip", "legacy_pickle", "plain_pickle"])
+def test_malicious_pickle_never_executed(tmp_path: Path, how: str) -> None:
+    marker = tmp_path / "PWNED"
+    payload = {"w": torch.ones(2), "evil": _Boom(marker)}
+    p = tmp_path / "model.pt"
+    if how == "torch_zip":
+        torch.save(payload, p)
+    elif how == "legacy_pickle":
+        torch.save(payload, p, _use_new_zipfile_serialization=False)
+    else:
+        p.write_bytes(pickle.dumps(payload, protocol=2))
+    assert not marker.exists()
+    with fast_error(UnsafeInputError, "weights-only"):
+        open_model(p)
+    assert not marker.exists()
+
+
+def test_object_npy_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    p = tmp_path / "w.npy"
+    np.save(p, np.array([_Boom(marker), 1], dtype=object), allow_pickle=True)
+    with fast_error(UnsafeInputError, "object arrays"):
+        open_model(p)
+    assert not marker.exists()
+
+
+def test_object_npz_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    p = tmp_path / "w.npz"
+    np.savez(p, good=np.ones(3), bad=np.array([_Boom(marker)], dtype=object))
+    with fast_error(UnsafeInputError, "'bad'.*object arrays"):
+        open_model(p)
+    assert not marker.exists()
+
+
+def _npy_header(shape: tuple[int, ...], dtype: str = "<f4") -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": dtype, "fortran_order": False, "shape": shape})
+    assert buf.getvalue().startswith(b"\x93NUMPY")
+    return buf.getvalue()
+
+
+def test_npz_bomb_declared_shape(tmp_path: Path) -> None:
+    """A member whose header claims 4 TiB: refused from the header alone."""
+    p = tmp_path / "bomb.npz"
+    with zipfile.ZipFile(p, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("w.npy", _npy_header((2**20, 2**20)) + b"\x00" * 1024)
+    with fast_error(InputTooLargeError, "'w'.*declares 4398046511104 bytes"):
+        open_model(p)
+
+
+def test_npz_bomb_real_zeros_bounded(tmp_path: Path) -> None:
+    """A 128 MiB member of zeros (~130 KB compressed) against a 16 MiB per-tensor limit."""
+    p = tmp_path / "bomb.npz"
+    n = 32 * 1024 * 1024
+    with zipfile.ZipFile(p, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf, zf.open("w.npy", "w") as f:
+        f.write(_npy_header((n,)))
+        chunk = bytes(4 * 1024 * 1024)
+        for _ in range(n * 4 // len(chunk)):
+            f.write(chunk)
+    assert p.stat().st_size < 2 * 1024 * 1024
+    with fast_error(InputTooLargeError, "limit 16777216", budget_s=0.5):
+        open_model(p, max_tensor_bytes=16 * 1024 * 1024)
+
+
+def test_npz_member_size_lies(tmp_path: Path) -> None:
+    """The .npy header says 100 floats, the archive holds 10: refused before inflating."""
+    p = tmp_path / "lie.npz"
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("w.npy", _npy_header((100,)) + b"\x00" * 40)
+    with fast_error(MalformedInputError, "declares .* uncompressed bytes"):
+        open_model(p)
+
+
+def test_npz_non_npy_member(tmp_path: Path) -> None:
+    p = tmp_path / "x.npz"
+    with zipfile.ZipFile(p, "w") as zf:
+        buf = io.BytesIO()
+        np.save(buf, np.ones(3, np.float32))
+        zf.writestr("w.npy", buf.getvalue())
+        zf.writestr("payload.pkl", b"\x80\x04N.")
+    with fast_error(MalformedInputError, "'payload.pkl' is not a .npy"):
+        open_model(p)
+
+
+def test_npz_corrupt_member_data(tmp_path: Path) -> None:
+    p = tmp_path / "x.npz"
+    np.savez_compressed(p, w=np.random.default_rng(0).standard_normal(4096).astype(np.float32))
+    raw = bytearray(p.read_bytes())
+    mid = len(raw) // 2
+    raw[mid:mid + 64] = b"\x00" * 64  # corrupt the deflate stream, keep the zip directory
+    p.write_bytes(bytes(raw))
+    with fast_error(MalformedInputError):
+        _open_and_load_all(p)
+
+
+def test_truncated_pytorch_zip(tmp_path: Path) -> None:
+    p = tmp_path / "m.pt"
+    torch.save({"w": torch.randn(128, 128)}, p)
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    with fast_error(MalformedInputError):
+        _open_and_load_all(p)
+
+
+def test_corrupt_legacy_pickle(tmp_path: Path) -> None:
+    p = tmp_path / "m.pt"
+    p.write_bytes(b"\x80\x02" + b"\x00" * 30)
+    with fast_error(MalformedInputError):
+        open_model(p)
+
+
+def test_unsupported_npy_dtype(tmp_path: Path) -> None:
+    p = tmp_path / "c.npy"
+    np.save(p, np.ones(3, np.complex64))
+    with fast_error(UnsupportedFormatError, "complex64"):
+        open_model(p)

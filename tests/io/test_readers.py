@@ -1,0 +1,159 @@
+"""Every input format round-trips tensor by tensor, detected by content, not by extension."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from quantd.errors import MalformedInputError, UnsupportedFormatError
+from quantd.io import detect_format, open_model
+from quantd.io.readers import sanitize_name
+
+
+def _ref_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w32": torch.randn(4, 6, generator=g),
+        "w16": torch.randn(3, 5, generator=g).half(),
+        "wbf": torch.randn(2, 8, generator=g).bfloat16(),
+        "w64": torch.randn(5, 2, generator=g, dtype=torch.float64),
+        "ids": torch.arange(7, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+def _check_all(path: Path, expected: dict[str, torch.Tensor], fmt: str, filename: str | None = None) -> None:
+    with open_model(path, filename) as r:
+        assert r.format == fmt
+        assert {t.name for t in r.tensors} == set(expected)
+        for info in r.tensors:
+            ref = expected[info.name]
+            assert info.shape == tuple(ref.shape)
+            assert info.dtype == str(ref.dtype).removeprefix("torch.")
+            assert info.nbytes == ref.numel() * ref.element_size()
+            got = r.load(info.name, "cpu")
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            assert torch.equal(got, ref)
+
+
+def test_safetensors_round_trip_any_extension(tmp_path: Path) -> None:
+    ref = _ref_tensors()
+    p = tmp_path / "weights.bin"  # the extension lies; the content decides
+    save_file(ref, str(p))
+    assert detect_format(p) == "safetensors"
+    _check_all(p, ref, "safetensors")
+
+
+def test_pytorch_zip_nested_state_dict(tmp_path: Path) -> None:
+    ref = _ref_tensors()
+    p = tmp_path / "ckpt.npy"
+    torch.save({"model": {"enc": {k: v for k, v in ref.items() if k != "scalar"}, "scalar": ref["scalar"]},
+                }, p)
+    assert detect_format(p) == "pytorch"
+    expected = {f"enc.{k}": v for k, v in ref.items() if k != "scalar"} | {"scalar": ref["scalar"]}
+    _check_all(p, expected, "pytorch")
+
+
+def test_pytorch_non_tensor_leaves_skipped_and_top_level_kept(tmp_path: Path) -> None:
+    p = tmp_path / "ckpt.pt"
+    w = torch.randn(2, 3)
+    torch.save({"epoch": 3, "state_dict": {"w": w}, "names": ["a", "b"], "lr": 0.1}, p)
+    _check_all(p, {"state_dict.w": w}, "pytorch")
+
+
+def test_pytorch_legacy_pickle(tmp_path: Path) -> None:
+    ref = {k: v for k, v in _ref_tensors().items() if k != "empty"}
+    p = tmp_path / "legacy.pth"
+    torch.save(ref, p, _use_new_zipfile_serialization=False)
+    assert p.read_bytes()[:2] == b"\x80\x02"
+    _check_all(p, ref, "pytorch")
+
+
+def test_pytorch_bare_tensor_named_by_stem(tmp_path: Path) -> None:
+    p = tmp_path / "x.pt"
+    w = torch.randn(3, 3)
+    torch.save(w, p)
+    _check_all(p, {"emb": w}, "pytorch", filename="emb.pt")
+
+
+@pytest.mark.parametrize("dtype", ["<f4", ">f4", "<f2", "<f8", "<i8", "|u1", "|b1"])
+@pytest.mark.parametrize("fortran", [False, True])
+def test_npy_round_trip(tmp_path: Path, dtype: str, fortran: bool) -> None:
+    a = (np.arange(24).reshape(4, 6) % 5).astype(dtype)
+    if fortran:
+        a = np.asfortranarray(a)
+    p = tmp_path / "upload.tmp"
+    np.save(p, a)
+    p = tmp_path / "upload.tmp.npy"
+    assert detect_format(p) == "npy"
+    with open_model(p, "My Layer (1).weight.npy") as r:
+        (info,) = r.tensors
+        assert info.name == "My_Layer__1_.weight"
+        got = r.load(info.name, "cpu")
+    assert got.is_contiguous()
+    np.testing.assert_array_equal(got.numpy(), a)
+    assert got.numpy().dtype == a.dtype.newbyteorder("=")
+
+
+def test_npz_round_trip(tmp_path: Path) -> None:
+    arrays = {"a": np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32),
+              "b": np.arange(5, dtype=np.int32), "c": np.zeros((0, 3), np.float16)}
+    for compress in (np.savez, np.savez_compressed):
+        p = tmp_path / f"{compress.__name__}.weights"
+        with p.open("wb") as f:  # a file object: numpy would otherwise append ".npz"
+            compress(f, **arrays)
+        assert detect_format(p) == "npz"
+        _check_all(p, {k: torch.from_numpy(v) for k, v in arrays.items()}, "npz")
+
+
+def test_sanitize_name() -> None:
+    assert sanitize_name("../../etc/passwd") == "_.._etc_passwd"
+    assert sanitize_name("") == "tensor"
+    assert sanitize_name("layer.0-w") == "layer.0-w"
+
+
+@pytest.mark.parametrize("content", [b"", b"hello world, not a model", b"\x00" * 64, b"GGUF\x03\x00\x00\x00" * 4,
+                                     b"\x89PNG\r\n\x1a\n" + b"\x00" * 32])
+def test_junk_is_unsupported(tmp_path: Path, content: bytes) -> None:
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(content)
+    with pytest.raises(UnsupportedFormatError):
+        open_model(p)
+
+
+def test_zip_of_other_files_is_unsupported(tmp_path: Path) -> None:
+    p = tmp_path / "x.npz"
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("readme.txt", "hi")
+    with pytest.raises(UnsupportedFormatError):
+        detect_format(p)
+
+
+def test_load_to_meta_device_keeps_dtype(tmp_path: Path) -> None:
+    p = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(2, 2).bfloat16()}, str(p))
+    with open_model(p) as r:
+        t = r.load("w", torch.device("meta"))
+    assert t.device.type == "meta" and t.dtype == torch.bfloat16
+
+
+def test_unknown_tensor_name(tmp_path: Path) -> None:
+    p = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(2, 2)}, str(p))
+    with open_model(p) as r, pytest.raises(KeyError, match="nope"):
+        r.load("nope", "cpu")
+
+
+def test_truncated_npy(tmp_path: Path) -> None:
+    p = tmp_path / "w.npy"
+    np.save(p, np.ones((10, 10), np.float32))
+    p.write_bytes(p.read_bytes()[:-4])
+    with pytest.raises(MalformedInputError, match="'w'"):
+        open_model(p)
