@@ -1,0 +1,252 @@
+"""quantize / dequantize: the engine's verbs over the block view of :mod:`quantd.engine.granularity`.
+
+Integer dtypes: ``code = clamp(round(x / scale) + zero_point, qmin, qmax)``, ``x̂ = (code − zero_point) · scale``
+(round half to even). nf4: ``code = argmin_i |x / scale − codebook[i]|``, ``x̂ = codebook[code] · scale``.
+fp8: ``code = fp8(clamp(x / scale, ±max_finite))``, ``x̂ = code · scale``. float16/bfloat16: a saturating
+cast (values beyond the largest finite value become ±max, never inf). Inputs are taken as float32.
+
+Speed: the blocks are processed in chunks of rows small enough to stay in cache across the passes
+(observe, divide, round, clamp, store), with in-place ops into one preallocated buffer. For the
+minmax observer the range of each chunk is observed right before it is encoded, so the input is read
+from memory once. The chunked path computes exactly what the plain formulas above compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from quantd.engine.granularity import (
+    Granularity,
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    block_view,
+    check_applicable,
+    granularity_of,
+    unblock,
+)
+from quantd.engine.qparams import choose_qparams, code_dtype, scale_torch_dtype
+from quantd.engine.types import QuantizedTensor
+from quantd.errors import ConfigError, NonFiniteError
+from quantd_client import Scheme
+from quantd_client._dtypes import NF4_CODEBOOK, DTypeInfo, dtype_info
+
+# 2 MiB of float32: a chunk and its buffer stay in the 2 MiB-per-core L2 across their passes.
+CHUNK_ELEMENTS = 1 << 19
+
+FP8_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+FLOAT_TORCH_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+Range = tuple[torch.Tensor, torch.Tensor]
+
+
+def _minmax_range(blocks: torch.Tensor) -> Range:
+    # amin and amax separately: torch.aminmax over a dim is several times slower on CPU.
+    return blocks.amin(dim=1), blocks.amax(dim=1)
+
+
+def observe(blocks: torch.Tensor, scheme: Scheme) -> Range:
+    """Per-block-row range ``lo[B], hi[B]`` of float32 ``blocks`` by the scheme's observer."""
+    try:
+        from quantd.engine.observers import observe_range
+    except ImportError:  # engine-observers' module not written yet: minmax only
+        if scheme.observer != "minmax":
+            raise ConfigError(f"observer {scheme.observer!r} is not available", field="observer") from None
+        return _minmax_range(blocks)
+    return observe_range(blocks, scheme)
+
+
+def _chunks(rows: int, cols: int) -> Iterator[tuple[slice, slice]]:
+    """Row chunks of about CHUNK_ELEMENTS; a row longer than that is cut into column chunks."""
+    if cols <= CHUNK_ELEMENTS:
+        step = max(1, CHUNK_ELEMENTS // cols)
+        for r in range(0, rows, step):
+            yield slice(r, min(r + step, rows)), slice(0, cols)
+    else:
+        for r in range(rows):
+            for c in range(0, cols, CHUNK_ELEMENTS):
+                yield slice(r, r + 1), slice(c, min(c + CHUNK_ELEMENTS, cols))
+
+
+class _Encoder:
+    """Encodes chunks of blocks into preallocated codes, reusing one float32 buffer."""
+
+    def __init__(self, info: DTypeInfo, blocks: torch.Tensor, codes: torch.Tensor) -> None:
+        self.info = info
+        self.blocks = blocks
+        self.codes = codes
+        n = min(blocks.numel(), CHUNK_ELEMENTS)  # no chunk of _chunks() is larger
+        self.buf = torch.empty(n, dtype=torch.float32, device=blocks.device)
+        cb = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=blocks.device)
+        self.mids = (cb[1:] + cb[:-1]) / 2
+        self.ibuf = torch.empty(n if info.kind == "nf4" else 0, dtype=torch.int32, device=blocks.device)
+
+    def load(self, rs: slice, cs: slice) -> torch.Tensor:
+        """The chunk as float32: a view of the input, or converted into the buffer."""
+        src = self.blocks[rs, cs]
+        if src.dtype == torch.float32:
+            return src
+        buf = self.buf[: src.numel()].view(src.shape)
+        buf.copy_(src)
+        return buf
+
+    def encode(self, src: torch.Tensor, rs: slice, cs: slice, scale: torch.Tensor,
+               zero_point: torch.Tensor | None) -> None:
+        """codes[rs, cs] from float32 ``src`` and per-row float32 ``scale``/``zero_point`` columns."""
+        info, out = self.info, self.codes[rs, cs]
+        buf = self.buf[: src.numel()].view(src.shape)
+        torch.div(src, scale, out=buf)
+        if info.kind == "int":
+            buf.round_()
+            if zero_point is not None:
+                buf.add_(zero_point)
+            buf.clamp_(info.qmin, info.qmax)
+            out.copy_(buf)
+        elif info.kind == "nf4":
+            ibuf = self.ibuf[: src.numel()].view(src.shape)
+            # Left-closed buckets: a value exactly between two levels goes to the lower one.
+            torch.bucketize(buf, self.mids, out_int32=True, out=ibuf)
+            out.copy_(ibuf)
+        else:
+            buf.clamp_(-info.max_finite, info.max_finite)
+            out.copy_(buf)
+
+
+def _check_range(rng: Range, nblocks: int, *, name: str) -> Range:
+    lo, hi = rng
+    if lo.numel() != nblocks or hi.numel() != nblocks:
+        raise ConfigError(f"observer_range has {lo.numel()}/{hi.numel()} values; the scheme needs one per "
+                          f"block ({nblocks})", tensor=name, field="observer_range")
+    lo, hi = lo.reshape(nblocks).float(), hi.reshape(nblocks).float()
+    if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+        raise NonFiniteError("the observed range is not finite (NaN or Inf in the weights?)", tensor=name)
+    return lo, hi
+
+
+def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One read of the input: per chunk of whole rows, observe, choose qparams, encode."""
+    rows, cols = enc.blocks.shape
+    dev = enc.blocks.device
+    scale = torch.empty(rows, dtype=scale_torch_dtype(scheme.scale_dtype), device=dev)
+    zp: torch.Tensor | None = None
+    lo_all = torch.empty(rows, dtype=torch.float32, device=dev)
+    hi_all = torch.empty(rows, dtype=torch.float32, device=dev)
+    for rs, cs in _chunks(rows, cols):
+        src = enc.load(rs, cs)
+        lo, hi = observe(src, scheme)
+        lo_all[rs], hi_all[rs] = lo, hi
+        s, z = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
+                              scale_dtype=scheme.scale_dtype)
+        scale[rs] = s
+        if z is not None:
+            if zp is None:
+                zp = torch.empty(rows, dtype=z.dtype, device=dev)
+            zp[rs] = z
+        enc.encode(src, rs, cs, s.float().unsqueeze(1), None if z is None else z.float().unsqueeze(1))
+    _check_range((lo_all, hi_all), rows, name=name)
+    return scale, zp
+
+
+def _quantize_two_pass(enc: _Encoder, scheme: Scheme, rng: Range | None, *, name: str
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Observe all blocks (or take the given range), then encode chunk by chunk."""
+    rows, cols = enc.blocks.shape
+    if rng is None:
+        if not bool(torch.isfinite(enc.blocks).all()):
+            raise NonFiniteError("NaN or Inf in the weights", tensor=name)
+        rng = observe(enc.blocks.float(), scheme)
+    lo, hi = _check_range(rng, rows, name=name)
+    scale, zp = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
+                               scale_dtype=scheme.scale_dtype)
+    s_col = scale.float().unsqueeze(1)
+    z_col = None if zp is None else zp.float().unsqueeze(1)
+    for rs, cs in _chunks(rows, cols):
+        enc.encode(enc.load(rs, cs), rs, cs, s_col[rs], None if z_col is None else z_col[rs])
+    return scale, zp
+
+
+def _check_input(x: torch.Tensor, *, name: str) -> None:
+    if not x.is_floating_point():
+        raise ConfigError(f"only floating-point tensors are quantized, not {x.dtype}", tensor=name, field="dtype")
+
+
+def _cast(x: torch.Tensor, scheme: Scheme, *, name: str) -> QuantizedTensor:
+    target = FLOAT_TORCH_DTYPES[scheme.dtype]
+    finfo = torch.finfo(target)
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise NonFiniteError("NaN or Inf in the weights", tensor=name)
+    codes = x.clamp(finfo.min, finfo.max).to(target) if x.dtype != target else x.clone()
+    return QuantizedTensor(codes=codes, scale=None, zero_point=None, shape=tuple(x.shape), dtype=scheme.dtype,
+                           orig_dtype=x.dtype, granularity=scheme.granularity, axis=scheme.axis,
+                           group_size=scheme.group_size, symmetric=True, method=scheme.method,
+                           observer=scheme.observer)
+
+
+def quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor",
+             observer_range: Range | None = None) -> QuantizedTensor:
+    """Quantize ``x`` by ``scheme``; codes keep ``x``'s shape, scale/zero point the CONTRACT §5 shapes.
+
+    ``observer_range=(lo, hi)``, one value per block (any shape of that size), skips observing.
+    Raises ConfigError (naming ``name`` and the field) when the scheme cannot apply, NonFiniteError
+    for NaN/Inf weights.
+    """
+    _check_input(x, name=name)
+    info = dtype_info(scheme.dtype)
+    if info.kind == "float":
+        return _cast(x, scheme, name=name)
+    gran = granularity_of(scheme)
+    axis = check_applicable(tuple(x.shape), gran, name=name)
+    blocks, sshape = block_view(x, gran, name=name)
+    codes_dtype = FP8_TORCH_DTYPES[scheme.dtype] if info.kind == "fp8" else code_dtype(scheme.dtype)
+    codes = torch.empty(blocks.shape, dtype=codes_dtype, device=x.device)
+    enc = _Encoder(info, blocks, codes)
+    fused = (observer_range is None and scheme.observer == "minmax" and blocks.shape[0] > 1
+             and blocks.shape[1] <= CHUNK_ELEMENTS)
+    if fused:
+        scale, zp = _quantize_fused_minmax(enc, scheme, name=name)
+    else:
+        scale, zp = _quantize_two_pass(enc, scheme, observer_range, name=name)
+    return QuantizedTensor(
+        codes=unblock(codes, tuple(x.shape), gran), scale=scale.reshape(sshape),
+        zero_point=None if zp is None else zp.reshape(sshape), shape=tuple(x.shape), dtype=scheme.dtype,
+        orig_dtype=x.dtype, granularity=scheme.granularity, axis=axis, group_size=scheme.group_size,
+        symmetric=zp is None, method=scheme.method, observer=scheme.observer)
+
+
+def granularity_of_qt(qt: QuantizedTensor) -> Granularity:
+    if qt.granularity == "tensor":
+        return PerTensor()
+    if qt.granularity == "channel":
+        return PerChannel(axis=qt.axis)
+    return PerGroup(group_size=qt.group_size, axis=qt.axis)
+
+
+def dequantize(qt: QuantizedTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x̂`` in ``dtype`` (computed in float32), on the device of ``qt.codes``."""
+    info = dtype_info(qt.dtype)
+    if info.kind == "float":
+        return qt.codes.to(dtype)
+    if qt.scale is None:
+        raise ConfigError(f"{qt.dtype} codes need a scale", field="scale")
+    gran = granularity_of_qt(qt)
+    blocks, _ = block_view(qt.codes, gran, name="codes")
+    scale = qt.scale.reshape(-1, 1).float()
+    if info.kind == "nf4":
+        cb = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=qt.codes.device)
+        values = cb[blocks.long()] * scale
+    else:
+        values = blocks.float()
+        if qt.zero_point is not None:
+            values = values - qt.zero_point.reshape(-1, 1).float()
+        values = values * scale
+    return unblock(values, qt.shape, gran).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor") -> torch.Tensor:
+    """``dequantize(quantize(x))`` in ``x``'s dtype."""
+    return dequantize(quantize(x, scheme, name=name), dtype=x.dtype)

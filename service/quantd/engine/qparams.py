@@ -1,0 +1,95 @@
+"""Quantization parameters (scale, zero point) from per-block ranges.
+
+Integer dtypes, with the range made to include 0 (``lo = min(lo, 0)``, ``hi = max(hi, 0)``):
+
+- symmetric: ``scale = max(|lo|, |hi|) / ((qmax − qmin) / 2)``, no zero point
+- affine: ``scale = (hi − lo) / (qmax − qmin)``, ``zero_point = clamp(round(qmin − lo / scale), qmin, qmax)``
+
+nf4: ``scale = max(|lo|, |hi|)``; fp8: ``scale = max(|lo|, |hi|) / max_finite``.
+
+The scale is computed in float64 and rounded UP to ``scale_dtype`` (never below the exact value),
+then clamped to ``[smallest positive, largest finite]`` of ``scale_dtype``: the observed range is
+always representable (minmax never clips), and zero blocks get a tiny scale and quantize exactly
+to 0. The zero point is computed from the rounded scale, so stored scale and codes agree exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantd_client._dtypes import DTYPES, dtype_info
+
+SCALE_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+_INT_VIEW: dict[torch.dtype, torch.dtype] = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+}
+
+
+def scale_torch_dtype(scale_dtype: str) -> torch.dtype:
+    try:
+        return SCALE_TORCH_DTYPES[scale_dtype]
+    except KeyError:
+        raise ValueError(f"unknown scale_dtype {scale_dtype!r}; expected one of {sorted(SCALE_TORCH_DTYPES)}") \
+            from None
+
+
+def smallest_positive(dtype: torch.dtype) -> float:
+    """The smallest positive value of ``dtype`` (subnormal where the dtype has them)."""
+    one = torch.ones((), dtype=_INT_VIEW[dtype])
+    return float(one.view(dtype).item())
+
+
+def round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Non-negative ``s`` rounded to ``dtype`` towards +inf, clamped to the finite positive range.
+
+    For positive finite floats the next representable value up is the bit pattern plus one.
+    """
+    r = s.to(dtype)
+    below = r.to(s.dtype) < s
+    bumped = (r.view(_INT_VIEW[dtype]) + 1).view(dtype)
+    r = torch.where(below, bumped, r)
+    info = torch.finfo(dtype)
+    return r.clamp(min=smallest_positive(dtype), max=info.max)
+
+
+def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool,
+                   scale_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (in ``scale_dtype``) and zero point (int8 for signed, uint8 for unsigned dtypes, or
+    None when symmetric / not an integer dtype) for blocks whose ranges are ``lo``, ``hi``.
+
+    ``lo``/``hi`` may have any (equal) shape; the results have that shape.
+    """
+    info = dtype_info(dtype)
+    sdt = scale_torch_dtype(scale_dtype)
+    if info.kind == "float":
+        raise ValueError(f"{dtype} is a plain cast and has no quantization parameters")
+    lo64 = lo.to(torch.float64).clamp(max=0.0)
+    hi64 = hi.to(torch.float64).clamp(min=0.0)
+    absmax = torch.maximum(-lo64, hi64)
+    if info.kind == "nf4":
+        return round_up_to(absmax, sdt), None
+    if info.kind == "fp8":
+        return round_up_to(absmax / info.max_finite, sdt), None
+    if symmetric:
+        return round_up_to(absmax / ((info.qmax - info.qmin) / 2.0), sdt), None
+    scale = round_up_to((hi64 - lo64) / (info.qmax - info.qmin), sdt)
+    zp = torch.round(info.qmin - lo64 / scale.to(torch.float64)).clamp_(info.qmin, info.qmax)
+    return scale, zp.to(zero_point_dtype(dtype))
+
+
+def zero_point_dtype(dtype: str) -> torch.dtype:
+    """int8 for signed integer dtypes, uint8 for unsigned ones."""
+    return torch.int8 if DTYPES[dtype].signed else torch.uint8
+
+
+def code_dtype(dtype: str) -> torch.dtype:
+    """Storage of unpacked integer/nf4 codes: int8 for signed integer dtypes, uint8 otherwise."""
+    info = DTYPES[dtype]
+    return torch.int8 if info.kind == "int" and info.signed else torch.uint8
