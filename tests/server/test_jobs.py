@@ -1,0 +1,155 @@
+"""Jobs over HTTP: submit → 202 + Location, follow (SSE), report, artifact (ETag, Range), list
+with pagination, idempotency, cancel, queue full → 429."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from quantd_client._artifact import read_artifact
+
+from .conftest import CONFIG, assert_problem, st_bytes
+
+
+async def test_submit_follow_and_download(server):
+    data = st_bytes()
+    r = await server.submit(data, filename="../../model.safetensors")
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert r.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert job["input"] == {"filename": "model.safetensors", "bytes": len(data),
+                            "sha256": hashlib.sha256(data).hexdigest(), "format": "safetensors", "tensors": 2}
+    assert job["config"]["scheme"]["dtype"] == "int8"
+
+    async with server.client.stream("GET", f"/v1/jobs/{job['id']}/events") as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        text = (await resp.aread()).decode()
+    events = [block for block in text.split("\n\n") if block.startswith("event:")]
+    names = [b.split("\n")[0].removeprefix("event: ") for b in events]
+    assert names[-1] == "succeeded" and set(names[:-1]) <= {"progress"}
+    final = json.loads(events[-1].split("\n")[1].removeprefix("data: "))
+    assert final["status"] == "succeeded" and final["id"] == job["id"]
+
+    done = (await server.client.get(f"/v1/jobs/{job['id']}")).json()
+    assert done["status"] == "succeeded" and done["result"]["summary"]["tensors_quantized"] == 1
+
+    rep = (await server.client.get(f"/v1/jobs/{job['id']}/report")).json()
+    assert rep["job_id"] == job["id"]
+    by_name = {t["name"]: t for t in rep["tensors"]}
+    assert by_name["layer.bias"]["skipped"] and not by_name["layer.weight"]["skipped"]
+    assert by_name["layer.weight"]["stats"]["sqnr_db"] > 30  # int8 per channel on Gaussian weights
+
+    r = await server.client.get(f"/v1/jobs/{job['id']}/artifact")
+    assert r.status_code == 200
+    art = r.content
+    sha = hashlib.sha256(art).hexdigest()
+    assert sha == done["result"]["artifact_sha256"] and r.headers["etag"] == f'"{sha}"'
+    assert int(r.headers["content-length"]) == len(art) == done["result"]["artifact_bytes"]
+    assert "layer.weight" in read_artifact(art).dequantize()
+
+    r = await server.client.get(f"/v1/jobs/{job['id']}/artifact", headers={"Range": "bytes=10-19"})
+    assert r.status_code == 206 and r.content == art[10:20]
+    assert r.headers["content-range"] == f"bytes 10-19/{len(art)}"
+    r = await server.client.get(f"/v1/jobs/{job['id']}/artifact", headers={"Range": "bytes=-5"})
+    assert r.status_code == 206 and r.content == art[-5:]
+    r = await server.client.get(f"/v1/jobs/{job['id']}/artifact", headers={"Range": f"bytes={len(art) - 3}-"})
+    assert r.status_code == 206 and r.content == art[-3:]
+    r = await server.client.get(f"/v1/jobs/{job['id']}/artifact", headers={"Range": f"bytes={len(art)}-"})
+    assert_problem(r, 416)
+    assert r.headers["content-range"] == f"bytes */{len(art)}"
+    r = await server.client.get(f"/v1/jobs/{job['id']}/artifact", headers={"If-None-Match": f'"{sha}"'})
+    assert r.status_code == 304 and r.content == b""
+    r = await server.client.get(f"/v1/jobs/{job['id']}/artifact",
+                                headers={"Range": "bytes=0-3", "If-Range": '"stale"'})
+    assert r.status_code == 200 and r.content == art  # If-Range mismatch → the whole file
+
+    # DELETE of a finished job deletes its files: the job stays, its artifact is gone.
+    r = await server.client.delete(f"/v1/jobs/{job['id']}")
+    assert r.status_code == 200 and r.json()["status"] == "succeeded"
+    assert_problem(await server.client.get(f"/v1/jobs/{job['id']}/artifact"), 410)
+    leftovers = [p for p in server.settings.data_dir.rglob("*") if p.is_file() and job["id"] in p.name]
+    assert leftovers == []
+
+
+async def test_report_and_artifact_are_409_until_succeeded_and_cancel_a_queued_job(make_server):
+    async with make_server(workers=0) as h:  # no worker: the job stays queued
+        job = (await h.submit()).json()
+        assert job["status"] == "queued"
+        for path in ("report", "artifact"):
+            body = assert_problem(await h.client.get(f"/v1/jobs/{job['id']}/{path}"), 409)
+            assert "queued" in body["detail"]
+        r = await h.client.delete(f"/v1/jobs/{job['id']}")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled"
+        async with h.client.stream("GET", f"/v1/jobs/{job['id']}/events") as resp:
+            text = (await resp.aread()).decode()
+        assert text.rstrip().split("\n\n")[-1].startswith("event: cancelled")
+        assert list((h.settings.data_dir / "uploads").iterdir()) == []
+
+
+async def test_idempotency_key_returns_the_same_job(make_server):
+    async with make_server(workers=0) as h:
+        data = st_bytes(seed=3)
+        r1 = await h.submit(data, headers={"Idempotency-Key": "k-1"})
+        r2 = await h.submit(data, headers={"Idempotency-Key": "k-1"})
+        assert r1.status_code == r2.status_code == 202
+        assert r1.json()["id"] == r2.json()["id"]
+        assert len((await h.client.get("/v1/jobs")).json()["items"]) == 1
+        body = assert_problem(await h.submit(st_bytes(seed=4), headers={"Idempotency-Key": "k-1"}), 409)
+        assert "idempotency" in body["detail"]
+        # only the one upload is kept; the retries' temp files are gone
+        assert len(list((h.settings.data_dir / "uploads").iterdir())) == 1
+        assert list(h.settings.tmp_dir.glob("upload-*")) == []
+
+
+async def test_list_pagination_and_status_filter(make_server):
+    async with make_server(workers=0) as h:
+        ids = [(await h.submit(st_bytes(seed=i))).json()["id"] for i in range(5)]
+        await h.client.delete(f"/v1/jobs/{ids[0]}")
+        seen: list[str] = []
+        cursor = None
+        for _ in range(10):
+            params = {"limit": 2} | ({"cursor": cursor} if cursor else {})
+            page = (await h.client.get("/v1/jobs", params=params)).json()
+            assert len(page["items"]) <= 2
+            seen += [j["id"] for j in page["items"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert seen == ids[::-1]  # newest first, each once
+        queued = (await h.client.get("/v1/jobs", params={"status": "queued"})).json()["items"]
+        assert [j["id"] for j in queued] == ids[:0:-1]
+        assert_problem(await h.client.get("/v1/jobs", params={"cursor": "garbage"}), 422)
+
+
+async def test_queue_full_is_429_with_retry_after(make_server):
+    async with make_server(workers=0, max_queue=2) as h:
+        assert (await h.submit(st_bytes(seed=1))).status_code == 202
+        assert (await h.submit(st_bytes(seed=2))).status_code == 202
+        r = await h.submit(st_bytes(seed=3))
+        assert_problem(r, 429)
+        assert int(r.headers["retry-after"]) >= 1
+        assert list(h.settings.tmp_dir.glob("upload-*")) == []
+
+
+async def test_config_is_checked_against_the_tensors_before_accepting(server):
+    cfg = {"scheme": {"dtype": "int4", "granularity": "group", "group_size": 48}}  # 64 % 48 != 0
+    body = assert_problem(await server.submit(config=cfg), 422)
+    assert "group_size" in body["detail"] and "layer.weight" in body["detail"]
+    assert body["errors"][0]["loc"][-1] == "group_size"
+    assert (await server.client.get("/v1/jobs")).json()["items"] == []
+
+
+async def test_unknown_job_is_404(server):
+    for path in ("", "/events", "/report", "/artifact"):
+        assert_problem(await server.client.get(f"/v1/jobs/{'0' * 32}{path}"), 404)
+    assert_problem(await server.client.delete("/v1/jobs/nope"), 404)
+
+
+async def test_calibration_file_is_accepted_with_the_job(make_server):
+    async with make_server(workers=0) as h:
+        calib = st_bytes({"act": __import__("torch").randn(8, 16)})
+        files = {"file": ("m.safetensors", st_bytes(), "application/octet-stream"),
+                 "calibration": ("acts.safetensors", calib, "application/octet-stream")}
+        r = await h.client.post("/v1/jobs", files=files, data={"config": json.dumps(CONFIG)})
+        assert r.status_code == 202, r.text
+        assert len(list((h.settings.data_dir / "uploads").iterdir())) == 2
