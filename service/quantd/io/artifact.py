@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantd.engine.granularity import granularity_of, scale_shape
+from quantd.engine.granularity import check_applicable, granularity_of, scale_shape
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import MalformedInputError
 from quantd_client import Scheme
@@ -70,9 +70,11 @@ def quantized_layout(name: str, shape: tuple[int, ...], scheme: Scheme) -> list[
 def quantized_meta(shape: tuple[int, ...], orig_dtype: torch.dtype, scheme: Scheme) -> dict[str, Any]:
     """The ``__metadata__["quantd"]["tensors"][N]`` entry."""
     info = DTYPES[scheme.dtype]
+    # The axis as the engine normalises it (a negative axis counted from the end).
+    axis = 0 if info.kind == "float" else check_applicable(shape, granularity_of(scheme), name="tensor")
     return {
         "dtype": scheme.dtype, "shape": list(shape), "orig_dtype": dtype_name(orig_dtype),
-        "symmetric": scheme.symmetric, "granularity": scheme.granularity, "axis": scheme.axis,
+        "symmetric": scheme.symmetric, "granularity": scheme.granularity, "axis": axis,
         "group_size": scheme.group_size, "method": scheme.method, "observer": scheme.observer,
         "observer_args": dict(scheme.observer_args), "scale_dtype": scheme.scale_dtype,
         "packed_bits": info.bits if info.packed else None,
