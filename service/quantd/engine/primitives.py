@@ -27,6 +27,7 @@ from quantd.engine.granularity import (
     granularity_of,
     unblock,
 )
+from quantd.engine.observers import observe_range
 from quantd.engine.qparams import choose_qparams, code_dtype, scale_torch_dtype
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError, NonFiniteError
@@ -45,20 +46,10 @@ FLOAT_TORCH_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat1
 Range = tuple[torch.Tensor, torch.Tensor]
 
 
-def _minmax_range(blocks: torch.Tensor) -> Range:
-    # amin and amax separately: torch.aminmax over a dim is several times slower on CPU.
-    return blocks.amin(dim=1), blocks.amax(dim=1)
-
-
-def observe(blocks: torch.Tensor, scheme: Scheme) -> Range:
-    """Per-block-row range ``lo[B], hi[B]`` of float32 ``blocks`` by the scheme's observer."""
-    try:
-        from quantd.engine.observers import observe_range
-    except ImportError:  # engine-observers' module not written yet: minmax only
-        if scheme.observer != "minmax":
-            raise ConfigError(f"observer {scheme.observer!r} is not available", field="observer") from None
-        return _minmax_range(blocks)
-    return observe_range(blocks, scheme)
+def observe(blocks: torch.Tensor, scheme: Scheme, *, name: str) -> Range:
+    """Per-block-row range ``lo[B], hi[B]`` of float32 ``blocks`` by the scheme's observer
+    (raises NonFiniteError for NaN/Inf)."""
+    return observe_range(blocks, scheme, name=name)
 
 
 def _chunks(rows: int, cols: int) -> Iterator[tuple[slice, slice]]:
@@ -134,12 +125,9 @@ def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str) -> tuple
     dev = enc.blocks.device
     scale = torch.empty(rows, dtype=scale_torch_dtype(scheme.scale_dtype), device=dev)
     zp: torch.Tensor | None = None
-    lo_all = torch.empty(rows, dtype=torch.float32, device=dev)
-    hi_all = torch.empty(rows, dtype=torch.float32, device=dev)
     for rs, cs in _chunks(rows, cols):
         src = enc.load(rs, cs)
-        lo, hi = observe(src, scheme)
-        lo_all[rs], hi_all[rs] = lo, hi
+        lo, hi = observe(src, scheme, name=name)
         s, z = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
                               scale_dtype=scheme.scale_dtype)
         scale[rs] = s
@@ -148,7 +136,6 @@ def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str) -> tuple
                 zp = torch.empty(rows, dtype=z.dtype, device=dev)
             zp[rs] = z
         enc.encode(src, rs, cs, s.float().unsqueeze(1), None if z is None else z.float().unsqueeze(1))
-    _check_range((lo_all, hi_all), rows, name=name)
     return scale, zp
 
 
@@ -157,9 +144,9 @@ def _quantize_two_pass(enc: _Encoder, scheme: Scheme, rng: Range | None, *, name
     """Observe all blocks (or take the given range), then encode chunk by chunk."""
     rows, cols = enc.blocks.shape
     if rng is None:
-        if not bool(torch.isfinite(enc.blocks).all()):
-            raise NonFiniteError("NaN or Inf in the weights", tensor=name)
-        rng = observe(enc.blocks.float(), scheme)
+        rng = observe(enc.blocks.float(), scheme, name=name)
+    elif not bool(torch.isfinite(enc.blocks).all()):
+        raise NonFiniteError("NaN or Inf in the weights", tensor=name)
     lo, hi = _check_range(rng, rows, name=name)
     scale, zp = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
                                scale_dtype=scheme.scale_dtype)
