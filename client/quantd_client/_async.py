@@ -189,8 +189,12 @@ class AsyncClient(BaseClient):
 
     async def _events(self, job_id: str, read_timeout: float | None) -> AsyncIterator[ServerSentEvent]:
         """The job's SSE stream, decoded. Raises ``APIStatusError`` if the server will not stream."""
-        spec = RequestSpec("GET", f"/v1/jobs/{job_id}/events", headers={"Accept": "text/event-stream"})
-        timeout = self.timeout if read_timeout is None else httpx.Timeout(self.timeout, read=read_timeout)
+        # No retries here: when the stream cannot be had, waiting falls back to polling instead.
+        spec = RequestSpec("GET", f"/v1/jobs/{job_id}/events", headers={"Accept": "text/event-stream"},
+                           max_retries=0)
+        t = self.timeout
+        timeout = t if read_timeout is None else httpx.Timeout(connect=t.connect, read=read_timeout,
+                                                               write=t.write, pool=t.pool)
         response = await self._request(spec, stream=True, timeout=timeout)
         try:
             if not response.headers.get("content-type", "").startswith("text/event-stream"):

@@ -84,6 +84,7 @@ class RequestSpec:
     body: MultipartBody | None = None
     upload_progress: ProgressArg = False
     upload_label: str = "upload"
+    max_retries: int | None = None  # None: the client's policy
 
     @property
     def replayable(self) -> bool:
@@ -250,7 +251,8 @@ class BaseClient:
     def _retry_delay(self, spec: RequestSpec, attempt: int, *, response: httpx.Response | None = None,
                      error: Exception | None = None) -> float | None:
         """Seconds to wait before retrying, or None to give up (and raise/return)."""
-        if attempt >= self.retry.max_retries or not spec.replayable:
+        limit = self.retry.max_retries if spec.max_retries is None else spec.max_retries
+        if attempt >= limit or not spec.replayable:
             return None
         if response is not None:
             if response.status_code not in RETRY_STATUSES:

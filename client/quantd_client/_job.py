@@ -72,9 +72,11 @@ class JobHandle(_HandleBase):
         deadline = None if timeout is None else c._clock() + timeout
         reporter = Reporter(progress, f"job {self.id}", 1.0, units="fraction")
         try:
-            if not self.done and not self._follow_events(deadline, reporter):
-                self._poll(deadline, reporter)
-            self.refresh()
+            if not self.done:
+                if self._follow_events(deadline, reporter):
+                    self.refresh()  # the terminal event's job, with its result or error
+                else:
+                    self._poll(deadline, reporter)
             if self.model.status == "succeeded":
                 reporter.set(1.0)
         finally:
@@ -143,9 +145,11 @@ class AsyncJobHandle(_HandleBase):
         deadline = None if timeout is None else c._clock() + timeout
         reporter = Reporter(progress, f"job {self.id}", 1.0, units="fraction")
         try:
-            if not self.done and not await self._follow_events(deadline, reporter):
-                await self._poll(deadline, reporter)
-            await self.refresh()
+            if not self.done:
+                if await self._follow_events(deadline, reporter):
+                    await self.refresh()  # the terminal event's job, with its result or error
+                else:
+                    await self._poll(deadline, reporter)
             if self.model.status == "succeeded":
                 reporter.set(1.0)
         finally:

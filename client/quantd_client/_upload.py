@@ -40,7 +40,8 @@ class FilePart:
     def replayable(self) -> bool:
         return self.stream is None or _seekable(self.stream)
 
-    def chunks(self, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
+    def chunks(self, chunk_size: int | None = None) -> Iterator[bytes]:
+        chunk_size = chunk_size or CHUNK_SIZE
         if self.data is not None:
             view = memoryview(self.data)
             for i in range(0, len(view), chunk_size):

@@ -1,0 +1,271 @@
+"""Job handles: SSE parsing, wait (events, polling fallback, timeout), paging, cancel, report, and
+resumable, sha256-checked downloads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from bare_helpers import Api, FakeTime, job_json, problem, sha, summary_json
+
+from quantd_client import _exceptions as ex
+from quantd_client._base import SSEDecoder
+
+
+def decode(text: str) -> list[tuple[str, str, str | None]]:
+    d = SSEDecoder()
+    out = []
+    for line in text.splitlines():
+        ev = d.feed(line)
+        if ev is not None:
+            out.append((ev.event, ev.data, ev.id))
+    return out
+
+
+def test_sse_decoder() -> None:
+    text = (": keep-alive\n\n"
+            "event: progress\ndata: {\"fraction\": 0.5}\n\n"
+            "id: 7\ndata: line1\ndata:line2\n\n"
+            "event: succeeded\r\ndata: {}\r\n\r\n"
+            "event: ignored-no-blank-line\ndata: x\n")
+    assert decode(text) == [("progress", '{"fraction": 0.5}', None), ("message", "line1\nline2", "7"),
+                            ("succeeded", "{}", "7")]
+
+
+def sse(*events: tuple[str, Any]) -> httpx.Response:
+    import json
+
+    body = "".join(f"event: {e}\ndata: {json.dumps(d)}\n\n" for e, d in events)
+    return httpx.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+
+class JobServer:
+    """A scripted jobs API: /events answers from ``events``; GET job walks through ``statuses``."""
+
+    def __init__(self, events: httpx.Response | Exception | None, statuses: list[str]) -> None:
+        self.events = events
+        self.statuses = statuses
+        self.paths: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        if request.url.path.endswith("/events"):
+            if isinstance(self.events, Exception):
+                raise self.events
+            return self.events or problem(404)
+        status = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+        done = status == "succeeded"
+        return httpx.Response(200, json=job_json("j1", status, fraction=1.0 if done else 0.25,
+                                                 sha="a" * 64 if done else None))
+
+
+def handle(api: Api, server: JobServer, t: FakeTime) -> Any:
+    c = api.client(server, t)
+    return api.call(c, "get_job", "j1")
+
+
+def test_wait_follows_events(api: Api) -> None:
+    t = FakeTime()
+    server = JobServer(sse(("progress", {"fraction": 0.5}), ("progress", {"progress": {"fraction": 0.9}}),
+                           ("succeeded", {})), ["queued", "succeeded"])
+    fracs: list[float] = []
+    job = handle(api, server, t)
+    job = api.call(job, "wait", progress=lambda d, _t: fracs.append(d))
+    assert job.status == "succeeded" and job.result.artifact_sha256 == "a" * 64
+    assert fracs == [0.5, 0.9, 1.0]
+    assert server.paths == ["/v1/jobs/j1", "/v1/jobs/j1/events", "/v1/jobs/j1"]
+    assert t.sleeps == []
+
+
+@pytest.mark.parametrize("events", [lambda: None, lambda: httpx.ConnectError("no"),
+                                    lambda: httpx.Response(200, json={"not": "sse"}),
+                                    lambda: sse(("progress", {"fraction": 0.1}))])  # ends without a verdict
+def test_wait_falls_back_to_polling_with_backoff(api: Api, events: Any) -> None:
+    t = FakeTime()
+    server = JobServer(events(), ["queued", "running", "running", "running", "succeeded"])
+    job = api.call(handle(api, server, t), "wait")
+    assert job.status == "succeeded"
+    assert t.sleeps == [0.5, 0.75, 1.125]  # poll backoff ×1.5 from 0.5 s
+    assert server.paths.count("/v1/jobs/j1") == 5
+
+
+def test_wait_timeout_raises_job_timeout(api: Api) -> None:
+    t = FakeTime()
+    server = JobServer(None, ["running"])
+    job = handle(api, server, t)
+    with pytest.raises(ex.JobTimeout):
+        api.call(job, "wait", timeout=2.0)
+    assert sum(t.sleeps) == pytest.approx(2.0)
+
+
+def test_wait_does_not_hide_auth_errors(api: Api) -> None:
+    t = FakeTime()
+    server = JobServer(problem(401), ["running"])
+    job = handle(api, server, t)
+    with pytest.raises(ex.AuthError):
+        api.call(job, "wait")
+
+
+def test_wait_on_failed_job_returns_its_error(api: Api) -> None:
+    def h(request: httpx.Request) -> httpx.Response:
+        body = job_json("j1", "failed")
+        body["error"] = {"type": "urn:x", "title": "Config cannot apply", "detail": "tensor 'w': group_size"}
+        return httpx.Response(200, json=body)
+
+    job = api.call(api.client(h), "get_job", "j1")
+    job = api.call(job, "wait")
+    assert job.status == "failed" and "group_size" in job.error.detail
+
+
+def test_list_jobs_pages_lazily(api: Api) -> None:
+    seen: list[dict[str, str]] = []
+
+    def h(request: httpx.Request) -> httpx.Response:
+        q = dict(request.url.params)
+        seen.append(q)
+        page = {None: (["a", "b"], "c1"), "c1": (["c", "d"], "c2"), "c2": (["e"], None)}[q.get("cursor")]
+        return httpx.Response(200, json={"items": [job_json(i, "succeeded") for i in page[0]],
+                                         "next_cursor": page[1]})
+
+    c = api.client(h)
+    assert [j.id for j in api.collect(c.list_jobs(status="succeeded"))] == ["a", "b", "c", "d", "e"]
+    assert [s.get("cursor") for s in seen] == [None, "c1", "c2"]
+    assert all(s["status"] == "succeeded" for s in seen)
+    seen.clear()
+    assert [j.id for j in api.collect(c.list_jobs(limit=3))] == ["a", "b", "c"]
+    assert [s["limit"] for s in seen] == ["3", "1"] and len(seen) == 2
+
+
+def test_cancel_and_report(api: Api) -> None:
+    report = {"job_id": "j1", "config": {}, "summary": summary_json(),
+              "tensors": [{"name": "w", "shape": [4, 4], "in_dtype": "F32", "scheme": None, "stats": None,
+                           "skipped": True, "reason": "1-D"}]}
+
+    def h(request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            return httpx.Response(200, json=job_json("j1", "cancelled"))
+        if request.url.path.endswith("/report"):
+            return httpx.Response(200, json=report)
+        return httpx.Response(200, json=job_json("j1", "running"))
+
+    c = api.client(h)
+    assert api.call(c, "cancel", "j1").status == "cancelled"
+    job = api.call(c, "get_job", "j1")
+    assert api.call(job, "report").tensors[0].name == "w"
+    assert api.call(job, "cancel").status == "cancelled"
+
+
+ART = bytes(range(256)) * 64  # 16 KiB
+
+
+class ArtifactServer:
+    """Serves ART honouring ``Range: bytes=N-``; can drop the connection after ``cut`` bytes once."""
+
+    def __init__(self, *, etag: str | None = None, ignore_range: bool = False, cut: int | None = None,
+                 body: bytes = ART) -> None:
+        self.etag = etag if etag is not None else sha(body)
+        self.ignore_range = ignore_range
+        self.cut = cut
+        self.body = body
+        self.ranges: list[str | None] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if not request.url.path.endswith("/artifact"):
+            return httpx.Response(200, json=job_json("j1", "succeeded", sha=sha(ART), nbytes=len(ART)))
+        rng = request.headers.get("range")
+        self.ranges.append(rng)
+        start = int(rng[6:-1]) if rng and not self.ignore_range else 0
+        if start >= len(self.body) and rng:
+            return problem(416)
+        data = self.body[start:]
+        headers = {"etag": f'"{self.etag}"', "content-length": str(len(data))}
+        status = 200
+        if start:
+            status = 206
+            headers["content-range"] = f"bytes {start}-{len(self.body) - 1}/{len(self.body)}"
+        if self.cut is not None:
+            cut, self.cut = self.cut, None
+            return httpx.Response(status, headers=headers, stream=Broken(data[:cut]))
+        return httpx.Response(status, headers=headers, content=data)
+
+
+class Broken(httpx.SyncByteStream, httpx.AsyncByteStream):
+    def __init__(self, head: bytes) -> None:
+        self.head = head
+
+    def __iter__(self) -> Any:
+        yield self.head
+        raise httpx.ReadError("connection reset")
+
+    async def __aiter__(self) -> Any:
+        yield self.head
+        raise httpx.ReadError("connection reset")
+
+
+def download(api: Api, server: ArtifactServer, dst: Path, t: FakeTime | None = None) -> Path:
+    c = api.client(server, t)
+    job = api.call(c, "get_job", "j1")
+    return api.call(job, "download", dst, progress=False)
+
+
+def test_download_fresh(api: Api, tmp_path: Path) -> None:
+    server = ArtifactServer()
+    dst = tmp_path / "out.safetensors"
+    assert download(api, server, dst) == dst
+    assert dst.read_bytes() == ART and not (tmp_path / "out.safetensors.part").exists()
+    assert server.ranges == [None]
+
+
+def test_download_resumes_existing_part_with_range(api: Api, tmp_path: Path) -> None:
+    dst = tmp_path / "out.safetensors"
+    (tmp_path / "out.safetensors.part").write_bytes(ART[:5000])
+    server = ArtifactServer()
+    download(api, server, dst)
+    assert dst.read_bytes() == ART
+    assert server.ranges == ["bytes=5000-"]
+
+
+def test_download_resumes_after_connection_drop(api: Api, tmp_path: Path) -> None:
+    t = FakeTime()
+    server = ArtifactServer(cut=7000)
+    dst = tmp_path / "out.safetensors"
+    download(api, server, dst, t)
+    assert dst.read_bytes() == ART
+    assert server.ranges == [None, "bytes=7000-"] and len(t.sleeps) == 1
+
+
+def test_download_restarts_when_server_ignores_range(api: Api, tmp_path: Path) -> None:
+    dst = tmp_path / "out.safetensors"
+    (tmp_path / "out.safetensors.part").write_bytes(b"garbage!" * 100)
+    server = ArtifactServer(ignore_range=True)
+    download(api, server, dst)
+    assert dst.read_bytes() == ART
+
+
+def test_download_restarts_after_416(api: Api, tmp_path: Path) -> None:
+    dst = tmp_path / "out.safetensors"
+    (tmp_path / "out.safetensors.part").write_bytes(b"x" * (len(ART) + 10))
+    server = ArtifactServer()
+    download(api, server, dst)
+    assert dst.read_bytes() == ART and server.ranges == [f"bytes={len(ART) + 10}-", None]
+
+
+def test_download_sha_mismatch_removes_file(api: Api, tmp_path: Path) -> None:
+    dst = tmp_path / "out.safetensors"
+    server = ArtifactServer(body=ART[:-1] + b"\x00")  # job says sha(ART); the bytes differ
+    with pytest.raises(ex.ChecksumMismatch, match="sha256"):
+        download(api, server, dst)
+    assert not dst.exists() and not (tmp_path / "out.safetensors.part").exists()
+
+
+def test_download_409_until_succeeded(api: Api, tmp_path: Path) -> None:
+    def h(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/artifact"):
+            return problem(409, "job j1 is running")
+        return httpx.Response(200, json=job_json("j1", "running"))
+
+    job = api.call(api.client(h), "get_job", "j1")
+    with pytest.raises(ex.Conflict, match="running"):
+        api.call(job, "download", tmp_path / "o")
