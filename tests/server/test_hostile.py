@@ -1,0 +1,156 @@
+"""Hostile and broken inputs: each a quick 4xx problem, nothing executed, nothing written outside
+the data dir, the server alive after; oversize uploads cut off while they stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantd.server.uploads import sanitize_filename
+
+from .conftest import CONFIG, assert_problem, pt_bytes, st_bytes
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, (f"touch {Path.cwd() / 'PWNED-by-pickle'}",))
+
+
+def _bad_header_len() -> bytes:
+    return struct.pack("<Q", 2**62) + b"{}"
+
+
+def _offsets_past_end() -> bytes:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}}).encode()
+    return struct.pack("<Q", len(header)) + header + b"\0" * 16
+
+
+def _lying_shape() -> bytes:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1000, 1000], "data_offsets": [0, 64]}}).encode()
+    return struct.pack("<Q", len(header)) + header + b"\0" * 64
+
+
+HOSTILE = {
+    "pickle-that-runs-code": (pt_bytes({"w": Boom()}), "evil.pt", {415, 422}),
+    "huge-header-length": (_bad_header_len(), "m.safetensors", {413, 415, 422}),
+    "offsets-past-end": (_offsets_past_end(), "m.safetensors", {415, 422}),
+    "shape-lies-about-bytes": (_lying_shape(), "m.safetensors", {415, 422}),
+    "truncated": (st_bytes()[:-100], "m.safetensors", {415, 422}),
+    "junk": (b"hello, I am not a model" * 10, "m.safetensors", {415}),
+    "empty": (b"", "m.safetensors", {400, 415, 422}),
+}
+NAN_MODEL = st_bytes({"w": torch.tensor([[1.0, float("nan")], [float("inf"), 0.0]]).repeat(2, 4)})
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/quantize", "/v1/jobs"])
+@pytest.mark.parametrize("case", list(HOSTILE))
+async def test_hostile_file_is_a_quick_4xx(server, endpoint, case):
+    data, name, allowed = HOSTILE[case]
+    t0 = time.monotonic()
+    r = await server.client.post(endpoint, files={"file": (name, data, "application/octet-stream")},
+                                 data={"config": json.dumps(CONFIG)})
+    assert time.monotonic() - t0 < 10
+    assert r.status_code in allowed, (r.status_code, r.text)
+    assert_problem(r, r.status_code)
+    assert not (Path.cwd() / "PWNED-by-pickle").exists()
+    assert list(server.settings.tmp_dir.glob("upload-*")) == []
+    assert (await server.client.get("/healthz")).status_code == 200
+
+
+async def test_non_finite_weights(server):
+    """Sync: 422 at once. Jobs: the weights are only read by the worker, so the job fails with the reason."""
+    r = await server.client.post("/v1/quantize", files={"file": ("m.safetensors", NAN_MODEL, "x/y")},
+                                 data={"config": json.dumps(CONFIG)})
+    body = assert_problem(r, 422)
+    assert "'w'" in body["detail"]
+    r = await server.submit(NAN_MODEL)
+    assert r.status_code == 202
+    job = await server.wait_job(r.json()["id"])
+    assert job["status"] == "failed" and job["error"]["type"] == "urn:quantd:non-finite"
+    assert "'w'" in job["error"]["detail"]
+
+
+@pytest.mark.parametrize("config, loc", [
+    ("{not json", ["body", "config"]),
+    (json.dumps({"scheme": {"dtype": "int4"}, "surprise": 1}), ["body", "config", "surprise"]),
+    (json.dumps({"scheme": {"dtype": "int4", "group_size": 0}}), ["body", "config", "scheme", "group_size"]),
+    (json.dumps({"scheme": {"dtype": "uint4", "symmetric": True}}), ["body", "config", "scheme"]),
+    (json.dumps([1, 2]), ["body", "config"]),
+])
+async def test_bad_config_is_a_422_naming_the_field(server, config, loc):
+    for endpoint in ("/v1/quantize", "/v1/jobs"):
+        r = await server.client.post(endpoint, files={"file": ("m.safetensors", st_bytes(), "x/y")},
+                                     data={"config": config})
+        body = assert_problem(r, 422)
+        assert body["errors"][0]["loc"][:len(loc)] == loc, body
+
+
+async def test_malformed_multipart_bodies(server):
+    r = await server.client.post("/v1/jobs", content=b"not multipart", headers={"Content-Type": "text/plain"})
+    assert_problem(r, 415)
+    r = await server.client.post("/v1/jobs", data={"config": json.dumps(CONFIG)})  # no file part
+    assert_problem(r, 415)  # urlencoded, not multipart
+    r = await server.client.post("/v1/jobs", files={"other": ("x", b"1", "x/y")}, data={"config": "{}"})
+    body = assert_problem(r, 400)
+    assert "other" in body["detail"]
+    r = await server.client.post("/v1/jobs", files={"file": ("m.safetensors", st_bytes(), "x/y")})
+    body = assert_problem(r, 400)
+    assert "config" in body["detail"]
+    r = await server.client.post("/v1/jobs", content=b"--b\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nab",
+                                 headers={"Content-Type": "multipart/form-data; boundary=b"})
+    assert_problem(r, 400)  # the body ends inside a part
+    assert list(server.settings.tmp_dir.glob("upload-*")) == []
+
+
+@pytest.mark.parametrize("raw, clean", [
+    ("../../etc/passwd.npy", "passwd.npy"), ("..\\..\\boot.ini", "boot.ini"), ("/abs/path/m.pt", "m.pt"),
+    ("a\x00b\nc.npy", "abc.npy"), ("..", "upload"), ("", "upload"), ('q"uote.pt', "q_uote.pt"),
+])
+def test_sanitize_filename(raw, clean):
+    assert sanitize_filename(raw) == clean
+
+
+async def test_path_traversal_filename_never_names_a_file(server, tmp_path):
+    import numpy as np
+
+    from .conftest import npy_bytes
+
+    r = await server.submit(npy_bytes(np.ones((4, 8), np.float32)), filename="../../etc/passwd.npy")
+    assert r.status_code == 202, r.text
+    assert r.json()["input"]["filename"] == "passwd.npy"
+    outside = [p for p in tmp_path.rglob("*passwd*")]
+    assert outside == []  # not written anywhere under the test dir, data dir included
+
+
+async def test_oversize_upload_is_cut_off_while_streaming(make_server):
+    limit = 64 * 1024
+    async with make_server(max_upload_bytes=limit, max_sync_bytes=limit) as h:
+        sent = 0
+
+        async def body():
+            nonlocal sent
+            yield b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.bin\"\r\n\r\n"
+            for _ in range(10_000):  # would be 640 MiB; the server must stop reading long before
+                chunk = b"\0" * 65536
+                sent += len(chunk)
+                yield chunk
+
+        r = await h.client.post("/v1/jobs", content=body(),
+                                headers={"Content-Type": "multipart/form-data; boundary=B"})
+        body_ = assert_problem(r, 413)
+        assert str(limit) in body_["detail"]
+        assert sent < 64 * 65536  # stopped after about the limit plus the form allowance, not 640 MiB
+        assert list(h.settings.tmp_dir.glob("upload-*")) == []
+
+        # A declared Content-Length above the limit is refused before the body is read.
+        r = await h.client.post("/v1/jobs", content=b"x" * 10,
+                                headers={"Content-Type": "multipart/form-data; boundary=B",
+                                         "Content-Length": str(10 * 1024 * 1024)})
+        assert_problem(r, 413)
+        assert (await h.client.get("/healthz")).status_code == 200
