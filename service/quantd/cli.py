@@ -1,0 +1,363 @@
+"""The ``quantd`` command (also ``python -m quantd``).
+
+Client commands (``jobs``, ``info``, and ``quantize``/``analyze`` with ``--server``) need only the
+bare install: torch, fastapi and the server modules are imported inside the subcommands that run
+them in-process, never at module import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from quantd_client._schemas import AnalyzeResponse, QuantConfig, Report, Scheme, Summary
+
+DEFAULT_ANALYZE_DTYPES = ("int8", "int4")
+
+
+class UsageError(Exception):
+    """A bad flag value or config: exit status 2."""
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers], *[[_cell(v) for v in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "inf"
+        return f"{v:.3e}" if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6) else f"{v:.4g}"
+    return str(v)
+
+
+def format_summary(s: Summary) -> str:
+    return table(["summary", "value"], [
+        ["tensors quantized", s.tensors_quantized], ["tensors skipped", s.tensors_skipped],
+        ["input bytes", s.input_bytes], ["output bytes", s.output_bytes],
+        ["compression ratio", s.compression_ratio], ["bits/weight", s.bits_per_weight],
+        ["mean SQNR dB", s.mean_sqnr_db], ["min SQNR dB", s.min_sqnr_db], ["worst tensor", s.worst_tensor],
+        ["elapsed s", s.elapsed_s], ["device", s.device]])
+
+
+def format_report(r: Report) -> str:
+    rows = []
+    for t in r.tensors:
+        st = t.stats
+        scheme = f"{t.scheme.dtype}/{t.scheme.granularity}" if t.scheme else f"skipped: {t.reason}"
+        rows.append([t.name, "x".join(map(str, t.shape)), scheme, st.sqnr_db if st else None,
+                     st.mse if st else None, st.cosine if st else None, st.bits_per_weight if st else None])
+    return table(["tensor", "shape", "scheme", "SQNR dB", "MSE", "cosine", "bits/w"], rows) + "\n\n" + \
+        format_summary(r.summary)
+
+
+def scheme_label(s: Scheme) -> str:
+    g = {"group": f"g{s.group_size}", "channel": "ch", "tensor": "t"}[s.granularity]
+    return f"{s.dtype}/{g}/{'sym' if s.symmetric else 'asym'}"
+
+
+def overall(resp: AnalyzeResponse, k: int) -> dict[str, float | None]:
+    """Numel-weighted totals of scheme ``k``: SQNR from summed signal and error energy."""
+    n = err = sig = cos = bpw = 0.0
+    for t in resp.tensors:
+        st = t.results[k].stats
+        n += st.numel
+        err += st.mse * st.numel
+        sig += (st.mse * 10 ** (st.sqnr_db / 10) if st.sqnr_db is not None else 0.0) * st.numel
+        cos += st.cosine * st.numel
+        bpw += st.bits_per_weight * st.numel
+    if not n:
+        return {"sqnr_db": None, "mse": None, "cosine": None, "bits_per_weight": None}
+    return {"sqnr_db": 10 * math.log10(sig / err) if err > 0 and sig > 0 else None, "mse": err / n,
+            "cosine": cos / n, "bits_per_weight": bpw / n}
+
+
+def format_analysis(resp: AnalyzeResponse) -> str:
+    if not resp.tensors:
+        return "no tensors to analyze"
+    schemes = [r.scheme for r in resp.tensors[0].results]
+    labels = [scheme_label(s) for s in schemes]
+    blocks = []
+    for metric, title in (("sqnr_db", "SQNR dB"), ("mse", "MSE"), ("cosine", "cosine"),
+                          ("bits_per_weight", "bits/weight")):
+        rows = [[t.name, *[getattr(r.stats, metric) for r in t.results]] for t in resp.tensors]
+        rows.append(["(overall)", *[overall(resp, k)[metric] for k in range(len(schemes))]])
+        blocks.append(title + "\n" + table(["tensor", *labels], rows))
+    return "\n\n".join(blocks)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+# -- config and clients ---------------------------------------------------------------------------
+
+def build_config(args: argparse.Namespace) -> QuantConfig:
+    import pydantic
+
+    data: dict[str, Any] = {}
+    if args.config:
+        try:
+            data = json.loads(Path(args.config).read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--config {args.config}: {e}") from None
+    scheme = dict(data.get("scheme") or {})
+    for key in ("dtype", "group_size", "granularity", "observer", "symmetric"):
+        value = getattr(args, key, None)
+        if value is not None:
+            if key == "dtype" and value != scheme.get("dtype") and args.symmetric is None:
+                scheme.pop("symmetric", None)  # a new dtype brings its own default
+            scheme[key] = value
+    data["scheme"] = scheme
+    try:
+        return QuantConfig.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise UsageError("config: " + "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
+                                                for x in e.errors())) from None
+
+
+def build_schemes(args: argparse.Namespace) -> list[Scheme]:
+    import pydantic
+
+    out = []
+    for dtype in args.dtype or DEFAULT_ANALYZE_DTYPES:
+        data: dict[str, Any] = {"dtype": dtype}
+        for key in ("group_size", "granularity", "observer", "symmetric"):
+            if getattr(args, key, None) is not None:
+                data[key] = getattr(args, key)
+        try:
+            out.append(Scheme.model_validate(data))
+        except pydantic.ValidationError as e:
+            raise UsageError(f"scheme {dtype}: " + "; ".join(x["msg"] for x in e.errors())) from None
+    return out
+
+
+def make_client(args: argparse.Namespace) -> Any:
+    from quantd_client._client import Client
+
+    return Client(args.server or os.environ.get("QUANTD_URL") or "http://127.0.0.1:8000",
+                  api_key=args.api_key, timeout=args.timeout)
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+def _settings(args: argparse.Namespace, **extra: Any) -> Any:
+    import pydantic
+
+    from quantd.server.settings import Settings
+
+    given = {k: getattr(args, k) for k in ("host", "port", "data_dir", "workers", "device")
+             if getattr(args, k, None) is not None}
+    try:
+        return Settings(**given, **extra)
+    except (pydantic.ValidationError, ValueError) as e:
+        raise UsageError(f"settings: {e}") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from quantd.server.main import run_server
+
+    run_server(_settings(args))
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from quantd.server.main import run_worker
+
+    run_worker(_settings(args))
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    if args.server:
+        with make_client(args) as c:
+            art = c.quantize(args.input, config, output=args.output, progress=None if not args.json else False)
+        summary, stats = art.summary, art.stats
+        if args.json:
+            _print_json({"output": str(args.output), "summary": art.summary_raw,
+                         "stats": {k: v.model_dump(mode="json") for k, v in stats.items()}})
+        elif summary is not None:
+            print(format_summary(summary))
+        return 0
+    from quantd.io.pipeline import quantize_file
+
+    report = quantize_file(args.input, args.output, config, device=resolve_device(args.device))
+    if args.json:
+        _print_json(report.model_dump(mode="json"))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    schemes = build_schemes(args)
+    if args.server:
+        with make_client(args) as c:
+            resp = c.analyze(args.input, schemes)
+    else:
+        from quantd.io.pipeline import analyze_file
+
+        resp = analyze_file(args.input, schemes, device=resolve_device(args.device))
+    if args.json:
+        _print_json({**resp.model_dump(mode="json"),
+                     "overall": [overall(resp, k) for k in range(len(schemes))]})
+    else:
+        print(format_analysis(resp))
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with make_client(args) as c:
+        if args.jobs_cmd == "list":
+            jobs = [j.model for j in c.list_jobs(status=args.status, limit=args.limit)]
+            if args.json:
+                _print_json([j.model_dump(mode="json") for j in jobs])
+            else:
+                print(table(["id", "status", "created", "progress", "input"],
+                            [[j.id, j.status, j.created_at.isoformat(timespec="seconds"),
+                              f"{j.progress.fraction:.0%}", j.input.filename] for j in jobs]))
+        elif args.jobs_cmd == "show":
+            _print_json(c.get_job(args.id).model.model_dump(mode="json"))
+        elif args.jobs_cmd == "cancel":
+            job = c.cancel(args.id)
+            print(json.dumps(job.model.model_dump(mode="json")) if job and args.json
+                  else f"{args.id}: {job.status if job else 'cancelled'}")
+        else:
+            job = c.get_job(args.id)
+            path = job.download(args.output, progress=False if args.json else None)
+            print(json.dumps({"id": job.id, "path": str(path)}) if args.json else f"saved {path}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with make_client(args) as c:
+        info = c.info()
+    if args.json:
+        _print_json(info.model_dump(mode="json"))
+    else:
+        devices = ", ".join(f"{d.name} ({d.type})" for d in info.devices) or "-"
+        print(table(["field", "value"], [
+            ["version", info.version], ["devices", devices], ["dtypes", " ".join(info.dtypes)],
+            ["observers", " ".join(info.observers)], ["input formats", " ".join(info.input_formats)],
+            ["max upload bytes", info.limits.max_upload_bytes], ["max sync bytes", info.limits.max_sync_bytes],
+            ["auth", info.auth]]))
+    return 0
+
+
+# -- parser --------------------------------------------------------------------------------------
+
+DEVICE_HELP = "auto|cpu|cuda|cuda:N (default: QUANTD_DEVICE, else auto)"
+
+
+def _scheme_flags(p: argparse.ArgumentParser, *, many_dtypes: bool) -> None:
+    if many_dtypes:
+        p.add_argument("--dtype", action="append", help="a scheme's dtype; repeat to compare (default int8, int4)")
+    else:
+        p.add_argument("--dtype", help="int8|int4|int3|int2|uint8|uint4|nf4|fp8_e4m3|fp8_e5m2|float16|bfloat16")
+    p.add_argument("--group-size", type=int, help="elements sharing one scale (granularity group)")
+    p.add_argument("--granularity", choices=["tensor", "channel", "group"])
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
+    sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
+    p.add_argument("--observer", choices=["minmax", "percentile", "meanstd", "ema", "mse", "entropy"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument("--server", help="server URL (jobs/info default: QUANTD_URL, else http://127.0.0.1:8000)")
+    client.add_argument("--api-key", help="bearer key (default: QUANTD_API_KEY)")
+    client.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
+    client.add_argument("--json", action="store_true", help="machine-readable output")
+
+    parser = argparse.ArgumentParser(prog="quantd", description="Quantization service for ML weights.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for name, help_ in (("serve", "run the API (with embedded workers)"), ("worker", "run workers only")):
+        p = sub.add_parser(name, help=help_)
+        if name == "serve":
+            p.add_argument("--host", help="bind address (default: QUANTD_HOST, else 127.0.0.1)")
+            p.add_argument("--port", type=int, help="port (default: QUANTD_PORT, else 8000)")
+        p.add_argument("--data-dir", help="jobs database and files (default: QUANTD_DATA_DIR)")
+        p.add_argument("--workers", type=int, help="worker count (default: QUANTD_WORKERS)")
+        p.add_argument("--device", help=DEVICE_HELP)
+        p.set_defaults(func=cmd_serve if name == "serve" else cmd_worker)
+
+    p = sub.add_parser("quantize", parents=[client], help="quantize a file, in-process or through --server")
+    p.add_argument("input", type=Path)
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--config", help="a QuantConfig JSON file; flags override its scheme")
+    _scheme_flags(p, many_dtypes=False)
+    p.add_argument("--device", default=os.environ.get("QUANTD_DEVICE", "auto"), help=DEVICE_HELP)
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("analyze", parents=[client], help="error statistics of several schemes side by side")
+    p.add_argument("input", type=Path)
+    _scheme_flags(p, many_dtypes=True)
+    p.add_argument("--device", default=os.environ.get("QUANTD_DEVICE", "auto"), help=DEVICE_HELP)
+    p.set_defaults(func=cmd_analyze)
+
+    p = sub.add_parser("jobs", help="list, show, cancel and download jobs")
+    jobs = p.add_subparsers(dest="jobs_cmd", required=True)
+    q = jobs.add_parser("list", parents=[client])
+    q.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    q.add_argument("--limit", type=int, default=50)
+    for name in ("show", "cancel", "download"):
+        q = jobs.add_parser(name, parents=[client])
+        q.add_argument("id")
+        if name == "download":
+            q.add_argument("-o", "--output", type=Path, required=True)
+    p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("info", parents=[client], help="the server's version, devices and limits")
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from quantd_client._exceptions import QuantdError as ClientError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        print(f"quantd {args.command}: {e}", file=sys.stderr)
+        return 2
+    except ClientError as e:
+        print(f"quantd {args.command}: {e}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:  # missing files, and the in-process domain errors below
+        print(f"quantd {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from quantd.errors import QuantdError as DomainError
+
+        if isinstance(e, DomainError):
+            print(f"quantd {args.command}: {e.detail}", file=sys.stderr)
+            return 1
+        raise
