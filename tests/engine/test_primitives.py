@@ -1,0 +1,270 @@
+"""quantize/dequantize against a slow, obviously-correct reference quantizer: Python loops over blocks and elements, tiny tensors only.
+
+It follows docs/architecture.md literally: block view, range including 0, scale from the formula in
+float64 rounded UP to the scale dtype (never below the exact value), codes per element.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from quantd.engine import primitives
+from quantd.engine.primitives import dequantize, fake_quantize, quantize
+from quantd.errors import ConfigError, NonFiniteError
+from quantd_client import Scheme
+from quantd_client._dtypes import DTYPES, NF4_CODEBOOK
+
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def ref_blocks(x: np.ndarray, scheme: Scheme) -> np.ndarray:
+    if scheme.granularity == "tensor":
+        return x.reshape(1, -1)
+    if scheme.granularity == "group" and x.ndim <= 1:
+        return x.reshape(1, -1).reshape(-1, scheme.group_size)
+    rows = np.moveaxis(x, scheme.axis, 0).reshape(x.shape[scheme.axis], -1)
+    return rows if scheme.granularity == "channel" else rows.reshape(-1, scheme.group_size)
+
+
+def ref_unblock(b: np.ndarray, shape: tuple[int, ...], scheme: Scheme) -> np.ndarray:
+    if scheme.granularity == "tensor" or (scheme.granularity == "group" and len(shape) <= 1):
+        return b.reshape(shape)
+    axis = scheme.axis % len(shape)
+    moved = (shape[axis], *shape[:axis], *shape[axis + 1:])
+    return np.moveaxis(b.reshape(moved), 0, axis)
+
+
+def round_up(s: float, scale_dtype: str) -> float:
+    """Smallest value of the scale dtype ≥ s (one scalar at a time, by stepping bit patterns)."""
+    dt = SCALE_DTYPES[scale_dtype]
+    finfo = torch.finfo(dt)
+    r = float(torch.tensor(s, dtype=torch.float64).to(dt).item())
+    if r < s:
+        bits = torch.tensor(r, dtype=dt).view(torch.int16 if dt != torch.float32 else torch.int32)
+        r = float((bits + 1).view(dt).item())
+    tiny = float(torch.ones((), dtype=torch.int16 if dt != torch.float32 else torch.int32).view(dt).item())
+    return min(max(r, tiny), finfo.max)
+
+
+def ref_quantize(x: torch.Tensor, scheme: Scheme) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(codes in x's shape, scale per block, zero point per block or None)."""
+    info = DTYPES[scheme.dtype]
+    xf = x.float().numpy()
+    blocks = ref_blocks(xf, scheme)
+    codes = np.zeros(blocks.shape, dtype=np.float64)
+    scales = np.zeros(blocks.shape[0])
+    zps = np.zeros(blocks.shape[0], dtype=np.int64)
+    for b in range(blocks.shape[0]):
+        row = blocks[b]
+        lo, hi = min(float(row.min()), 0.0), max(float(row.max()), 0.0)
+        absmax = max(-lo, hi)
+        if info.kind == "nf4":
+            s = round_up(absmax, scheme.scale_dtype)
+        elif info.kind == "fp8":
+            s = round_up(absmax / info.max_finite, scheme.scale_dtype)
+        elif scheme.symmetric:
+            s = round_up(absmax / ((info.qmax - info.qmin) / 2), scheme.scale_dtype)
+        else:
+            s = round_up((hi - lo) / (info.qmax - info.qmin), scheme.scale_dtype)
+            zps[b] = min(max(round(info.qmin - lo / s), info.qmin), info.qmax)
+        scales[b] = s
+        for k, v in enumerate(row):
+            q = float(np.float32(v) / np.float32(s))  # the division in float32, as the engine does
+            if info.kind == "int":
+                codes[b, k] = min(max(round(q) + zps[b], info.qmin), info.qmax)  # round(): half to even
+            elif info.kind == "nf4":
+                codes[b, k] = int(np.argmin([abs(q - c) for c in NF4_CODEBOOK]))
+            else:
+                q = min(max(q, -info.max_finite), info.max_finite)
+                codes[b, k] = float(torch.tensor(q, dtype=torch.float32).to(FP8[scheme.dtype]).float())
+    zp = None if (scheme.symmetric or info.kind != "int") else zps
+    return ref_unblock(codes, tuple(x.shape), scheme), scales, zp
+
+
+def ref_dequantize(codes: np.ndarray, scales: np.ndarray, zps: np.ndarray | None, scheme: Scheme,
+                   shape: tuple[int, ...]) -> np.ndarray:
+    info = DTYPES[scheme.dtype]
+    blocks = ref_blocks(codes, scheme)
+    out = np.zeros(blocks.shape)
+    for b in range(blocks.shape[0]):
+        for k, c in enumerate(blocks[b]):
+            if info.kind == "nf4":
+                out[b, k] = NF4_CODEBOOK[int(c)] * scales[b]
+            else:
+                out[b, k] = (c - (zps[b] if zps is not None else 0)) * scales[b]
+    return ref_unblock(out, shape, scheme)
+
+
+# ------------------------------------------------------------------------------------------- tests
+
+
+QUANT_DTYPES = ["int8", "int4", "int3", "int2", "uint8", "uint4", "nf4", "fp8_e4m3", "fp8_e5m2"]
+# (shape, granularity, axis, group_size)
+LAYOUTS = [
+    ((6, 32), "tensor", 0, 128),
+    ((6, 32), "channel", 0, 128),
+    ((6, 32), "channel", 1, 128),
+    ((6, 32), "group", 0, 8),
+    ((4, 3, 2, 4), "channel", 0, 128),  # conv weight [out, in, kh, kw]
+    ((4, 3, 2, 4), "channel", -1, 128),
+    ((4, 3, 2, 4), "group", 0, 12),
+    ((4, 3, 2, 4), "group", 1, 16),
+    ((3, 5, 4), "group", -1, 5),
+    ((48,), "group", 0, 16),
+    ((48,), "channel", 0, 128),
+]
+
+
+def _scheme(dtype: str, gran: str, axis: int, gs: int, **kw: object) -> Scheme:
+    return Scheme.model_validate({"dtype": dtype, "granularity": gran, "axis": axis, "group_size": gs, **kw})
+
+
+def _check_against_reference(x: torch.Tensor, scheme: Scheme) -> None:
+    qt = quantize(x, scheme, name="w")
+    codes, scales, zps = ref_quantize(x, scheme)
+    assert qt.codes.shape == x.shape
+    np.testing.assert_array_equal(qt.codes.float().numpy(), codes)
+    assert qt.scale is not None
+    np.testing.assert_array_equal(qt.scale.double().reshape(-1).numpy(), scales)
+    if zps is None:
+        assert qt.zero_point is None
+    else:
+        assert qt.zero_point is not None and qt.zero_point.shape == qt.scale.shape
+        np.testing.assert_array_equal(qt.zero_point.reshape(-1).numpy().astype(np.int64), zps)
+    if DTYPES[scheme.dtype].kind != "fp8":
+        x_hat = dequantize(qt).double().numpy()
+        np.testing.assert_allclose(x_hat, ref_dequantize(codes, scales, zps, scheme, tuple(x.shape)),
+                                   rtol=1e-6, atol=1e-12)
+
+
+# Every (dtype, symmetric) pair a Scheme accepts: unsigned needs a zero point, nf4/fp8 have none.
+DTYPE_SYMMETRIC = [(d, s) for d in QUANT_DTYPES for s in (True, False)
+                   if (DTYPES[d].kind == "int" and (DTYPES[d].signed or not s)) or (DTYPES[d].kind != "int" and s)]
+
+
+@pytest.mark.parametrize("dtype,symmetric", DTYPE_SYMMETRIC)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"{t[0]}-{t[1]}{t[2]}-g{t[3]}")
+def test_matches_reference(dtype: str, symmetric: bool, layout: tuple) -> None:
+    shape, gran, axis, gs = layout
+    g = torch.Generator().manual_seed(hash((dtype, shape, gran, axis)) % 2**31)
+    x = torch.randn(shape, generator=g) * torch.linspace(0.1, 3.0, shape[0]).reshape(-1, *([1] * (len(shape) - 1)))
+    x += 0.3  # off-centre, so affine zero points are not trivial
+    _check_against_reference(x, _scheme(dtype, gran, axis, gs, symmetric=symmetric))
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "uint4", "nf4", "fp8_e4m3"])
+def test_scale_dtypes_match_reference(scale_dtype: str, dtype: str) -> None:
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1)) * 7
+    _check_against_reference(x, _scheme(dtype, "group", 0, 8, scale_dtype=scale_dtype))
+    qt = quantize(x, _scheme(dtype, "group", 0, 8, scale_dtype=scale_dtype))
+    assert qt.scale is not None and qt.scale.dtype == SCALE_DTYPES[scale_dtype]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "uint8", "nf4", "fp8_e5m2"])
+@pytest.mark.parametrize("gran", ["tensor", "channel", "group"])
+def test_chunked_path_equals_reference(monkeypatch: pytest.MonkeyPatch, dtype: str, gran: str) -> None:
+    """Tiny chunks force many row chunks and, for long rows, column chunks."""
+    monkeypatch.setattr(primitives, "CHUNK_ELEMENTS", 16)
+    x = torch.randn(7, 40, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    _check_against_reference(x, _scheme(dtype, gran, 0, 8))
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_low_and_high_precision_inputs(in_dtype: torch.dtype) -> None:
+    x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(3)) * 2).to(in_dtype)
+    scheme = _scheme("int4", "group", 0, 8)
+    _check_against_reference(x, scheme)
+    qt = quantize(x, scheme)
+    assert qt.orig_dtype == in_dtype
+    y = fake_quantize(x, scheme)
+    assert y.dtype == in_dtype and y.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [*QUANT_DTYPES, "float16", "bfloat16"])
+@pytest.mark.parametrize("gran", ["tensor", "channel", "group"])
+def test_zero_tensor_is_exact(dtype: str, gran: str) -> None:
+    x = torch.zeros(4, 32)
+    qt = quantize(x, _scheme(dtype, gran, 0, 16))
+    assert torch.equal(dequantize(qt), x)
+
+
+def test_zero_block_among_others_is_exact() -> None:
+    x = torch.randn(4, 32)
+    x[1] = 0
+    x_hat = fake_quantize(x, _scheme("int4", "group", 0, 16))
+    assert torch.equal(x_hat[1], torch.zeros(32))
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_float_casts(dtype: str, torch_dtype: torch.dtype) -> None:
+    x = torch.tensor([[1.0, -2.5, 1e-3, 1e6], [0.0, 3.0, -1e9, 7.0]])
+    qt = quantize(x, _scheme(dtype, "group", 0, 128))
+    assert qt.codes.dtype == torch_dtype and qt.scale is None and qt.zero_point is None
+    finfo = torch.finfo(torch_dtype)
+    expected = x.clamp(finfo.min, finfo.max).to(torch_dtype)  # saturating: never inf
+    assert torch.equal(qt.codes, expected)
+    assert torch.isfinite(dequantize(qt)).all()
+
+
+def test_fp8_saturates_instead_of_nan() -> None:
+    x = torch.randn(4, 16)
+    lo, hi = torch.full((4,), -0.1), torch.full((4,), 0.1)  # a range far narrower than the data
+    qt = quantize(x, _scheme("fp8_e4m3", "channel", 0, 128), observer_range=(lo, hi))
+    assert torch.isfinite(qt.codes.float()).all()
+    assert float(qt.codes.float().abs().max()) == 448.0
+
+
+def test_explicit_observer_range_is_used() -> None:
+    x = torch.linspace(-1, 1, 32).reshape(2, 16)
+    scheme = _scheme("int8", "channel", 0, 128, symmetric=True)
+    qt = quantize(x, scheme, observer_range=(torch.tensor([-0.5, -0.5]), torch.tensor([0.5, 0.5])))
+    assert qt.scale is not None
+    assert torch.all(qt.scale.float() >= 0.5 / 127.5) and torch.all(qt.scale.float() < 0.5 / 127.5 * 1.001)
+    assert int(qt.codes.max()) == 127 and int(qt.codes.min()) == -128  # clipped
+
+
+def test_observer_range_of_wrong_size_names_field() -> None:
+    with pytest.raises(ConfigError, match="observer_range") as e:
+        quantize(torch.randn(4, 8), _scheme("int8", "channel", 0, 128),
+                 name="layer.w", observer_range=(torch.zeros(3), torch.ones(3)))
+    assert e.value.tensor == "layer.w"
+
+
+@pytest.mark.parametrize("x,scheme,field", [
+    (torch.randn(4, 30), _scheme("int4", "group", 0, 128), "group_size"),
+    (torch.randn(4, 30), _scheme("int4", "channel", 2, 128), "axis"),
+    (torch.randn(4, 30), _scheme("int4", "channel", -3, 128), "axis"),
+    (torch.tensor(1.5), _scheme("int8", "channel", 0, 128), "axis"),
+    (torch.zeros(0, 8), _scheme("int8", "tensor", 0, 128), "shape"),
+    (torch.zeros(4, 8, dtype=torch.int32), _scheme("int8", "tensor", 0, 128), "dtype"),
+])
+def test_impossible_configs_name_field_and_tensor(x: torch.Tensor, scheme: Scheme, field: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        quantize(x, scheme, name="model.layers.0.mlp.w")
+    assert e.value.field == field and e.value.tensor == "model.layers.0.mlp.w"
+    assert field in str(e.value) and "model.layers.0.mlp.w" in str(e.value)
+
+
+def test_zero_dim_tensor_per_tensor() -> None:
+    qt = quantize(torch.tensor(-2.0), _scheme("int8", "tensor", 0, 128, symmetric=True))
+    assert qt.codes.shape == () and abs(float(dequantize(qt)) + 2.0) <= float(qt.scale) / 2  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", ["int4", "float16"])
+def test_non_finite_weights_raise(bad: float, dtype: str) -> None:
+    x = torch.randn(4, 16)
+    x[2, 3] = bad
+    with pytest.raises(NonFiniteError) as e:
+        quantize(x, _scheme(dtype, "group", 0, 16), name="w.bad")
+    assert e.value.tensor == "w.bad"
+
+
+def test_codes_of_non_contiguous_input_follow_logical_layout() -> None:
+    x = torch.randn(16, 8).t()  # [8, 16], non-contiguous
+    scheme = _scheme("int4", "group", 0, 8)
+    assert torch.equal(quantize(x, scheme).codes, quantize(x.contiguous(), scheme).codes)
