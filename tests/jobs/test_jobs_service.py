@@ -63,8 +63,7 @@ async def test_submit_runs_to_success(make_service: MakeService, model_file: Pat
 
 async def test_real_pipeline(make_service: MakeService, model_file: Path) -> None:
     """With quantd.io.quantize_file and the engine: an int4 artifact that dequantizes close to the input."""
-    pytest.importorskip("quantd.engine.stats", reason="engine not complete yet")
-    from quantd.io import quantize_file, read_artifact_torch
+    from quantd.io import dequantize_artifact, quantize_file
 
     svc = make_service(quantize_fn=quantize_file)
     job = await svc.submit(tenant="a", upload=make_upload(svc, model_file), config=CONFIG)
@@ -72,7 +71,7 @@ async def test_real_pipeline(make_service: MakeService, model_file: Path) -> Non
     assert done.status == "succeeded", done.error
     path, _ = await svc.artifact_path("a", job.id)
     x = load_file(str(model_file))["layer.0.weight"]
-    x_hat = read_artifact_torch(path)["layer.0.weight"]
+    x_hat = dequantize_artifact(path)["layer.0.weight"]
     assert x_hat.shape == x.shape
     assert 0 < (x - x_hat).abs().max() < x.abs().max() / 4
     assert done.result.summary.tensors_quantized == 2

@@ -102,7 +102,8 @@ class JobService:
     async def submit(self, *, tenant: str, upload: StoredUpload, config: QuantConfig,
                      calibration: StoredUpload | None = None, idempotency_key: str | None = None) -> Job:
         """Persist a queued job (committed before this returns) and wake a worker. Takes ownership
-        of the upload files: moved under ``uploads/`` or deleted."""
+        of the upload files: moved under ``uploads/`` or deleted. An upload outside ``data_dir``
+        is refused (StorageError) and left alone."""
         return await self._run(self._submit, tenant, upload, config, calibration, idempotency_key)
 
     def _submit(self, tenant: str, upload: StoredUpload, config: QuantConfig,
@@ -128,7 +129,7 @@ class JobService:
         finally:
             for u in (upload, calibration):
                 if u is not None:
-                    u.path.unlink(missing_ok=True)
+                    storage.discard(u.path)
         if not created and (rec.input.get("sha256") != upload.sha256 or rec.config != config_json):
             raise IdempotencyConflict(f"idempotency key {idempotency_key!r} was used for job {rec.id} "
                                       "with a different input or config", field="idempotency_key")
