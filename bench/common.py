@@ -1,0 +1,188 @@
+"""Shared pieces of the benchmarks: timing, fidelity metrics, machine facts, a local quantd server.
+
+Every benchmark runs on whatever machine it is started on; the results record that machine, and
+that timings on a shared machine (other processes competing for the cores) are noisy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "bench" / "results"
+SHARED_MACHINE_NOTE = (
+    "Timings were taken on a shared 2-core CPU machine while other engineers ran tests on it: "
+    "expect run-to-run noise of tens of percent; medians of several repeats are reported."
+)
+
+T = TypeVar("T")
+
+
+def timed(fn: Callable[[], T], *, repeats: int, warmup: int = 1) -> tuple[float, list[float], T]:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` (≥ 1) times; median seconds, all times, last result."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    result: T
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times, result
+
+
+def fidelity(x: torch.Tensor, x_hat: torch.Tensor) -> dict[str, float]:
+    """MSE, SQNR (dB, 10·log10(mean x² / mse)) and cosine of the flattened tensors, in float64."""
+    a = x.detach().reshape(-1).to(torch.float64)
+    b = x_hat.detach().reshape(-1).to(device=a.device, dtype=torch.float64)
+    err = a - b
+    mse = float(err.square().mean())
+    power = float(a.square().mean())
+    sqnr = float("inf") if mse == 0.0 else 10.0 * torch.log10(torch.tensor(power / mse)).item()
+    cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    return {"mse": mse, "sqnr_db": sqnr, "cosine": cos}
+
+
+def fidelity_many(xs: dict[str, torch.Tensor], x_hats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Fidelity over a set of tensors taken as one long vector (MSE weighted by element count)."""
+    a = torch.cat([xs[k].reshape(-1) for k in xs])
+    b = torch.cat([x_hats[k].reshape(-1) for k in xs])
+    return fidelity(a, b)
+
+
+def outlier_weight(rows: int, cols: int, *, seed: int = 0, fraction: float = 0.01, factor: float = 10.0) -> torch.Tensor:
+    """Gaussian weight (std 0.02) in which a random ``fraction`` of the elements is multiplied by ``factor``."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=gen) * 0.02
+    mask = torch.rand(rows, cols, generator=gen) < fraction
+    return torch.where(mask, w * factor, w)
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    ram_bytes = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram_bytes = int(line.split()[1]) * 1024
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "ram_bytes": ram_bytes,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "note": SHARED_MACHINE_NOTE,
+    }
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / name
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+    return path
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- a local quantd server
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    data_dir: Path
+    log_path: Path
+
+    def log_tail(self, n: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+
+@contextlib.contextmanager
+def quantd_server(*, env: dict[str, str] | None = None, start_timeout_s: float = 60.0,
+                  workers: int = 1) -> Iterator[Server]:
+    """Start ``python -m quantd serve`` on a free loopback port with a temp data dir; stop it after.
+
+    Waits for ``/readyz`` (polling with a deadline) and fails with the server log if it never comes up.
+    """
+    import httpx
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="quantd-bench-") as tmp:
+        data_dir = Path(tmp) / "data"
+        data_dir.mkdir()
+        log_path = Path(tmp) / "server.log"
+        full_env = {**os.environ, "QUANTD_MAX_UPLOAD_BYTES": str(4 << 30),
+                    "QUANTD_MAX_SYNC_BYTES": str(256 << 20), **(env or {})}
+        cmd = [sys.executable, "-m", "quantd", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--data-dir", str(data_dir), "--workers", str(workers), "--device", "cpu"]
+        with open(log_path, "wb") as logf:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=full_env)
+        server = Server(f"http://127.0.0.1:{port}", proc, data_dir, log_path)
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"quantd serve exited with {proc.returncode}:\n{server.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{server.url}/readyz", timeout=2.0).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"quantd serve not ready after {start_timeout_s}s:\n{server.log_tail()}")
+                time.sleep(0.2)
+            yield server
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=15)
+
+
+def wait_job(client: Any, url: str, job_id: str, *, timeout_s: float) -> dict[str, Any]:
+    """Poll ``GET /v1/jobs/{id}`` until a terminal status or the deadline; return the Job JSON."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.02
+    while True:
+        job: dict[str, Any] = client.get(f"{url}/v1/jobs/{job_id}").raise_for_status().json()
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            return job
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} still {job['status']} after {timeout_s}s")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.25)
