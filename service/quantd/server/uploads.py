@@ -28,6 +28,7 @@ from .problems import ProblemException
 # Room for the multipart framing and the small JSON fields around a file at the size limit.
 FORM_OVERHEAD_BYTES = 1024 * 1024
 MAX_FIELD_BYTES = 256 * 1024
+WRITE_BATCH_BYTES = 1024 * 1024
 _UNSAFE_CHARS = re.compile(r"[^\w.\- ()+=,@]")
 
 
@@ -186,16 +187,18 @@ async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: 
                      hint=hint)
     parser = MultipartParser(options[b"boundary"], col.callbacks())
     total = 0
+    pending = bytearray()  # network chunks are small; parse and write them 1 MiB at a time, off the loop
     try:
         async for chunk in request.stream():
             total += len(chunk)
             if total > max_file_bytes + FORM_OVERHEAD_BYTES:
                 raise too_large(max_file_bytes, hint)
-            # Disk writes leave the event loop only for big chunks; small ones cost less inline.
-            if len(chunk) >= 1 << 20:
-                await anyio.to_thread.run_sync(parser.write, chunk)
-            else:
-                parser.write(chunk)
+            pending += chunk
+            if len(pending) >= WRITE_BATCH_BYTES:
+                batch, pending = bytes(pending), bytearray()
+                await anyio.to_thread.run_sync(parser.write, batch)
+        if pending:
+            await anyio.to_thread.run_sync(parser.write, bytes(pending))
         parser.finalize()
     except MultipartParseError as e:
         col.close()

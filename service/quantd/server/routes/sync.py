@@ -43,9 +43,11 @@ def compact_json(obj: object) -> str:
 
 
 async def _receive(request: Request, state: AppState, text_field: str) -> MultipartForm:
-    return await receive_multipart(
+    form = await receive_multipart(
         request, tmp_dir=state.settings.tmp_dir, max_file_bytes=state.settings.max_sync_bytes,
         file_fields={"file"}, text_fields={text_field}, required={"file", text_field}, hint=_SYNC_HINT)
+    state.metrics.inc("quantd_uploads_total", endpoint=request.url.path)
+    return form
 
 
 @router.post("/analyze", response_model=AnalyzeResponse, openapi_extra=ANALYZE_BODY, responses=UPLOAD_ERRORS,
