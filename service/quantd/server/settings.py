@@ -54,22 +54,22 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="QUANTD_", extra="ignore", validate_default=True)
 
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(default=8000, ge=0, le=65535)
     data_dir: Path = Path("quantd-data")
-    workers: int | None = Field(None, ge=0, le=64, description=(
+    workers: int | None = Field(default=None, ge=0, le=64, description=(
         "workers: unset = one per CUDA device (one CPU worker without CUDA); 0 = API only (serve)"))
     device: str = "auto"
     api_keys: SecretStr | None = None
     api_keys_file: Path | None = None
-    max_upload_bytes: int = Field(10 * GiB, ge=1)
-    max_sync_bytes: int = Field(256 * MiB, ge=1)
-    max_queue: int = Field(1000, ge=1)
-    job_ttl_s: float = Field(7 * 24 * 3600, gt=0, description="finished jobs and their files are kept this long")
-    lease_s: float = Field(60.0, gt=0, description="a running job whose worker stops heartbeating for this long is re-queued")
+    max_upload_bytes: int = Field(default=10 * GiB, ge=1)
+    max_sync_bytes: int = Field(default=256 * MiB, ge=1)
+    max_queue: int = Field(default=1000, ge=1)
+    job_ttl_s: float = Field(default=7 * 24 * 3600, gt=0, description="finished jobs and their files are kept this long")
+    lease_s: float = Field(default=60.0, gt=0, description="a running job whose worker stops heartbeating for this long is re-queued")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     embedded_workers: bool = True
-    sse_keepalive_s: float = Field(15.0, gt=0)
-    sync_concurrency: int = Field(2, ge=1, description="sync /v1 engine calls running at once")
+    sse_keepalive_s: float = Field(default=15.0, gt=0)
+    sync_concurrency: int = Field(default=2, ge=1, description="sync /v1 engine calls running at once")
 
     @field_validator("log_level", mode="before")
     @classmethod

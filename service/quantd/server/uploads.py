@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import anyio
 from python_multipart.exceptions import MultipartParseError
@@ -24,6 +24,9 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from .problems import ProblemException
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
 
 # Room for the multipart framing and the small JSON fields around a file at the size limit.
 FORM_OVERHEAD_BYTES = 1024 * 1024
@@ -185,7 +188,7 @@ async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: 
     tmp_dir.mkdir(parents=True, exist_ok=True)
     col = _Collector(tmp_dir, file_fields=file_fields, text_fields=text_fields, max_file_bytes=max_file_bytes,
                      hint=hint)
-    parser = MultipartParser(options[b"boundary"], col.callbacks())
+    parser = MultipartParser(options[b"boundary"], cast("MultipartCallbacks", col.callbacks()))
     total = 0
     pending = bytearray()  # network chunks are small; parse and write them 1 MiB at a time, off the loop
     try:

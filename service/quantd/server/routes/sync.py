@@ -32,7 +32,7 @@ router = APIRouter(prefix="/v1", tags=["sync"])
 
 MAX_ANALYZE_CONFIGS = 16
 _CONFIG = TypeAdapter(QuantConfig)
-_SCHEMES = TypeAdapter(Annotated[list[Scheme], Field(min_length=1, max_length=MAX_ANALYZE_CONFIGS)])
+_SCHEMES: TypeAdapter[list[Scheme]] = TypeAdapter(Annotated[list[Scheme], Field(min_length=1, max_length=MAX_ANALYZE_CONFIGS)])
 _OBSERVER = TypeAdapter(ObserverSpec)
 _SYNC_HINT = "; this is the synchronous limit (QUANTD_MAX_SYNC_BYTES): submit larger inputs to POST /v1/jobs"
 
