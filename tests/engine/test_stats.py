@@ -1,0 +1,160 @@
+"""ErrorStats against NumPy float64 definitions, and the bounds it promises."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from quantd.engine import stats
+from quantd.engine.primitives import dequantize, quantize
+from quantd.engine.stats import bits_per_weight, error_stats, theoretical_sqnr_db
+from quantd.errors import ConfigError
+from quantd_client import Scheme
+
+
+def _scheme(**kw: object) -> Scheme:
+    return Scheme.model_validate(kw)
+
+
+SCHEMES = [
+    _scheme(dtype="int8", granularity="channel"),
+    _scheme(dtype="int4", granularity="group", group_size=16, scale_dtype="bfloat16"),
+    _scheme(dtype="int3", granularity="tensor", symmetric=True),
+    _scheme(dtype="uint4", granularity="group", group_size=32),
+    _scheme(dtype="nf4", granularity="group", group_size=16),
+    _scheme(dtype="fp8_e4m3", granularity="channel"),
+    _scheme(dtype="fp8_e5m2", granularity="tensor"),
+    _scheme(dtype="float16"),
+    _scheme(dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.dtype}-{s.granularity}")
+def test_matches_numpy_definitions(scheme: Scheme) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=g) * 0.05 + 0.01
+    x[3, 5] = 0.9  # an outlier
+    qt = quantize(x, scheme)
+    x_hat = dequantize(qt)
+    st = error_stats(x, x_hat, qt)
+    a, b = x.double().numpy(), x_hat.double().numpy()
+    e = a - b
+    mse = float(np.mean(e**2))
+    assert st.numel == 512
+    assert st.mse == pytest.approx(mse, rel=1e-9)
+    assert st.mae == pytest.approx(float(np.mean(np.abs(e))), rel=1e-9)
+    assert st.max_abs_error == pytest.approx(float(np.max(np.abs(e))), rel=1e-12)
+    assert st.sqnr_db == pytest.approx(10 * math.log10(float(np.mean(a**2)) / mse), rel=1e-9)
+    cos = float(np.dot(a.ravel(), b.ravel()) / (np.linalg.norm(a) * np.linalg.norm(b)))
+    assert st.cosine == pytest.approx(cos, rel=1e-12)
+    thr = 3 * float(np.std(a))
+    assert st.outlier_threshold == pytest.approx(thr, rel=1e-9)
+    assert st.outlier_rate == float(np.mean(np.abs(a - a.mean()) > thr))
+    assert st.outlier_rate >= 1 / 512  # the planted outlier counts
+    assert st.clipped_fraction == 0.0  # min-max ranges are always representable
+    assert st.theoretical_max_error is not None
+    assert st.max_abs_error <= st.theoretical_max_error * (1 + 1e-6)
+    assert st.compression_ratio == pytest.approx(32 / st.bits_per_weight)
+
+
+def test_integer_bound_is_half_the_largest_scale() -> None:
+    x = torch.randn(4, 32) * torch.tensor([[0.1], [1.0], [10.0], [0.5]])
+    qt = quantize(x, _scheme(dtype="int4", granularity="channel", symmetric=True))
+    st = error_stats(x, dequantize(qt), qt)
+    assert qt.scale is not None
+    assert st.theoretical_max_error == pytest.approx(float(qt.scale.float().max()) / 2)
+    assert st.theoretical_sqnr_db == pytest.approx(6.02 * 4 + 1.76)
+
+
+def test_fp8_nf4_float_bounds() -> None:
+    x = torch.randn(2, 64)
+    for dtype, factor in (("fp8_e4m3", 16.0), ("fp8_e5m2", 4096.0), ("nf4", (1 - 0.6961928009986877) / 2)):
+        qt = quantize(x, _scheme(dtype=dtype, granularity="channel"))
+        assert qt.scale is not None
+        got = stats.theoretical_max_error(qt, 0.0)
+        assert got == pytest.approx(factor * float(qt.scale.float().max()))
+    qt = quantize(torch.tensor([[3.0, -1.0]]), _scheme(dtype="float16"))
+    assert stats.theoretical_max_error(qt, 3.0) == 2.0**-10  # ulp at 3.0 is 2^-9
+    qt = quantize(torch.tensor([[3.0, -1.0]]), _scheme(dtype="bfloat16"))
+    assert stats.theoretical_max_error(qt, 3.0) == 2.0**-7
+
+
+def test_clipped_fraction_counts_elements_outside_range() -> None:
+    x = torch.linspace(-1, 1, 64).reshape(1, 64)
+    scheme = _scheme(dtype="int8", granularity="tensor", symmetric=True)
+    qt = quantize(x, scheme, observer_range=(torch.tensor(-0.5), torch.tensor(0.5)))
+    st = error_stats(x, dequantize(qt), qt)
+    assert qt.scale is not None
+    limit = (127.5 * float(qt.scale.float()))  # a half step beyond qmax, and symmetric on the low side
+    expected = float(((x > limit) | (x < -128.5 * float(qt.scale.float()))).double().mean())
+    assert expected > 0.4 and st.clipped_fraction == pytest.approx(expected)
+    e = (x - dequantize(qt)).abs()
+    unclipped = x.abs() <= limit
+    assert float(e[unclipped].max()) <= st.theoretical_max_error  # type: ignore[operator]
+    assert float(e[~unclipped].max()) > st.theoretical_max_error  # type: ignore[operator]
+
+
+def test_float16_cast_clips_beyond_max() -> None:
+    x = torch.tensor([[1.0, 70000.0, -1e6, 2.0]])
+    qt = quantize(x, _scheme(dtype="float16"))
+    st = error_stats(x, dequantize(qt), qt)
+    assert st.clipped_fraction == 0.5
+    assert st.bits_per_weight == 16.0 and st.compression_ratio == 2.0
+
+
+def test_exact_reconstruction_has_null_sqnr() -> None:
+    x = torch.tensor([[0.5, -0.25, 1.0, 0.0]])  # exactly representable in float16
+    qt = quantize(x, _scheme(dtype="float16"))
+    st = error_stats(x, dequantize(qt), qt)
+    assert st.mse == 0.0 and st.sqnr_db is None and st.cosine == 1.0
+    z = torch.zeros(2, 8)
+    qz = quantize(z, _scheme(dtype="int4", granularity="channel"))
+    sz = error_stats(z, dequantize(qz), qz)
+    assert sz.sqnr_db is None and sz.cosine == 1.0 and sz.outlier_rate == 0.0
+
+
+@pytest.mark.parametrize("scheme,expected", [
+    (_scheme(dtype="int4", group_size=128), 4 + 16 / 128 + 8 / 128),
+    (_scheme(dtype="int4", group_size=64, symmetric=True, scale_dtype="float32"), 4 + 32 / 64),
+    (_scheme(dtype="int8", granularity="channel", symmetric=True), 8 + 16 / 256),
+    (_scheme(dtype="nf4", group_size=64), 4 + 16 / 64),
+    (_scheme(dtype="int3", granularity="tensor"), 3 + (16 + 8) / (8 * 256)),
+    (_scheme(dtype="fp8_e4m3", granularity="channel", scale_dtype="bfloat16"), 8 + 16 / 256),
+])
+def test_bits_per_weight_counts_scales_and_zero_points(scheme: Scheme, expected: float) -> None:
+    qt = quantize(torch.randn(8, 256), scheme)
+    assert bits_per_weight(qt) == pytest.approx(expected)
+
+
+def test_bf16_input_compression_ratio() -> None:
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    qt = quantize(x, _scheme(dtype="int4", group_size=128))
+    st = error_stats(x, dequantize(qt, dtype=torch.bfloat16), qt)
+    assert st.compression_ratio == pytest.approx(16 / (4 + 24 / 128))
+
+
+def test_chunked_sums_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(16, 64) + 100.0  # a large mean: naive E[x²] − E[x]² would lose digits
+    qt = quantize(x, _scheme(dtype="int8", granularity="channel"))
+    x_hat = dequantize(qt)
+    whole = error_stats(x, x_hat, qt)
+    monkeypatch.setattr(stats, "_CHUNK", 37)
+    chunked = error_stats(x, x_hat, qt)
+    for field in ("mse", "mae", "max_abs_error", "cosine", "outlier_threshold", "sqnr_db"):
+        assert getattr(chunked, field) == pytest.approx(getattr(whole, field), rel=1e-9), field
+    assert whole.outlier_threshold == pytest.approx(3 * float(x.double().std(unbiased=False)), rel=1e-9)
+
+
+def test_shape_mismatch_is_an_error() -> None:
+    x = torch.randn(4, 8)
+    qt = quantize(x, _scheme(dtype="int8", granularity="channel"))
+    with pytest.raises(ConfigError, match="one shape"):
+        error_stats(x, torch.zeros(8, 4), qt)
+
+
+def test_theoretical_sqnr_formula() -> None:
+    assert theoretical_sqnr_db(8) == pytest.approx(49.92)
+    assert theoretical_sqnr_db(4) == pytest.approx(25.84)
