@@ -1,5 +1,6 @@
-"""One real server: ``run_server`` under uvicorn on a free loopback port. Jobs accepted survive a
-``kill -9`` of the server; after a restart (with more jobs queued) every accepted job succeeds."""
+"""One real server: ``python -m quantd serve`` (uvicorn) on a free loopback port. Jobs accepted survive
+a ``kill -9`` of the server; after a restart as API only (``--workers 0``) next to a separate
+``quantd worker`` process, with more jobs queued, every accepted job succeeds."""
 
 from __future__ import annotations
 
@@ -20,20 +21,18 @@ from .conftest import CONFIG, st_bytes
 
 pytestmark = pytest.mark.slow
 
-LAUNCH = "from quantd.server.main import run_server; from quantd.server.settings import Settings; run_server(Settings())"
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _start(data_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "QUANTD_DATA_DIR": str(data_dir), "QUANTD_PORT": str(port), "QUANTD_HOST": "127.0.0.1",
-           "QUANTD_WORKERS": "1", "QUANTD_DEVICE": "cpu", "QUANTD_LEASE_S": "3", "QUANTD_LOG_LEVEL": "INFO"}
+def _start(command: str, data_dir: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "QUANTD_LEASE_S": "3", "QUANTD_LOG_LEVEL": "INFO", "QUANTD_DEVICE": "cpu"}
+    env.pop("QUANTD_API_KEYS", None)
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-c", LAUNCH], env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", "quantd", command, "--data-dir", str(data_dir), *args],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
@@ -71,7 +70,7 @@ def test_real_server_survives_kill_9(tmp_path, procs):
     data_dir, log = tmp_path / "data", tmp_path / "server.log"
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    procs.append(_start(data_dir, port, log))
+    procs.append(_start("serve", data_dir, log, "--port", str(port), "--workers", "1"))
     _wait_ready(base, procs[0], log)
     with httpx.Client(base_url=base, timeout=30) as c:
         assert c.get("/healthz").json() == {"status": "ok"}
@@ -81,7 +80,18 @@ def test_real_server_survives_kill_9(tmp_path, procs):
     os.kill(procs[0].pid, signal.SIGKILL)
     procs[0].wait(timeout=30)
 
-    procs.append(_start(data_dir, port, log))
+    procs.append(_start("serve", data_dir, log, "--port", str(port), "--workers", "0"))
+    with httpx.Client(base_url=base, timeout=30) as c:
+        # API only: not ready without a worker (the killed one's heartbeat ages out within lease_s).
+        deadline, status = time.monotonic() + 60, None
+        while time.monotonic() < deadline and status != 503:
+            try:
+                status = c.get("/readyz").status_code
+            except httpx.TransportError:
+                status = None
+            time.sleep(0.1)  # poll step under a deadline
+        assert status == 503
+    procs.append(_start("worker", data_dir, log, "--workers", "1"))
     _wait_ready(base, procs[1], log)
     with httpx.Client(base_url=base, timeout=30) as c:
         more = [_submit(c, seed) for seed in range(6, 9)]

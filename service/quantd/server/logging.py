@@ -21,7 +21,7 @@ access_log = logging.getLogger("quantd.access")
 log = logging.getLogger("quantd.server")
 
 _RID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_STD_ATTRS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+_STD_ATTRS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName", "color_message"}
 
 
 class JsonFormatter(logging.Formatter):
