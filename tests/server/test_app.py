@@ -113,6 +113,8 @@ async def test_openapi_documents_multipart_bodies_and_problem_responses(server):
     assert {"202", "413", "415", "422", "429"} <= set(post)
     assert "application/problem+json" in post["422"]["content"]
     assert "Location" in post["202"]["headers"]
+    assert post["202"]["content"]["application/json"]["example"]["status"] == "queued"
+    assert post["202"]["content"]["application/json"]["schema"]["$ref"].endswith("/Job")
     art = paths["/v1/jobs/{job_id}/artifact"]["get"]["responses"]
     assert {"200", "206", "409", "416"} <= set(art)
     assert "Quantd-Summary" in paths["/v1/quantize"]["post"]["responses"]["200"]["headers"]

@@ -84,3 +84,19 @@ def finish_openapi(schema: dict[str, Any]) -> dict[str, Any]:
             comps.setdefault(name, sub)
         comps.setdefault(model.__name__, js)
     return schema
+
+
+JOB_EXAMPLE: dict[str, Any] = {
+    "id": "3f2c9b7e0a4d4c1e9f6b2a8d7c5e4f10", "status": "queued", "created_at": "2026-01-01T12:00:00Z",
+    "started_at": None, "finished_at": None,
+    "input": {"filename": "model.safetensors", "bytes": 268435456, "sha256": "9f86d081884c7d65...",
+              "format": "safetensors", "tensors": 291},
+    "config": CONFIG_EXAMPLE,
+    "progress": {"tensors_done": 0, "tensors_total": 291, "bytes_done": 0, "bytes_total": 268435456,
+                 "fraction": 0.0},
+    "device": None, "result": None, "error": None, "attempts": 0,
+}
+
+
+def json_example(description: str, example: Any) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"example": example}}}

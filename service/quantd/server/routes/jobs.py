@@ -16,7 +16,7 @@ from ..files import file_response
 from ..problems import ProblemException, problem_responses
 from ..sse import sse_stream
 from ..uploads import UploadedFile, receive_multipart
-from ._docs import ARTIFACT_200, JOB_BODY, UPLOAD_ERRORS
+from ._docs import ARTIFACT_200, JOB_BODY, JOB_EXAMPLE, UPLOAD_ERRORS, json_example
 from ._forms import parse_json_field, run_engine
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -58,7 +58,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
 
 @router.post("", status_code=202, response_model=Job, openapi_extra=JOB_BODY,
              summary="Submit a quantization job (streamed upload); 202 with Location",
-             responses={202: {"description": "Accepted: the job is persisted and queued",
+             responses={202: {**json_example("Accepted: the job is persisted and queued", JOB_EXAMPLE),
                               "headers": {"Location": {"schema": {"type": "string"},
                                                        "description": "/v1/jobs/{id}"}}},
                         **UPLOAD_ERRORS, **problem_responses(409, 429)})
@@ -72,7 +72,8 @@ async def submit_job(
 
 
 @router.get("", response_model=JobList, summary="The caller's jobs, newest first",
-            responses=problem_responses(401, 422))
+            responses={200: json_example("A page of jobs", {"items": [JOB_EXAMPLE], "next_cursor": "WzE3MDAw..."}),
+                       **problem_responses(401, 422)})
 async def list_jobs(
     state: StateDep, tenant: TenantDep,
     status: Annotated[str | None, Query(description="queued|running|succeeded|failed|cancelled")] = None,
@@ -82,7 +83,8 @@ async def list_jobs(
     return await state.jobs.list(tenant, status=status, limit=limit, cursor=cursor)
 
 
-@router.get("/{job_id}", response_model=Job, summary="One job", responses=_JOB_ERRORS)
+@router.get("/{job_id}", response_model=Job, summary="One job",
+            responses={200: json_example("The job", JOB_EXAMPLE), **_JOB_ERRORS})
 async def get_job(job_id: str, state: StateDep, tenant: TenantDep) -> Job:
     return await state.jobs.get(tenant, job_id)
 
