@@ -67,6 +67,18 @@ async def test_unhandled_error_is_a_clean_500_with_the_request_id(server, caplog
     assert (await server.client.get("/healthz")).status_code == 200
 
 
+async def test_a_5xx_domain_error_does_not_leak_its_detail(server):
+    from quantd.jobs.errors import StorageError
+
+    async def storage_fault() -> None:
+        raise StorageError("path '/srv/secret/x' is outside the data dir")
+
+    server.app.add_api_route("/fault", storage_fault)
+    r = await server.client.get("/fault")
+    body = assert_problem(r, 500)
+    assert "/srv/secret" not in r.text and body["type"] == "urn:quantd:storage-error"
+
+
 async def test_request_id_is_generated_or_echoed_and_access_log_has_no_secrets(make_server, caplog):
     async with make_server(api_keys=f"a:{KEY_A}") as h:
         with caplog.at_level(logging.INFO, logger="quantd.access"):

@@ -77,6 +77,10 @@ def form_validation_problem(field: str, exc: ValidationError) -> ProblemExceptio
 
 
 def _quantd_error(request: Request, exc: QuantdError) -> JSONResponse:
+    if exc.status >= 500:  # a server fault: its detail may name internal paths; log it, answer plainly
+        log.error("server error: %s", exc.detail, exc_info=exc, extra={"request_id": request_id_of(request)})
+        return problem_response(exc.status, "internal server error; quote the request id when reporting it",
+                                title=exc.title, type_=exc.type_, request_id=request_id_of(request))
     errors = None
     if exc.status == 422:
         loc: list[str | int] = ["body"]

@@ -120,9 +120,11 @@ async def job_report(job_id: str, state: StateDep, tenant: TenantDep) -> Report:
                        **_JOB_ERRORS, **problem_responses(409, 416)})
 async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
     path, sha = await state.jobs.artifact_path(tenant, job_id)
-    if not path.is_file():
-        raise ProblemException(410, f"the artifact of job {job_id!r} is gone", title="Job files expired")
-    return file_response(request, path, etag_hex=sha, filename=f"{job_id}.quantd.safetensors")
+    try:
+        return file_response(request, path, etag_hex=sha, filename=f"{job_id}.quantd.safetensors")
+    except FileNotFoundError:  # deleted (TTL sweep, DELETE) since the job layer looked
+        raise ProblemException(410, f"the artifact of job {job_id!r} is gone", title="Job files expired",
+                               type_="urn:quantd:job-expired") from None
 
 
 @router.delete("/{job_id}", response_model=Job, summary="Cancel a queued or running job and delete its files",
