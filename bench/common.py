@@ -34,8 +34,10 @@ SHARED_MACHINE_NOTE = (
 T = TypeVar("T")
 
 
-def timed(fn: Callable[[], T], *, repeats: int, warmup: int = 1) -> tuple[float, list[float], T]:
-    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` (≥ 1) times; median seconds, all times, last result."""
+def timed(fn: Callable[[], T], *, repeats: int, warmup: int = 1,
+          budget_s: float = float("inf")) -> tuple[float, list[float], T]:
+    """Run ``fn`` ``warmup`` times untimed, then up to ``repeats`` (≥ 1) times, stopping early once the
+    timed runs add up to ``budget_s``; returns the median seconds, all times and the last result."""
     for _ in range(warmup):
         fn()
     times: list[float] = []
@@ -44,6 +46,8 @@ def timed(fn: Callable[[], T], *, repeats: int, warmup: int = 1) -> tuple[float,
         t0 = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - t0)
+        if sum(times) >= budget_s:
+            break
     return statistics.median(times), times, result
 
 

@@ -319,9 +319,7 @@ class EmbeddingProbe:
 
     @torch.no_grad()
     def cosine(self, replaced: dict[str, torch.Tensor]) -> dict[str, float]:
-        missing = set(self.weights) - set(replaced)
-        if missing:
-            raise KeyError(f"dequantized weights missing for {sorted(missing)[:3]}")
+        """Embedding cosine with ``replaced`` weights (Linear weights not in it stay fp32)."""
         try:
             for name, w in replaced.items():
                 self.modules[name].weight.copy_(torch.as_tensor(w).reshape(self.weights[name].shape))
@@ -341,19 +339,25 @@ def copy_ceiling(src: torch.Tensor, repeats: int) -> dict[str, float]:
     return {"median_s": median_s, "gbps": src.numel() * src.element_size() / median_s / 1e9}
 
 
+CELL_BUDGET_S = 8.0  # timed seconds per library × scheme cell, so that the whole run stays bounded
+
+
 def measure(codec: Codec, tensors: dict[str, torch.Tensor], spec: SchemeSpec, repeats: int,
             ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Quantize every tensor (timed as one pass), dequantize, and compute fidelity and bits per weight."""
     def run() -> dict[str, Any]:
         return {name: codec.quantize(w) for name, w in tensors.items()}
 
-    warmup = 0 if spec.method == "hqq" else 1  # HQQ is ~100× slower: one timed pass is the budget
-    median_s, times, quantized = timed(run, repeats=1 if spec.method == "hqq" else repeats, warmup=warmup)
+    if spec.method == "hqq":  # ~100× slower than RTN: one timed pass is the budget
+        median_s, times, quantized = timed(run, repeats=1, warmup=0)
+    else:
+        median_s, times, quantized = timed(run, repeats=repeats, budget_s=CELL_BUDGET_S)
     x_hats = {name: codec.dequantize(q) for name, q in quantized.items()}
     numel = sum(w.numel() for w in tensors.values())
     nbytes = sum(w.numel() * w.element_size() for w in tensors.values())
     overhead = sum(codec.overhead_bits(q) for q in quantized.values())
-    row = {"median_s": median_s, "times_s": times, "gbps": nbytes / median_s / 1e9,
+    row = {"median_s": median_s, "min_s": min(times), "times_s": times, "gbps": nbytes / median_s / 1e9,
+           "gbps_best": nbytes / min(times) / 1e9,
            **fidelity_many(tensors, x_hats), "bits_per_weight": spec.bits + overhead / numel}
     return row, x_hats
 
@@ -488,7 +492,9 @@ def main(argv: list[str] | None = None) -> int:
 
     probe = EmbeddingProbe()
     tensors = probe.weights
-    minilm = {"tensors": len(tensors), "numel": sum(t.numel() for t in tensors.values()),
+    if args.quick:  # smoke run: the first encoder layer only, the others stay fp32
+        tensors = {k: v for k, v in tensors.items() if ".layer.0." in k}
+    minilm = {"tensors": len(tensors), "all_linear_weights": not args.quick, "numel": sum(t.numel() for t in tensors.values()),
               "bytes": sum(t.numel() * 4 for t in tensors.values()), "sentences": len(SENTENCES),
               "copy": copy_ceiling(torch.cat([t.reshape(-1) for t in tensors.values()]), repeats)}
     minilm["results"] = _section("all-MiniLM-L6-v2 Linear weights", lambda: run_library_grid(tensors, repeats, probe))

@@ -1,0 +1,265 @@
+"""The service against the engine: what HTTP, the job queue and storage cost on a large file.
+
+1. A ≥ 500 MB safetensors file (12 × 4096×4096 float32 tensors with different scales, written to a temp
+   dir and deleted after) quantized (a) in-process by ``quantd.io.pipeline.quantize_file`` in a fresh
+   Python process and (b) as a job through ``POST /v1/jobs`` on a local ``python -m quantd serve``
+   (upload, queue, quantize, until ``succeeded``; the artifact download is timed apart). Targets: wall-time
+   ratio HTTP / in-process ≤ 1.2; the server's peak RSS (VmHWM, sampled from /proc) ≤ 3 × the largest
+   tensor + 500 MB.
+2. Requests/s of ``POST /v1/quantize`` with a 1024×1024 float32 tensor from 8 concurrent clients for 20 s.
+
+    python bench/service.py            # full run (≈ 5 min on a 2-core CPU)
+    python bench/service.py --quick    # smoke run: 4 × 2048×2048, one repeat, 5 s of requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+
+from common import Server, log, machine_info, quantd_server, wait_job, write_results
+
+CONFIG = {"scheme": {"dtype": "int4", "symmetric": False, "granularity": "group", "group_size": 128},
+          "skip_1d": True}
+
+# The in-process run, in a fresh interpreter so that its time and peak memory are its own.
+INPROCESS = r"""
+import json, resource, sys, time
+from quantd_client import QuantConfig
+from quantd.io.pipeline import quantize_file
+cfg = QuantConfig.model_validate(json.loads(sys.argv[3]))
+t0 = time.perf_counter()
+quantize_file(sys.argv[1], sys.argv[2], cfg, device="cpu")
+wall = time.perf_counter() - t0
+hwm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+print(json.dumps({"wall_s": wall, "peak_rss_bytes": hwm}))
+"""
+
+
+def make_model(path: Path, count: int, side: int) -> dict[str, Any]:
+    """``count`` float32 tensors of ``side × side``, tensor i ~ N(0, (0.01·(i+1))²), written one by one."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"layers.{i}.weight": torch.randn(side, side, generator=gen) * (0.01 * (i + 1))
+               for i in range(count)}
+    save_file(tensors, str(path))
+    largest = max(t.numel() * t.element_size() for t in tensors.values())
+    return {"tensors": count, "shape": [side, side], "file_bytes": path.stat().st_size,
+            "largest_tensor_bytes": largest}
+
+
+def _status_kb(pid: int, key: str) -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _process_tree(pid: int) -> list[int]:
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+    return pids
+
+
+class RssSampler:
+    """Samples the server's process tree every 50 ms: the largest VmHWM and the largest summed VmRSS."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak_hwm_kb = 0
+        self.peak_tree_rss_kb = 0
+        self.baseline_rss_kb = _status_kb(pid, "VmRSS")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            tree = _process_tree(self.pid)
+            self.peak_hwm_kb = max([self.peak_hwm_kb, *(_status_kb(p, "VmHWM") for p in tree)])
+            self.peak_tree_rss_kb = max(self.peak_tree_rss_kb, sum(_status_kb(p, "VmRSS") for p in tree))
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def run_inprocess(src: Path, dst: Path) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", INPROCESS, str(src), str(dst), json.dumps(CONFIG)],
+                         capture_output=True, text=True, timeout=900, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"in-process run failed ({out.returncode}): {out.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    dst.unlink(missing_ok=True)
+    return result
+
+
+def run_http_job(server: Server, src: Path, timeout_s: float) -> dict[str, Any]:
+    import httpx
+
+    with httpx.Client(timeout=600.0) as http:
+        t0 = time.perf_counter()
+        with open(src, "rb") as f:
+            resp = http.post(f"{server.url}/v1/jobs", data={"config": json.dumps(CONFIG)},
+                             files={"file": (src.name, f, "application/octet-stream")})
+        if resp.status_code != 202:
+            raise RuntimeError(f"POST /v1/jobs → {resp.status_code}: {resp.text[:500]}")
+        t_accepted = time.perf_counter() - t0
+        job = wait_job(http, server.url, resp.json()["id"], timeout_s=timeout_s)
+        t_done = time.perf_counter() - t0
+        if job["status"] != "succeeded":
+            raise RuntimeError(f"job {job['status']}: {job.get('error')}")
+        t1 = time.perf_counter()
+        nbytes = 0
+        with http.stream("GET", f"{server.url}/v1/jobs/{job['id']}/artifact") as r:
+            r.raise_for_status()
+            for chunk in r.iter_bytes():
+                nbytes += len(chunk)
+        t_download = time.perf_counter() - t1
+        http.delete(f"{server.url}/v1/jobs/{job['id']}")
+    return {"wall_s": t_done, "upload_accepted_s": t_accepted, "download_s": t_download,
+            "artifact_bytes": nbytes, "server_elapsed_s": (job.get("result") or {}).get("summary", {}).get("elapsed_s")}
+
+
+def large_file(repeats: int, count: int, side: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="quantd-bench-large-") as tmp:
+        src, dst = Path(tmp) / "model.safetensors", Path(tmp) / "inprocess.quantd.safetensors"
+        log(f"writing {count} × {side}×{side} float32")
+        model = make_model(src, count, side)
+        log(f"  {model['file_bytes'] / 1e6:.0f} MB")
+        inproc: list[dict[str, Any]] = []
+        http: list[dict[str, Any]] = []
+        with quantd_server(workers=1) as server, RssSampler(server.process.pid) as rss:
+            for i in range(repeats):  # alternate, so that load from others hits both sides alike
+                inproc.append(run_inprocess(src, dst))
+                log(f"  in-process #{i + 1}: {inproc[-1]['wall_s']:.1f} s")
+                http.append(run_http_job(server, src, timeout_s=900.0))
+                log(f"  HTTP job   #{i + 1}: {http[-1]['wall_s']:.1f} s (+ {http[-1]['download_s']:.1f} s download)")
+        in_s = statistics.median(r["wall_s"] for r in inproc)
+        http_s = statistics.median(r["wall_s"] for r in http)
+        http_dl_s = statistics.median(r["wall_s"] + r["download_s"] for r in http)
+        peak = rss.peak_hwm_kb * 1024
+        budget = 3 * model["largest_tensor_bytes"] + 500 * 10**6
+        return {
+            "model": model, "config": CONFIG, "repeats": repeats,
+            "inprocess_runs": inproc, "http_runs": http,
+            "inprocess_wall_s": in_s, "http_wall_s": http_s, "http_with_download_wall_s": http_dl_s,
+            "wall_ratio": http_s / in_s, "wall_ratio_with_download": http_dl_s / in_s, "wall_ratio_target": 1.2,
+            "server_peak_rss_bytes": peak, "server_baseline_rss_bytes": rss.baseline_rss_kb * 1024,
+            "server_peak_tree_rss_bytes": rss.peak_tree_rss_kb * 1024,
+            "inprocess_peak_rss_bytes": max(r["peak_rss_bytes"] for r in inproc),
+            "rss_target_bytes": budget, "rss_target": "3 × largest tensor + 500 MB",
+        }
+
+
+def _tensor_payload(side: int) -> bytes:
+    from safetensors.torch import save
+
+    w = torch.randn(side, side, generator=torch.Generator().manual_seed(1)) * 0.02
+    return save({"weight": w})
+
+
+async def _load(url: str, payload: bytes, clients: int, duration_s: float) -> dict[str, Any]:
+    import httpx
+
+    latencies: list[float] = []
+    statuses: dict[str, int] = {}
+    data = {"config": json.dumps(CONFIG)}
+    deadline = time.perf_counter() + duration_s
+
+    async def one_client(http: httpx.AsyncClient) -> None:
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            try:
+                r = await http.post(f"{url}/v1/quantize", data=data,
+                                    files={"file": ("w.safetensors", io.BytesIO(payload), "application/octet-stream")})
+                key = str(r.status_code)
+                if r.status_code == 200:
+                    latencies.append(time.perf_counter() - t0)
+            except httpx.HTTPError as exc:
+                key = type(exc).__name__
+            statuses[key] = statuses.get(key, 0) + 1
+
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(timeout=120.0, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_client(http) for _ in range(clients)))
+        elapsed = time.perf_counter() - t0
+    lat = sorted(latencies)
+    return {
+        "clients": clients, "duration_s": elapsed, "ok": len(lat), "statuses": statuses,
+        "requests_per_s": len(lat) / elapsed,
+        "latency_p50_s": lat[len(lat) // 2] if lat else None,
+        "latency_p95_s": lat[min(len(lat) - 1, int(len(lat) * 0.95))] if lat else None,
+    }
+
+
+def sync_throughput(side: int, clients: int, duration_s: float) -> dict[str, Any]:
+    payload = _tensor_payload(side)
+    with quantd_server(workers=1) as server:
+        asyncio.run(_load(server.url, payload, clients, min(2.0, duration_s)))  # warm-up, not recorded
+        result = asyncio.run(_load(server.url, payload, clients, duration_s))
+    return {"tensor_shape": [side, side], "payload_bytes": len(payload), "config": CONFIG, **result}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 × 2048×2048, 1 repeat, 5 s of requests")
+    ap.add_argument("--repeats", type=int, default=None, help="alternating in-process/HTTP runs (default 2)")
+    ap.add_argument("--out", default="service.json", help="file name under bench/results/")
+    args = ap.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 2)
+    count, side = (4, 2048) if args.quick else (12, 4096)
+    t_start = time.perf_counter()
+    payload: dict[str, Any] = {"benchmark": "service", "quick": args.quick, "machine": machine_info()}
+    log("== large file: HTTP job vs in-process")
+    try:
+        payload["large_file"] = large_file(repeats, count, side)
+        lf = payload["large_file"]
+        log(f"  ratio {lf['wall_ratio']:.2f} (target ≤ 1.2); server peak RSS {lf['server_peak_rss_bytes'] / 1e6:.0f} MB "
+            f"(target ≤ {lf['rss_target_bytes'] / 1e6:.0f} MB)")
+    except Exception as exc:
+        payload["large_file"] = {"error": f"{type(exc).__name__}: {exc}"}
+        log(f"  failed: {exc}")
+    log("== POST /v1/quantize, 8 concurrent clients")
+    try:
+        payload["sync_throughput"] = sync_throughput(1024, 8, 5.0 if args.quick else 20.0)
+        st = payload["sync_throughput"]
+        log(f"  {st['requests_per_s']:.1f} req/s, p50 {st['latency_p50_s']}, statuses {st['statuses']}")
+    except Exception as exc:
+        payload["sync_throughput"] = {"error": f"{type(exc).__name__}: {exc}"}
+        log(f"  failed: {exc}")
+    payload["elapsed_s"] = time.perf_counter() - t_start
+    path = write_results(args.out, payload)
+    log(f"wrote {path} in {payload['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
