@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+import pytest
+
 from quantd_client._artifact import read_artifact
 
 from .conftest import CONFIG, assert_problem, st_bytes
@@ -153,3 +155,15 @@ async def test_calibration_file_is_accepted_with_the_job(make_server):
         r = await h.client.post("/v1/jobs", files=files, data={"config": json.dumps(CONFIG)})
         assert r.status_code == 202, r.text
         assert len(list((h.settings.data_dir / "uploads").iterdir())) == 2
+
+
+@pytest.mark.cuda
+async def test_job_and_sync_quantize_run_on_cuda(make_server):
+    async with make_server(device="cuda") as h:
+        info = (await h.client.get("/v1/info")).json()
+        assert any(d["type"] == "cuda" and d["memory_bytes"] > 0 for d in info["devices"])
+        job = await h.wait_job((await h.submit()).json()["id"])
+        assert job["status"] == "succeeded" and job["device"].startswith("cuda")
+        r = await h.client.post("/v1/quantize", files={"file": ("m.safetensors", st_bytes(), "x/y")},
+                                data={"config": json.dumps(CONFIG)})
+        assert r.status_code == 200 and json.loads(r.headers["quantd-summary"])["device"].startswith("cuda")
