@@ -161,7 +161,7 @@ class ArtifactWriter:
         if o.nbytes:
             raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
             self._f.seek(self.data_start + self._offsets[name][0])
-            self._f.write(memoryview(raw))
+            self._f.write(raw.data)
         self._written.add(name)
 
     def finish(self, summary: Mapping[str, Any] | None) -> int:

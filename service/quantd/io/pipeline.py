@@ -68,6 +68,7 @@ def plan(tensors: list[TensorInfo], config: QuantConfig) -> list[TensorPlan]:
     for t in tensors:
         dt = torch_dtype(t.dtype)
         scheme: Scheme | None
+        reason: str | None
         if dt not in QUANTIZABLE:
             scheme, reason = None, f"{t.dtype} tensor passes through"
         elif math.prod(t.shape) == 0:
@@ -108,15 +109,16 @@ def _measure(x: torch.Tensor, scheme: Scheme, name: str) -> tuple[ErrorStats, Qu
 def _process(reader: ModelReader, writer: ArtifactWriter, p: TensorPlan, device: torch.device) -> TensorReport:
     name = p.info.name
     x = reader.load(name, device)
-    base = {"name": name, "shape": list(p.info.shape), "in_dtype": p.info.dtype}
+    shape, in_dtype = list(p.info.shape), p.info.dtype
     if p.scheme is None:
         writer.write(name, x)
-        return TensorReport(**base, scheme=None, stats=None, skipped=True, reason=p.reason)
+        return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=None, stats=None, skipped=True,
+                            reason=p.reason)
     check_finite(x, name)
     stats, qt = _measure(x, p.scheme, name)
     for out_name, t in encode_quantized(qt, name).items():
         writer.write(out_name, t)
-    return TensorReport(**base, scheme=p.scheme, stats=stats, skipped=False)
+    return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=p.scheme, stats=stats, skipped=False)
 
 
 def summarize(plans: list[TensorPlan], reports: list[TensorReport], output_bytes: int, elapsed_s: float,

@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any, BinaryIO, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from .formats import ST_TO_TORCH, TORCH_TO_ST, Format, detect_format, dtype_name
 from .st_header import STHeader, read_header
 
 DEFAULT_MAX_TENSOR_BYTES = 16 * 1024**3
+_R = TypeVar("_R", bound="ModelReader")
 _NP_KINDS = {"f": "float", "i": "int", "u": "uint", "b": "bool"}
 
 
@@ -81,7 +82,7 @@ class ModelReader:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> ModelReader:
+    def __enter__(self: _R) -> _R:
         return self
 
     def __exit__(self, *exc: object) -> None:
