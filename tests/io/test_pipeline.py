@@ -16,7 +16,7 @@ from torch import nn
 
 import quantd.engine.primitives as primitives
 from quantd.engine.stats import error_stats
-from quantd.errors import ConfigError, JobCancelled, NonFiniteError
+from quantd.errors import ConfigError, JobCancelled, MalformedInputError, NonFiniteError
 from quantd.io import analyze_file, dequantize_artifact, load_into_model, open_model, plan, quantize_file
 from quantd_client import Progress, QuantConfig, Scheme
 from quantd_client._artifact import read_artifact
@@ -249,3 +249,33 @@ def test_quantize_on_cuda_matches_cpu(tmp_path: Path, model_file: Path) -> None:
         read_artifact(tmp_path / "gpu.safetensors").dequantize()
     for k in da:
         np.testing.assert_allclose(da[k], db[k], rtol=1e-3, atol=1e-3)
+
+
+def test_calibrate_file(tmp_path: Path) -> None:
+    pytest.importorskip("quantd.engine.calibration", reason="engine-observers' calibration not written yet")
+    from quantd.io import calibrate_file
+    from quantd_client import ObserverSpec
+
+    g = torch.Generator().manual_seed(5)
+    acts = {"block.0.input": torch.randn(32, 16, generator=g) * 3, "block.1.input": torch.rand(8, 4, 10, generator=g)}
+    p = tmp_path / "acts.safetensors"
+    save_file(acts, str(p))
+    resp = calibrate_file(p, ObserverSpec(dtype="int8", observer="minmax"), device="cpu")
+    by_name = {layer.name: layer for layer in resp.layers}
+    assert set(by_name) == set(acts)
+    for name, x in acts.items():
+        layer = by_name[name]
+        lo, hi = float(x.min()), float(x.max())
+        # the observed range, or that range widened to include 0 (as the qparams use it)
+        assert layer.min in (pytest.approx(lo, rel=1e-6), pytest.approx(min(lo, 0.0), rel=1e-6))
+        assert layer.max in (pytest.approx(hi, rel=1e-6), pytest.approx(max(hi, 0.0), rel=1e-6))
+        assert layer.observer == "minmax"
+
+    bad = tmp_path / "bad.safetensors"
+    save_file({"ids": torch.arange(4)}, str(bad))
+    with pytest.raises(MalformedInputError, match="'ids'"):
+        calibrate_file(bad, ObserverSpec(), device="cpu")
+    nan = tmp_path / "nan.safetensors"
+    save_file({"a": torch.tensor([[1.0, float("nan")]])}, str(nan))
+    with pytest.raises(NonFiniteError, match="'a'"):
+        calibrate_file(nan, ObserverSpec(), device="cpu")

@@ -133,7 +133,10 @@ class SafetensorsReader(ModelReader):
 
 def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
     if isinstance(obj, torch.Tensor):
-        out[prefix or "tensor"] = obj
+        name = prefix or "tensor"
+        if name in out:
+            raise MalformedInputError(f"tensor {name!r} appears twice after flattening nested dicts", tensor=name)
+        out[name] = obj
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
             _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
