@@ -1,0 +1,121 @@
+"""The quantd command: in-process quantize/analyze, --server paths, jobs, --json and exit codes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quantd.cli import main
+from quantd_client._client import Client
+from quantd_client._results import Artifact
+
+W = np.random.default_rng(1).standard_normal((16, 64)).astype(np.float32)
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    src = tmp_path / "m.npz"
+    np.savez(src, **{"layer.weight": W, "layer.bias": np.zeros(16, np.float32)})
+    return src
+
+
+def test_quantize_in_process_prints_table(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o.safetensors"
+    assert main(["quantize", str(model), "-o", str(out), "--dtype", "int4", "--group-size", "32",
+                 "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"layer\.weight\s+16x64\s+int4/group", text)
+    assert "skipped: 1-D" in text and "tensors quantized" in text
+    deq = Artifact(path=out).dequantize()["layer.weight"]
+    assert np.abs(deq - W).max() < np.abs(W).max() / 7
+
+
+def test_quantize_json_and_config_file(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"scheme": {"dtype": "int4", "group_size": 32},
+                               "rules": [{"match": "layer.weight", "scheme": {"dtype": "int8", "granularity": "channel"}}]}))
+    out = tmp_path / "o.safetensors"
+    assert main(["quantize", str(model), "-o", str(out), "--config", str(cfg), "--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (w,) = [t for t in report["tensors"] if t["name"] == "layer.weight"]
+    assert w["scheme"]["dtype"] == "int8" and w["scheme"]["granularity"] == "channel"
+    assert report["summary"]["tensors_quantized"] == 1
+
+
+def test_flags_override_config_file(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"scheme": {"dtype": "int4", "group_size": 32}}))
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--config", str(cfg), "--dtype", "int8",
+                 "--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tensors"][0]["scheme"]["dtype"] == "int8" and report["tensors"][0]["scheme"]["group_size"] == 32
+
+
+@pytest.mark.parametrize(("argv", "code", "needle"), [
+    (["--dtype", "int4", "--group-size", "48"], 1, "group_size"),   # cannot apply: the engine's 422
+    (["--dtype", "int5"], 2, "dtype"),                               # invalid config: usage error
+    (["--dtype", "uint4", "--symmetric"], 2, "symmetric"),
+])
+def test_failures_exit_nonzero_with_detail(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           argv: list[str], code: int, needle: str) -> None:
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--device", "cpu", *argv]) == code
+    err = capsys.readouterr().err
+    assert err.startswith("quantd quantize:") and needle in err
+
+
+def test_missing_input_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["quantize", str(tmp_path / "nope.npz"), "-o", str(tmp_path / "o"), "--device", "cpu"]) == 1
+    assert "nope.npz" in capsys.readouterr().err
+
+
+def test_analyze_in_process_side_by_side(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["analyze", str(model), "--dtype", "int8", "--dtype", "int4", "--group-size", "32",
+                 "--device", "cpu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (t,) = data["tensors"]
+    sqnr8, sqnr4 = (r["stats"]["sqnr_db"] for r in t["results"])
+    assert sqnr8 > sqnr4 + 15
+    assert [o["sqnr_db"] for o in data["overall"]] == pytest.approx([sqnr8, sqnr4])
+    assert main(["analyze", str(model), "--dtype", "int8", "--dtype", "int4", "--group-size", "32",
+                 "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "int8/g32/asym" in text and "int4/g32/asym" in text and "(overall)" in text and "bits/weight" in text
+
+
+@pytest.mark.slow
+def test_server_paths(cli_server: str, model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "s.safetensors"
+    assert main(["quantize", str(model), "-o", str(out), "--dtype", "int8", "--group-size", "32",
+                 "--server", cli_server, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert summary["tensors_quantized"] == 1 and summary["tensors_skipped"] == 1
+    assert np.abs(Artifact(path=out).dequantize()["layer.weight"] - W).max() < np.abs(W).max() / 250
+
+    assert main(["info", "--server", cli_server, "--json"]) == 0
+    assert "int4" in json.loads(capsys.readouterr().out)["dtypes"]
+
+    with Client(cli_server) as c:
+        job = c.submit(model, {"scheme": {"dtype": "int4", "group_size": 32}}, progress=False)
+        job.wait(timeout=120, progress=False)
+    assert main(["jobs", "list", "--server", cli_server, "--json"]) == 0
+    assert job.id in [j["id"] for j in json.loads(capsys.readouterr().out)]
+    assert main(["jobs", "show", job.id, "--server", cli_server]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "succeeded"
+    dst = tmp_path / "job.safetensors"
+    assert main(["jobs", "download", job.id, "-o", str(dst), "--server", cli_server]) == 0
+    assert "saved" in capsys.readouterr().out
+    assert Artifact(path=dst).dequantize()["layer.weight"].shape == (16, 64)
+
+    assert main(["jobs", "show", "missing-job", "--server", cli_server]) == 1
+    assert "quantd jobs: [404]" in capsys.readouterr().err
+    assert main(["analyze", str(model), "--group-size", "32", "--server", cli_server]) == 0
+    assert "(overall)" in capsys.readouterr().out
+
+
+def test_unreachable_server_exits_1(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["jobs", "list", "--server", "http://127.0.0.1:9", "--timeout", "2"]) == 1
+    assert "ConnectError" in capsys.readouterr().err
