@@ -239,3 +239,36 @@ def test_sdk_reads_bytes_and_rejects_garbage(tmp_path: Path) -> None:
     for bad in (b"", b"\x00" * 7, struct.pack("<Q", 2**40) + b"{}", struct.pack("<Q", 2) + b"{}"):
         with pytest.raises(ArtifactError):
             read_artifact(bad)
+
+
+def test_fp8_and_bf16_decoding_match_torch() -> None:
+    from quantd_client._artifact import E4M3_TABLE, E5M2_TABLE, bf16_to_float32
+
+    patterns = torch.arange(256, dtype=torch.uint8)
+    for table, dt in ((E4M3_TABLE, torch.float8_e4m3fn), (E5M2_TABLE, torch.float8_e5m2)):
+        np.testing.assert_array_equal(table, patterns.view(dt).float().numpy())  # NaNs compare equal here
+    assert np.nanmax(E4M3_TABLE) == 448.0 and not np.isinf(E4M3_TABLE).any()
+    assert np.nanmax(E5M2_TABLE[np.isfinite(E5M2_TABLE)]) == 57344.0 and np.isinf(E5M2_TABLE).sum() == 2
+    bits = torch.arange(0, 65536, 7, dtype=torch.int32).to(torch.int16)
+    np.testing.assert_array_equal(bf16_to_float32(bits.numpy().view(np.uint16)),
+                                  bits.view(torch.bfloat16).float().numpy())
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 7])
+def test_sdk_unpack_matches_engine_pack(bits: int) -> None:
+    from quantd.engine.packing import pack
+    from quantd_client._artifact import unpack_bits
+
+    offsets = torch.randint(0, 2**bits, (1001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    packed = pack(offsets, bits).numpy()
+    np.testing.assert_array_equal(unpack_bits(packed, bits, 1001), offsets.numpy())
+    np.testing.assert_array_equal(ref_unpack(packed, bits, 1001), offsets.numpy())
+
+
+def test_sdk_reader_needs_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, quantd_client, quantd_client._artifact; "
+            "bad = [m for m in ('torch', 'safetensors') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

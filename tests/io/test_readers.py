@@ -157,3 +157,10 @@ def test_truncated_npy(tmp_path: Path) -> None:
     p.write_bytes(p.read_bytes()[:-4])
     with pytest.raises(MalformedInputError, match="'w'"):
         open_model(p)
+
+
+def test_pytorch_names_clash_after_flattening(tmp_path: Path) -> None:
+    p = tmp_path / "m.pt"
+    torch.save({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}, p)
+    with pytest.raises(MalformedInputError, match="appears twice"):
+        open_model(p)
