@@ -108,12 +108,12 @@ def _measure(x: torch.Tensor, scheme: Scheme, name: str) -> tuple[ErrorStats, Qu
 
 def _process(reader: ModelReader, writer: ArtifactWriter, p: TensorPlan, device: torch.device) -> TensorReport:
     name = p.info.name
-    x = reader.load(name, device)
     shape, in_dtype = list(p.info.shape), p.info.dtype
-    if p.scheme is None:
-        writer.write(name, x)
+    if p.scheme is None:  # kept as it is: no trip through the device
+        writer.write(name, reader.load(name, "cpu"))
         return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=None, stats=None, skipped=True,
                             reason=p.reason)
+    x = reader.load(name, device)
     check_finite(x, name)
     stats, qt = _measure(x, p.scheme, name)
     for out_name, t in encode_quantized(qt, name).items():
