@@ -237,3 +237,12 @@ def test_unsupported_npy_dtype(tmp_path: Path) -> None:
     np.save(p, np.ones(3, np.complex64))
     with fast_error(UnsupportedFormatError, "complex64"):
         open_model(p)
+
+
+def test_duplicate_header_key(tmp_path: Path) -> None:
+    body = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, ' \
+           b'"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}'
+    p = tmp_path / "m.safetensors"
+    p.write_bytes(struct.pack("<Q", len(body)) + body + b"\x00" * 8)
+    with fast_error(MalformedInputError, "'w' appears twice"):
+        open_model(p)

@@ -85,6 +85,16 @@ def _check_overlaps(entries: dict[str, STEntry]) -> None:
                 f"[{prev.begin}, {prev.end})", tensor=cur.name)
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """JSON objects with a repeated key would hide one entry: refused."""
+    seen: set[str] = set()
+    for k, _ in pairs:
+        if k in seen:
+            raise ValueError(f"key {k!r} appears twice")
+        seen.add(k)
+    return dict(pairs)
+
+
 def read_header(f: BinaryIO, file_size: int | None = None) -> STHeader:
     """Read and validate the header of the open safetensors file ``f`` (positioned anywhere)."""
     if file_size is None:
@@ -102,7 +112,7 @@ def read_header(f: BinaryIO, file_size: int | None = None) -> STHeader:
     if len(raw) != n:
         raise MalformedInputError("safetensors header truncated")
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as e:
         raise MalformedInputError(f"safetensors header is not valid UTF-8 JSON: {e}") from None
     if not isinstance(obj, dict):
