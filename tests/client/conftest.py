@@ -48,6 +48,11 @@ def start_server(data_dir: Path, *, api_keys: str | None) -> tuple[subprocess.Po
 
 
 @pytest.fixture(scope="session")
+def api_key() -> str:
+    return API_KEY
+
+
+@pytest.fixture(scope="session")
 def live_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("sdk-live")
     proc, base, _ = start_server(root / "data", api_keys=f"sdk:{API_KEY}")

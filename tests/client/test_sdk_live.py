@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import API_KEY
 from quantd_client import QuantConfig, Scheme
 from quantd_client import _exceptions as ex
 from quantd_client._async import AsyncClient
@@ -33,9 +32,9 @@ def check_int8_per_row(x: np.ndarray, deq: np.ndarray) -> None:
     assert np.all(np.abs(np.round(codes)) <= 128)
 
 
-def test_quantize_array_and_dequantize(live_url: str) -> None:
+def test_quantize_array_and_dequantize(live_url: str, api_key: str) -> None:
     cfg = QuantConfig(scheme=Scheme(dtype="int8", symmetric=True, granularity="channel"))
-    with Client(live_url, api_key=API_KEY) as c:
+    with Client(live_url, api_key=api_key) as c:
         art = c.quantize(W, cfg, name="w")
     assert art.summary is not None and art.summary.tensors_quantized == 1
     out = art.dequantize()
@@ -44,11 +43,11 @@ def test_quantize_array_and_dequantize(live_url: str) -> None:
     assert art.metadata["tensors"]["w"]["dtype"] == "int8"
 
 
-def test_quantize_path_to_output_file(live_url: str, tmp_path: Path) -> None:
+def test_quantize_path_to_output_file(live_url: str, api_key: str, tmp_path: Path) -> None:
     src = tmp_path / "m.npz"
     np.savez(src, **{"a.weight": W, "a.bias": np.ones(32, np.float32)})
     dst = tmp_path / "m.quantd.safetensors"
-    with Client(live_url, api_key=API_KEY) as c:
+    with Client(live_url, api_key=api_key) as c:
         art = c.quantize(src, {"scheme": {"dtype": "int4", "group_size": 64}}, output=dst)
     assert art.path == dst and dst.stat().st_size == art.nbytes > 0
     out = art.dequantize()
@@ -57,11 +56,11 @@ def test_quantize_path_to_output_file(live_url: str, tmp_path: Path) -> None:
     assert np.abs(err).max() < np.abs(W).max() / 7  # int4 asymmetric: half a step of a 15-step range, at most
 
 
-def test_submit_wait_download_report(live_url: str, tmp_path: Path) -> None:
+def test_submit_wait_download_report(live_url: str, api_key: str, tmp_path: Path) -> None:
     src = tmp_path / "model.npz"
     np.savez(src, **{"l1.weight": W, "l2.weight": W[:, :64] * 3})
     dst = tmp_path / "model.quantd.safetensors"
-    with Client(live_url, api_key=API_KEY) as c:
+    with Client(live_url, api_key=api_key) as c:
         job = c.submit(src, {"scheme": {"dtype": "int4", "group_size": 32}}, progress=False)
         assert job.status in ("queued", "running", "succeeded")
         job = job.wait(timeout=120, progress=False)
@@ -75,10 +74,10 @@ def test_submit_wait_download_report(live_url: str, tmp_path: Path) -> None:
     assert all(t.stats is not None and t.stats.sqnr_db is not None and t.stats.sqnr_db > 15 for t in report.tensors)
 
 
-def test_resume_download_against_real_range_support(live_url: str, tmp_path: Path) -> None:
+def test_resume_download_against_real_range_support(live_url: str, api_key: str, tmp_path: Path) -> None:
     src = tmp_path / "w.npy"
     np.save(src, W)
-    with Client(live_url, api_key=API_KEY) as c:
+    with Client(live_url, api_key=api_key) as c:
         job = c.submit(src, {"scheme": {"dtype": "int8"}}).wait(timeout=120, progress=False)
         full = job.download(tmp_path / "full", progress=False).read_bytes()
         (tmp_path / "half.part").write_bytes(full[: len(full) // 2])
@@ -86,12 +85,12 @@ def test_resume_download_against_real_range_support(live_url: str, tmp_path: Pat
     assert half == full
 
 
-def test_async_client_happy_path(live_url: str, tmp_path: Path) -> None:
+def test_async_client_happy_path(live_url: str, api_key: str, tmp_path: Path) -> None:
     src = tmp_path / "w.npy"
     np.save(src, W)
 
     async def go() -> tuple[np.ndarray, str, int]:
-        async with AsyncClient(live_url, api_key=API_KEY) as c:
+        async with AsyncClient(live_url, api_key=api_key) as c:
             art = await c.quantize(W, {"scheme": {"dtype": "int8", "symmetric": True, "granularity": "channel"}})
             job = await (await c.submit(src, {"scheme": {"dtype": "int8"}})).wait(timeout=120, progress=False)
             path = await job.download(tmp_path / "a.safetensors", progress=False)
@@ -105,8 +104,8 @@ def test_async_client_happy_path(live_url: str, tmp_path: Path) -> None:
     assert n == 1 and len(digest) == 64
 
 
-def test_analyze(live_url: str) -> None:
-    with Client(live_url, api_key=API_KEY) as c:
+def test_analyze(live_url: str, api_key: str) -> None:
+    with Client(live_url, api_key=api_key) as c:
         resp = c.analyze({"w": W}, [{"dtype": "int8"}, {"dtype": "int4", "group_size": 32}])
     (t,) = resp.tensors
     s8, s4 = (r.stats for r in t.results)
@@ -115,20 +114,20 @@ def test_analyze(live_url: str) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("quantd.engine.calibration") is None,
                     reason="quantd.engine.calibration not written yet")
-def test_calibrate(live_url: str) -> None:
+def test_calibrate(live_url: str, api_key: str) -> None:
     act = RNG.standard_normal((8, 16)).astype(np.float32)
-    with Client(live_url, api_key=API_KEY) as c:
+    with Client(live_url, api_key=api_key) as c:
         cal = c.calibrate({"act": act}, {"dtype": "int8", "observer": "minmax"})
     (layer,) = cal.layers
     assert layer.name == "act" and layer.num_samples == 8
     assert layer.min == pytest.approx(float(act.min()), rel=1e-5)
 
 
-def test_real_errors_are_typed(live_url: str, tmp_path: Path) -> None:
+def test_real_errors_are_typed(live_url: str, api_key: str, tmp_path: Path) -> None:
     with Client(live_url, api_key="wrong-key-123", max_retries=0) as c, pytest.raises(ex.AuthError) as auth:
         c.info()
     assert auth.value.status == 401 and auth.value.request_id
-    with Client(live_url, api_key=API_KEY, max_retries=0) as c:
+    with Client(live_url, api_key=api_key, max_retries=0) as c:
         with pytest.raises(ex.NotFound):
             c.get_job("no-such-job")
         with pytest.raises(ex.ValidationError, match="group_size"):
