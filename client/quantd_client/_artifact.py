@@ -23,6 +23,7 @@ __all__ = ["E4M3_TABLE", "E5M2_TABLE", "ArtifactError", "ArtifactFile", "bf16_to
            "unpack_bits"]
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+_UNPACK_CHUNK = 1 << 22
 
 # safetensors dtype -> how its bytes are viewed in NumPy (bf16/fp8 as their raw bit patterns).
 _ST_NUMPY: dict[str, str] = {
@@ -74,9 +75,22 @@ def unpack_bits(packed: npt.NDArray[np.uint8], bits: int, numel: int) -> npt.NDA
     in byte i // 8 at bit i % 8 (so int4 puts the first value in the low nibble)."""
     if packed.size * 8 < numel * bits:
         raise ArtifactError(f"packed stream of {packed.size} bytes is too short for {numel} {bits}-bit codes")
-    stream = np.unpackbits(packed, bitorder="little")[: numel * bits].reshape(numel, bits)
-    weights = (1 << np.arange(bits, dtype=np.uint16)).astype(np.uint16)
-    return (stream.astype(np.uint16) @ weights).astype(np.uint8)
+    if 8 % bits == 0:  # 1, 2, 4 bits: whole codes per byte, shifted out without a bit matrix
+        per = 8 // bits
+        shifts = np.arange(0, 8, bits, dtype=np.uint8)
+        need = -(-numel // per)
+        fields = (packed[:need, None] >> shifts) & np.uint8((1 << bits) - 1)
+        return np.ascontiguousarray(fields.reshape(-1)[:numel])
+    # Any width ≤ 8 spans at most two bytes: read them as one little-endian uint16 and shift.
+    padded = np.concatenate([packed, np.zeros(1, np.uint8)]).astype(np.uint16)
+    out = np.empty(numel, dtype=np.uint8)
+    mask = np.uint16((1 << bits) - 1)
+    for lo in range(0, numel, _UNPACK_CHUNK):  # chunks bound the int64 index temporaries
+        start = np.arange(lo, min(lo + _UNPACK_CHUNK, numel), dtype=np.int64) * bits
+        byte = start >> 3
+        pair = padded[byte] | (padded[byte + 1] << np.uint16(8))
+        out[lo:lo + start.size] = (pair >> (start & 7).astype(np.uint16)) & mask
+    return out
 
 
 @dataclass(frozen=True)

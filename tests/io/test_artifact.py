@@ -272,3 +272,12 @@ def test_sdk_reader_needs_no_torch() -> None:
     code = ("import sys, quantd_client, quantd_client._artifact; "
             "bad = [m for m in ('torch', 'safetensors') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_sdk_unpack_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import quantd_client._artifact as sdk
+    from quantd.engine.packing import pack
+
+    monkeypatch.setattr(sdk, "_UNPACK_CHUNK", 64)
+    offsets = torch.randint(0, 8, (1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+    np.testing.assert_array_equal(sdk.unpack_bits(pack(offsets, 3).numpy(), 3, 1000), offsets.numpy())
