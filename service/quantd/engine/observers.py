@@ -31,12 +31,14 @@ import math
 import torch
 
 from quantd.engine.qparams import choose_qparams
-from quantd.errors import MalformedInputError, NonFiniteError
+from quantd.errors import ConfigError, MalformedInputError, NonFiniteError
 from quantd_client import Scheme
 from quantd_client._dtypes import NF4_CODEBOOK, DTypeInfo, dtype_info
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "MSE_CHUNK_ELEMENTS",
+    "ActivationObserver",
     "mse_chunk_plan",
     "mse_search_indices",
     "observe_range",
@@ -45,6 +47,8 @@ __all__ = [
 
 # Float32 elements per temporary in the chunked searches (16 MB); a few temporaries live at once.
 CHUNK_ELEMENTS = 1 << 22
+# Elements of the [rows, candidates, cols] temporary of one mse chunk (the search's one big buffer).
+MSE_CHUNK_ELEMENTS = 1 << 20
 
 
 def observe_range(blocks: torch.Tensor, scheme: Scheme, *, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +57,8 @@ def observe_range(blocks: torch.Tensor, scheme: Scheme, *, name: str = "tensor")
         raise MalformedInputError(f"observer needs a non-empty 2-D block view [B, K], got shape "
                                   f"{tuple(blocks.shape)}", tensor=name)
     x = blocks.float()
-    lo, hi = torch.aminmax(x, dim=1)
+    # amin and amax separately: torch.aminmax over a dim is several times slower on CPU.
+    lo, hi = x.amin(dim=1), x.amax(dim=1)
     if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
         raise NonFiniteError(f"tensor {name!r} has NaN or Inf values; cannot observe a range", tensor=name)
     info = dtype_info(scheme.dtype)
@@ -120,9 +125,11 @@ def percentile_range(x: torch.Tensor, p: float, *, symmetric: bool) -> tuple[tor
 # -------------------------------------------------------------------------------------------------- mse
 
 
-def mse_chunk_plan(rows: int, candidates: int, cols: int, budget: int = CHUNK_ELEMENTS) -> tuple[int, int, int]:
+def mse_chunk_plan(rows: int, candidates: int, cols: int, budget: int | None = None) -> tuple[int, int, int]:
     """``(rows, candidates, cols)`` per chunk of the ``[rows, candidates, cols]`` error tensor, so that
-    one chunk holds at most ``budget`` elements (columns are split only when one row alone is larger)."""
+    one chunk holds at most ``budget`` (default ``MSE_CHUNK_ELEMENTS``) elements (columns are split only
+    when one row alone is larger)."""
+    budget = MSE_CHUNK_ELEMENTS if budget is None else budget
     cols_c = min(cols, budget)
     cand_c = max(1, min(candidates, budget // cols_c))
     rows_c = max(1, min(rows, budget // (cand_c * cols_c)))
@@ -146,13 +153,15 @@ def mse_search_indices(grid: int) -> tuple[list[int], int]:
     return coarse, stride - 1
 
 
-def _fake_quant_error(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Scheme,
-                      info: DTypeInfo, norm: float) -> torch.Tensor:
-    """``Σ_k |x − x̂|ⁿ`` for ``x[R, K]`` and candidate ranges ``lo, hi [R, C]`` → ``[R, C]``."""
-    scale, zp = qparams_for(lo, hi, scheme)
+def _fake_quant_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, info: DTypeInfo,
+                      dtype: str, norm: float, buf: torch.Tensor) -> torch.Tensor:
+    """``Σ_k |x − x̂|ⁿ`` → ``[R, C]`` for ``x[R, K]`` and float32 candidate qparams ``[R, C]``.
+
+    ``buf`` (≥ R·C·K float32 elements) holds the one ``[R, C, K]`` temporary; ops run in place on it.
+    """
     s = scale.unsqueeze(-1)
     xe = x.unsqueeze(1)
-    t = xe / s
+    t = torch.div(xe, s, out=buf[: x.shape[0] * scale.shape[1] * x.shape[1]].view(*scale.shape, x.shape[1]))
     if info.kind == "int":
         t.round_()
         if zp is None:
@@ -163,13 +172,13 @@ def _fake_quant_error(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, schem
         t.mul_(s)
     elif info.kind == "nf4":
         cb = torch.tensor(NF4_CODEBOOK, dtype=x.dtype, device=x.device)
-        idx = torch.bucketize(t.clamp_(-1.0, 1.0), (cb[1:] + cb[:-1]) / 2)
+        idx = torch.bucketize(t, (cb[1:] + cb[:-1]) / 2)
         t = cb[idx].mul_(s)
     else:  # fp8: saturate, then cast (the float8 cast of an out-of-range value is NaN)
-        f8 = torch.float8_e4m3fn if scheme.dtype == "fp8_e4m3" else torch.float8_e5m2
+        f8 = torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.float8_e5m2
         t = t.clamp_(-info.max_finite, info.max_finite).to(f8).to(x.dtype).mul_(s)
-    t.sub_(xe).abs_()
-    return t.square_().sum(-1) if norm == 2.0 else t.pow_(norm).sum(-1)
+    err: torch.Tensor = torch.linalg.vector_norm(t.sub_(xe), ord=norm, dim=-1)
+    return err.square_() if norm == 2.0 else err.pow_(norm)
 
 
 def _candidate_errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ratios: torch.Tensor,
@@ -177,15 +186,18 @@ def _candidate_errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ratio
     """Errors ``[B, C]`` of the candidate ranges ``(r·lo, r·hi)``, ``ratios[B, C]``, chunked."""
     rows, k = x.shape
     cands = ratios.shape[1]
+    scale, zp = qparams_for(lo.unsqueeze(1) * ratios, hi.unsqueeze(1) * ratios, scheme)
     rows_c, cand_c, cols_c = mse_chunk_plan(rows, cands, k)
+    buf = torch.empty(rows_c * cand_c * cols_c, dtype=torch.float32, device=x.device)
     err = torch.zeros(rows, cands, dtype=torch.float32, device=x.device)
     for r in range(0, rows, rows_c):
+        rs = slice(r, r + rows_c)
         for c in range(0, cands, cand_c):
-            rr = ratios[r:r + rows_c, c:c + cand_c]
-            clo, chi = lo[r:r + rows_c, None] * rr, hi[r:r + rows_c, None] * rr
+            cs = slice(c, c + cand_c)
+            zc = None if zp is None else zp[rs, cs]
             for j in range(0, k, cols_c):
-                err[r:r + rows_c, c:c + cand_c] += _fake_quant_error(
-                    x[r:r + rows_c, j:j + cols_c], clo, chi, scheme, info, norm)
+                err[rs, cs] += _fake_quant_error(x[rs, j:j + cols_c], scale[rs, cs], zc, info, scheme.dtype,
+                                                 norm, buf)
     return err
 
 
@@ -334,3 +346,136 @@ def entropy_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: S
     if scheme.symmetric:
         t_lo = -t_hi
     return torch.where(empty, lo0, t_lo), torch.where(empty, hi0, t_hi)
+
+
+# ----------------------------------------------------------------------------------- streaming activations
+
+# Reservoir bounds: at most RESERVOIR_PER_CHANNEL samples per tensor/channel, RESERVOIR_TOTAL in all
+# (but never fewer than RESERVOIR_MIN per channel).
+RESERVOIR_PER_CHANNEL = 1 << 20
+RESERVOIR_TOTAL = 1 << 22
+RESERVOIR_MIN = 4096
+
+
+class ActivationObserver:
+    """Observes a stream of activation batches ``[N, ...]`` and gives their range and qparams.
+
+    Granularity ``tensor`` (one range) or ``channel`` on ``axis`` (default ``scheme.axis``; −1 for the
+    features of ``[N, ..., F]``). State is bounded whatever the stream length:
+
+    - ``minmax``: running min/max per tensor/channel.
+    - ``ema``: ``r ← (1 − m)·r + m·r_batch`` of the per-batch min and max (momentum ``m``, default
+      0.01); the first batch initialises.
+    - ``percentile``, ``meanstd``, ``mse``, ``entropy``: a uniform reservoir sample (Vitter's algorithm
+      R, vectorised per batch) of at most ``RESERVOIR_PER_CHANNEL`` values per tensor/channel
+      (``RESERVOIR_TOTAL`` over all channels); ``range()`` runs :func:`observe_range` on it. Exact
+      while the stream fits in the reservoir, a uniform-sample estimate beyond.
+
+    ``num_samples`` counts the rows (the leading dimension ``N``) seen.
+    """
+
+    def __init__(self, scheme: Scheme, *, name: str = "activation", axis: int | None = None,
+                 reservoir_size: int | None = None, seed: int = 0) -> None:
+        if scheme.granularity == "group":
+            raise ConfigError("activation observers work per tensor or per channel", tensor=name,
+                              field="granularity")
+        if dtype_info(scheme.dtype).kind == "float":
+            raise ConfigError(f"{scheme.dtype} is a plain cast and has no range to calibrate", tensor=name,
+                              field="dtype")
+        self.scheme = scheme
+        self.name = name
+        self.axis = scheme.axis if axis is None else axis
+        self.num_samples = 0
+        self.momentum = float(scheme.observer_args.get("momentum", 0.01))
+        self._reservoir_size = reservoir_size
+        self._seed = seed
+        self._lo: torch.Tensor | None = None
+        self._hi: torch.Tensor | None = None
+        self._res: torch.Tensor | None = None
+        self._seen = 0  # values per channel offered to the reservoir
+        self._gen: torch.Generator | None = None
+
+    @property
+    def per_channel(self) -> bool:
+        return self.scheme.granularity == "channel"
+
+    def _rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """``[C, m]``: one row per tensor (C = 1) or channel."""
+        if not self.per_channel:
+            return batch.reshape(1, -1)
+        if not -batch.dim() <= self.axis < batch.dim():
+            raise ConfigError(f"axis {self.axis} is out of range for a batch of shape {tuple(batch.shape)}",
+                              tensor=self.name, field="axis")
+        axis = self.axis % batch.dim()
+        v = batch.movedim(axis, 0).reshape(batch.shape[axis], -1)
+        if self._lo is not None and self._lo.shape[0] != v.shape[0]:
+            raise MalformedInputError(f"batch has {v.shape[0]} channels on axis {self.axis}, earlier batches "
+                                      f"had {self._lo.shape[0]}", tensor=self.name)
+        return v
+
+    def update(self, batch: torch.Tensor) -> None:
+        """Observe one batch ``[N, ...]`` (N rows)."""
+        if batch.dim() == 0 or batch.numel() == 0:
+            raise MalformedInputError(f"activation batch must be [N, ...] and non-empty, got shape "
+                                      f"{tuple(batch.shape)}", tensor=self.name)
+        v = self._rows(batch.detach().float())
+        lo, hi = torch.aminmax(v, dim=1)
+        if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+            raise NonFiniteError(f"activation {self.name!r} has NaN or Inf values", tensor=self.name)
+        if self._lo is None or self._hi is None:
+            self._lo, self._hi = lo, hi
+        elif self.scheme.observer == "ema":
+            self._lo = torch.lerp(self._lo, lo, self.momentum)
+            self._hi = torch.lerp(self._hi, hi, self.momentum)
+        else:
+            self._lo, self._hi = torch.minimum(self._lo, lo), torch.maximum(self._hi, hi)
+        if self.scheme.observer not in ("minmax", "ema"):
+            self._sample(v)
+        self.num_samples += int(batch.shape[0])
+
+    def _capacity(self, channels: int) -> int:
+        if self._reservoir_size is not None:
+            return max(1, self._reservoir_size)
+        return min(RESERVOIR_PER_CHANNEL, max(RESERVOIR_MIN, RESERVOIR_TOTAL // channels))
+
+    def _sample(self, v: torch.Tensor) -> None:
+        """Algorithm R over the columns of ``v[C, m]``: value number t (0-based) replaces slot
+        ``j ~ U{0..t}`` when ``j < capacity``; within a batch the last writer of a slot wins."""
+        channels, m = v.shape
+        if self._res is None:
+            self._res = torch.empty(channels, self._capacity(channels), dtype=torch.float32, device=v.device)
+            self._gen = torch.Generator(device=v.device).manual_seed(self._seed)
+        res = self._res
+        cap = res.shape[1]
+        take = min(max(cap - self._seen, 0), m)
+        res[:, self._seen:self._seen + take] = v[:, :take]
+        self._seen += take
+        for c0 in range(take, m, CHUNK_ELEMENTS):
+            rest = v[:, c0:c0 + CHUNK_ELEMENTS]
+            n = rest.shape[1]
+            t = torch.arange(self._seen, self._seen + n, device=v.device, dtype=torch.float64)
+            u = torch.rand(n, generator=self._gen, device=v.device, dtype=torch.float64)
+            j = (u * (t + 1)).floor_().long()
+            keep = torch.nonzero(j < cap).squeeze(1)
+            winner = torch.full((cap,), -1, dtype=torch.long, device=v.device)
+            winner.scatter_reduce_(0, j[keep], keep, reduce="amax")
+            slots = torch.nonzero(winner >= 0).squeeze(1)
+            res[:, slots] = rest[:, winner[slots]]
+            self._seen += n
+
+    def range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lo, hi)`` float32: shape ``[]`` per tensor, ``[C]`` per channel."""
+        if self._lo is None or self._hi is None:
+            raise MalformedInputError("no activation batch observed yet", tensor=self.name)
+        if self.scheme.observer in ("minmax", "ema") or self._res is None:
+            lo, hi = self._lo, self._hi
+        else:
+            filled = min(self._seen, self._res.shape[1])
+            lo, hi = observe_range(self._res[:, :filled], self.scheme, name=self.name)
+        return (lo, hi) if self.per_channel else (lo.squeeze(0), hi.squeeze(0))
+
+    def qparams(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(scale, zero_point)`` of :meth:`range` by ``choose_qparams`` (zero point None if symmetric)."""
+        lo, hi = self.range()
+        return choose_qparams(lo, hi, dtype=self.scheme.dtype, symmetric=self.scheme.symmetric,
+                              scale_dtype=self.scheme.scale_dtype)

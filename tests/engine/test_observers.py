@@ -1,0 +1,207 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantd.engine import observers as obs
+from quantd.engine.observers import ActivationObserver, mse_chunk_plan, observe_range, percentile_range
+from quantd.engine.primitives import dequantize, quantize
+from quantd.errors import ConfigError, NonFiniteError
+from quantd_client import Scheme
+
+
+def _heavy(rows: int = 16, cols: int = 512, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    x[:, :3] *= 30.0  # a few large outliers per row
+    return x
+
+
+def _mse(x: torch.Tensor, scheme: Scheme, rng: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
+    qt = quantize(x, scheme, observer_range=rng)
+    return float((dequantize(qt) - x).pow(2).mean())
+
+
+@pytest.mark.parametrize("k", [1, 2, 7, 128, 1000])
+@pytest.mark.parametrize("p", [100.0, 99.99, 99.0, 90.0, 50.0, 3.0])
+def test_percentile_matches_torch_quantile(k: int, p: float) -> None:
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(k))
+    lo, hi = percentile_range(x, p, symmetric=False)
+    torch.testing.assert_close(hi, torch.quantile(x, p / 100, dim=1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lo, torch.quantile(x, 1 - p / 100, dim=1), atol=1e-5, rtol=1e-5)
+    lo_s, hi_s = percentile_range(x, p, symmetric=True)
+    torch.testing.assert_close(hi_s, torch.quantile(x.abs(), p / 100, dim=1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lo_s, -hi_s)
+
+
+@pytest.mark.parametrize("observer", ["minmax", "percentile", "meanstd", "ema", "mse", "entropy"])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_per_channel_matches_per_row_reference(observer: str, symmetric: bool) -> None:
+    x = _heavy(rows=6, cols=256)
+    scheme = Scheme(dtype="int8", symmetric=symmetric, granularity="channel", observer=observer)
+    lo, hi = observe_range(x, scheme)
+    assert lo.shape == hi.shape == (6,) and lo.dtype == torch.float32
+    for i in range(6):
+        lo_i, hi_i = observe_range(x[i:i + 1], scheme)
+        torch.testing.assert_close(lo[i:i + 1], lo_i)
+        torch.testing.assert_close(hi[i:i + 1], hi_i)
+
+
+def test_minmax_and_meanstd_reference() -> None:
+    x = _heavy(rows=4, cols=300)
+    lo, hi = observe_range(x, Scheme(dtype="int8", observer="minmax"))
+    torch.testing.assert_close(lo, x.min(1).values)
+    torch.testing.assert_close(hi, x.max(1).values)
+    lo, hi = observe_range(x, Scheme(dtype="int8", observer="meanstd", observer_args={"k": 2.0}))
+    mean, std = x.mean(1), x.std(1, correction=0)
+    torch.testing.assert_close(lo, torch.maximum(mean - 2 * std, x.min(1).values))
+    torch.testing.assert_close(hi, torch.minimum(mean + 2 * std, x.max(1).values))
+    assert bool((hi < x.max(1).values).any())  # the clip to [min, max] matters for some rows
+
+
+def _laplace(n: int, seed: int) -> torch.Tensor:
+    u = torch.rand(1, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) - 0.5
+    return (-u.sign() * torch.log1p(-2 * u.abs())).float()  # heavy (exponential) tails
+
+
+@pytest.mark.parametrize(("dtype", "percentile", "factor"), [("int4", 99.9, 0.8), ("int8", 99.99, 0.95)])
+@pytest.mark.parametrize("observer", ["percentile", "mse"])
+def test_clipping_observers_beat_minmax_on_outliers(dtype: str, percentile: float, factor: float,
+                                                    observer: str) -> None:
+    x = _laplace(65536, seed=1)
+    args = {"percentile": percentile} if observer == "percentile" else {}
+    base = Scheme(dtype=dtype, symmetric=True, granularity="tensor")
+    clip = base.model_copy(update={"observer": observer, "observer_args": args})
+    lo, hi = observe_range(x, clip)
+    assert float(hi) < float(x.abs().max())
+    assert _mse(x, clip, (lo, hi)) < factor * _mse(x, base)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "int3", "nf4", "fp8_e4m3"])
+def test_mse_never_worse_than_minmax_and_beats_exhaustive_within_1pct(dtype: str) -> None:
+    x = _heavy(rows=32, cols=128, seed=3)
+    base = Scheme(dtype=dtype, granularity="group", group_size=128)
+    mse_s = base.model_copy(update={"observer": "mse"})
+    lo, hi = observe_range(x, mse_s)
+    err = _mse(x, mse_s, (lo, hi))
+    assert err <= _mse(x, base) * (1 + 1e-6)
+    # exhaustive reference: every grid ratio, one at a time
+    lo0, hi0 = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
+    if mse_s.symmetric:
+        lo0, hi0 = -torch.maximum(-lo0, hi0), torch.maximum(-lo0, hi0)
+    best = torch.full((32,), float("inf"))
+    for r in torch.linspace(0.2, 1.0, 100):
+        qt = quantize(x, base, observer_range=(lo0 * r, hi0 * r))
+        best = torch.minimum(best, (dequantize(qt) - x).pow(2).sum(1))
+    assert err <= float(best.sum()) / x.numel() * 1.01
+
+
+def test_mse_chunk_plan_bounds_memory() -> None:
+    for rows, cands, cols, budget in [(131072, 15, 128, 1 << 20), (1, 15, 1 << 24, 1 << 20), (7, 100, 3, 64),
+                                      (4096, 13, 4096, 1 << 16)]:
+        r, c, k = mse_chunk_plan(rows, cands, cols, budget)
+        assert r * c * k <= budget
+        assert 1 <= r <= rows and 1 <= c <= cands and 1 <= k <= cols
+    assert mse_chunk_plan(131072, 15, 128, 1 << 20) == (546, 15, 128)
+
+
+def test_mse_search_with_tiny_chunks_equals_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _heavy(rows=8, cols=256, seed=5)
+    scheme = Scheme(dtype="int4", granularity="tensor", observer="mse")
+    lo, hi = observe_range(x.reshape(1, -1), scheme)
+    monkeypatch.setattr(obs, "MSE_CHUNK_ELEMENTS", 100)  # forces column chunks of one row
+    lo2, hi2 = observe_range(x.reshape(1, -1), scheme)
+    torch.testing.assert_close((lo, hi), (lo2, hi2))
+
+
+def test_entropy_clips_heavy_tails_and_keeps_uniform() -> None:
+    g = torch.Generator().manual_seed(2)
+    heavy = torch.distributions.StudentT(2.0).sample((1, 200_000))
+    scheme = Scheme(dtype="int8", symmetric=True, granularity="tensor", observer="entropy")
+    lo, hi = observe_range(heavy, scheme)
+    amax = float(heavy.abs().max())
+    assert 0 < float(hi) < 0.5 * amax and float(lo) == -float(hi)
+    uni = torch.rand(1, 200_000, generator=g) * 2 - 1
+    _lo_u, hi_u = observe_range(uni, scheme)
+    assert 0.9 < float(hi_u) <= 1.0 + 1e-6
+    lo_a, hi_a = observe_range(uni * 0.5 + 0.5, scheme.model_copy(update={"symmetric": False}))
+    assert float(lo_a) <= 0.0 and 0.9 < float(hi_a) <= 1.0 + 1e-6
+
+
+def test_entropy_per_group_and_zero_blocks() -> None:
+    x = _heavy(rows=64, cols=128, seed=4)
+    x[5] = 0.0
+    scheme = Scheme(dtype="int4", symmetric=True, granularity="group", observer="entropy")
+    lo, hi = observe_range(x, scheme)
+    assert float(hi[5]) == 0.0 and float(lo[5]) == 0.0
+    amax = x.abs().amax(1)
+    keep = torch.arange(64) != 5
+    assert bool((hi[keep] > 0).all() & (hi[keep] <= amax[keep] * (1 + 1e-6)).all())
+
+
+def test_nonfinite_and_bad_shape_raise() -> None:
+    x = torch.randn(2, 8)
+    x[1, 3] = float("nan")
+    with pytest.raises(NonFiniteError):
+        observe_range(x, Scheme(observer="mse"))
+    with pytest.raises(Exception, match="2-D"):
+        observe_range(torch.randn(8), Scheme())
+
+
+def test_activation_minmax_and_ema_stream() -> None:
+    o = ActivationObserver(Scheme(dtype="int8", granularity="tensor", observer="minmax"))
+    batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) * (i + 1) for i in range(5)]
+    for b in batches:
+        o.update(b)
+    allx = torch.cat(batches)
+    lo, hi = o.range()
+    assert lo.shape == () and float(lo) == float(allx.min()) and float(hi) == float(allx.max())
+    assert o.num_samples == 20
+    ema = ActivationObserver(Scheme(dtype="int8", granularity="tensor", observer="ema",
+                                    observer_args={"momentum": 0.1}))
+    g = torch.Generator().manual_seed(0)
+    ema.update(torch.full((2, 4), 10.0))
+    for _ in range(200):  # batches with min -1, max 3: the average converges there
+        b = torch.rand(8, 64, generator=g) * 4 - 1
+        b[0, 0], b[0, 1] = -1.0, 3.0
+        ema.update(b)
+    lo, hi = ema.range()
+    assert abs(float(lo) + 1.0) < 1e-3 and abs(float(hi) - 3.0) < 1e-3
+
+
+def test_activation_channel_matches_reference_and_reservoir_is_exact_when_it_fits() -> None:
+    batches = [_heavy(rows=32, cols=8, seed=i) for i in range(3)]  # [N, F], channels = features
+    allx = torch.cat(batches)
+    for observer in ("minmax", "percentile", "meanstd"):
+        scheme = Scheme(dtype="int8", granularity="channel", observer=observer)
+        o = ActivationObserver(scheme, axis=-1)
+        for b in batches:
+            o.update(b)
+        ref = observe_range(allx.t().contiguous(), scheme)
+        torch.testing.assert_close(o.range(), ref)
+    scale, zp = o.qparams()
+    assert scale.shape == (8,) and zp is not None and zp.dtype == torch.int8
+
+
+def test_reservoir_is_bounded_and_uniform() -> None:
+    o = ActivationObserver(Scheme(dtype="int8", granularity="tensor", observer="percentile",
+                                  observer_args={"percentile": 90.0}), reservoir_size=2000)
+    for i in range(20):  # values i*1000 .. i*1000+999 in order: a uniform sample has median ~10000
+        o.update(torch.arange(i * 1000, (i + 1) * 1000, dtype=torch.float32).reshape(10, 100))
+    assert o._res is not None and o._res.shape == (1, 2000)
+    sample = o._res[0]
+    assert sample.unique().numel() == 2000  # distinct values: no slot written twice with the same value
+    assert 8500 < float(sample.median()) < 11500
+    _lo, hi = o.range()
+    assert 16500 < float(hi) < 19500 and o.num_samples == 200
+
+
+def test_activation_errors() -> None:
+    with pytest.raises(ConfigError, match="granularity"):
+        ActivationObserver(Scheme(granularity="group"))
+    o = ActivationObserver(Scheme(dtype="int8", granularity="channel"), axis=-1)
+    o.update(torch.randn(3, 4))
+    with pytest.raises(Exception, match="channels"):
+        o.update(torch.randn(3, 5))
+    with pytest.raises(Exception, match="no activation"):
+        ActivationObserver(Scheme(dtype="int8", granularity="tensor")).range()
