@@ -34,8 +34,9 @@ from quantd.errors import ConfigError, NonFiniteError
 from quantd_client import Scheme
 from quantd_client._dtypes import NF4_CODEBOOK, DTypeInfo, dtype_info
 
-# 2 MiB of float32: a chunk and its buffer stay in the 2 MiB-per-core L2 across their passes.
-CHUNK_ELEMENTS = 1 << 19
+# 4 MiB of float32 per chunk: split over two cores it stays in their L2 (2 MiB each), on one core in
+# L3, across all its passes; larger chunks fall out of cache, smaller ones pay more per-chunk overhead.
+CHUNK_ELEMENTS = 1 << 20
 
 FP8_TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
@@ -73,9 +74,9 @@ class _Encoder:
         self.codes = codes
         n = min(blocks.numel(), CHUNK_ELEMENTS)  # no chunk of _chunks() is larger
         self.buf = torch.empty(n, dtype=torch.float32, device=blocks.device)
-        cb = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=blocks.device)
-        self.mids = (cb[1:] + cb[:-1]) / 2
-        self.ibuf = torch.empty(n if info.kind == "nf4" else 0, dtype=torch.int32, device=blocks.device)
+        cb = torch.tensor(NF4_CODEBOOK, dtype=torch.float32)
+        self.mids: list[float] = ((cb[1:] + cb[:-1]) / 2).tolist()  # float32 midpoints, host constants
+        self.bbuf = torch.empty(n if info.kind == "nf4" else 0, dtype=torch.bool, device=blocks.device)
 
     def load(self, rs: slice, cs: slice) -> torch.Tensor:
         """The chunk as float32: a view of the input, or converted into the buffer."""
@@ -99,10 +100,13 @@ class _Encoder:
             buf.clamp_(info.qmin, info.qmax)
             out.copy_(buf)
         elif info.kind == "nf4":
-            ibuf = self.ibuf[: src.numel()].view(src.shape)
-            # Left-closed buckets: a value exactly between two levels goes to the lower one.
-            torch.bucketize(buf, self.mids, out_int32=True, out=ibuf)
-            out.copy_(ibuf)
+            # index = #{midpoints < v}: a value exactly between two levels goes to the lower one.
+            # 15 compare-and-add passes in cache beat torch.bucketize's per-element search on CPU.
+            above = self.bbuf[: src.numel()].view(src.shape)
+            out.zero_()
+            for mid in self.mids:
+                torch.gt(buf, mid, out=above)
+                out.add_(above)
         else:
             buf.clamp_(-info.max_finite, info.max_finite)
             out.copy_(buf)

@@ -40,10 +40,17 @@ def scale_torch_dtype(scale_dtype: str) -> torch.dtype:
             from None
 
 
+# The smallest positive (subnormal) value of each scale dtype: bit pattern 1.
+_SMALLEST_POSITIVE: dict[torch.dtype, float] = {
+    torch.float16: 2.0**-24,
+    torch.bfloat16: 2.0**-133,
+    torch.float32: 2.0**-149,
+}
+
+
 def smallest_positive(dtype: torch.dtype) -> float:
     """The smallest positive value of ``dtype`` (subnormal where the dtype has them)."""
-    one = torch.ones((), dtype=_INT_VIEW[dtype])
-    return float(one.view(dtype).item())
+    return _SMALLEST_POSITIVE[dtype]
 
 
 def round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""Engine throughput: GB/s of input quantized, against a same-run ``dst.copy_(src)`` of the same tensor.
+
+    python bench/engine.py [--size 4096] [--repeats 7] [--threads 0] [--out bench/results/engine.json]
+
+For a ``size × size`` weight in float32 and bfloat16, each scheme is timed as the best of ``repeats``
+runs (after one warm-up), with ``torch.set_num_threads`` at its default and, for comparison, at 1.
+Also times the naive unchunked chain (abs → amax → div → round → clamp → to) for int8 per-channel,
+and the ``mse`` observer against ``minmax``. A benchmark, not a test: numbers depend on the machine
+and on what else runs on it (the load average is recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantd.engine.primitives import quantize
+from quantd_client import Scheme
+
+SCHEMES: dict[str, dict[str, Any]] = {
+    "int8_channel_sym": {"dtype": "int8", "granularity": "channel", "symmetric": True},
+    "int4_g128_affine": {"dtype": "int4", "granularity": "group", "group_size": 128, "symmetric": False},
+    "int4_g64_sym": {"dtype": "int4", "granularity": "group", "group_size": 64, "symmetric": True},
+    "nf4_g64": {"dtype": "nf4", "granularity": "group", "group_size": 64},
+    "fp8_e4m3_channel": {"dtype": "fp8_e4m3", "granularity": "channel"},
+}
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def naive_int8_channel(x: torch.Tensor) -> torch.Tensor:
+    scale = (x.float().abs().amax(dim=1, keepdim=True) / 127.5).clamp(min=1e-12)
+    return (x.float() / scale).round().clamp(-128, 127).to(torch.int8)
+
+
+def run(size: int, repeats: int, threads: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    out: dict[str, Any] = {"threads": threads}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(dtype)
+        gb = x.numel() * x.element_size() / 1e9
+        dst = torch.empty_like(x)
+        copy_s = best_time(lambda x=x, dst=dst: dst.copy_(x), repeats)
+        row: dict[str, Any] = {"input_gb": gb, "copy": {"s": copy_s, "gbps": gb / copy_s}}
+        for key, spec in SCHEMES.items():
+            scheme = Scheme.model_validate(spec)
+            s = best_time(lambda x=x, scheme=scheme: quantize(x, scheme), repeats)
+            row[key] = {"s": s, "gbps": gb / s, "fraction_of_copy": copy_s / s}
+        s = best_time(lambda x=x: naive_int8_channel(x), repeats)
+        row["naive_int8_channel_chain"] = {"s": s, "gbps": gb / s, "fraction_of_copy": copy_s / s}
+        out[str(dtype).removeprefix("torch.")] = row
+    x = torch.randn(size, size, generator=torch.Generator().manual_seed(1))
+    obs: dict[str, Any] = {}
+    for observer in ("minmax", "mse"):
+        scheme = Scheme(dtype="int4", granularity="group", group_size=128, observer=observer)  # type: ignore[arg-type]
+        obs[observer] = {"s": best_time(lambda scheme=scheme: quantize(x, scheme), max(1, repeats // 3))}
+    obs["mse_over_minmax"] = obs["mse"]["s"] / obs["minmax"]["s"]
+    out["observer_int4_g128_float32"] = obs
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine.json")
+    args = p.parse_args()
+    default_threads = torch.get_num_threads()
+    result: dict[str, Any] = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "torch": torch.__version__, "loadavg_before": os.getloadavg()},
+        "shape": [args.size, args.size],
+        "runs": [run(args.size, args.repeats, default_threads)],
+    }
+    if default_threads != 1:
+        result["runs"].append(run(args.size, args.repeats, 1))
+    torch.set_num_threads(default_threads)
+    result["machine"]["loadavg_after"] = os.getloadavg()
+    for r in result["runs"]:
+        print(f"threads={r['threads']}")
+        for dt in ("float32", "bfloat16"):
+            row = r[dt]
+            print(f"  {dt}: copy {row['copy']['gbps']:.2f} GB/s")
+            for key in [*SCHEMES, "naive_int8_channel_chain"]:
+                v = row[key]
+                print(f"    {key:26s} {v['gbps']:7.2f} GB/s  {100 * v['fraction_of_copy']:5.1f}% of copy")
+        o = r["observer_int4_g128_float32"]
+        print(f"  observer int4 g128: minmax {o['minmax']['s'] * 1e3:.1f} ms, mse {o['mse']['s'] * 1e3:.1f} ms "
+              f"({o['mse_over_minmax']:.1f}x)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
