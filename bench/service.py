@@ -232,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 4 × 2048×2048, 1 repeat, 5 s of requests")
     ap.add_argument("--repeats", type=int, default=None, help="alternating in-process/HTTP runs (default 2)")
-    ap.add_argument("--out", default="service.json", help="file name under bench/results/")
+    ap.add_argument("--out", default=None, help="file name under bench/results/ "
+                    "(default service.json, with --quick service_quick.json)")
     args = ap.parse_args(argv)
+    out = args.out or ("service_quick.json" if args.quick else "service.json")
     repeats = args.repeats or (1 if args.quick else 2)
     count, side = (4, 2048) if args.quick else (12, 4096)
     t_start = time.perf_counter()
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         payload["sync_throughput"] = {"error": f"{type(exc).__name__}: {exc}"}
         log(f"  failed: {exc}")
     payload["elapsed_s"] = time.perf_counter() - t_start
-    path = write_results(args.out, payload)
+    path = write_results(out, payload)
     log(f"wrote {path} in {payload['elapsed_s']:.0f} s")
     return 0
 
