@@ -196,9 +196,10 @@ class Worker:
                         progress_write_s=self.progress_write_s, shutdown=self.stop,
                         on_beat=lambda: self.store.worker_heartbeat(self.id, job.id)) as lease:
                 outcome = self._quantize(job, tmp, lease)
+            if not isinstance(outcome, Report):
+                tmp.unlink(missing_ok=True)  # no partial artifact outlives the job's end
             if isinstance(outcome, dict):
-                if self.store.fail(job.id, owner, outcome):
-                    self.storage.delete_job_files(job.id)
+                self.store.fail(job.id, owner, outcome)  # its upload stays until the TTL sweep
                 return
             if outcome is None:  # cancelled, lease lost, or shutting down
                 self._end_interrupted(job, owner)
@@ -239,9 +240,9 @@ class Worker:
 
     def _end_interrupted(self, job: JobRecord, owner: str) -> None:
         state = self.store.lease_state(job.id, owner)
-        if state == "cancel":
-            self.store.finish_cancelled(job.id, owner)
+        if state == "cancel":  # a cancel is never withdrawn: the files go first, then the status
             self.storage.delete_job_files(job.id)
+            self.store.finish_cancelled(job.id, owner)
         elif state == "ok" and self.stop.is_set():
             self.store.release(job.id, owner)
         elif state == "ok":  # the pipeline stopped on its own accord: do not leave it running
