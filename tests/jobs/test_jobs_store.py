@@ -212,5 +212,7 @@ def test_worker_registry(store: SQLiteJobStore, clock: Clock) -> None:
     store.register_worker("b", "cuda:0")
     store.worker_heartbeat("b", "job1")
     assert [(w["id"], w["busy_job"]) for w in store.live_workers(10.0)] == [("b", "job1")]
+    assert store.prune_workers(15.0) == 1  # "a", silent for 20 s
+    assert store.live_workers(100.0) == [store.live_workers(10.0)[0]]
     store.unregister_worker("b")
     assert store.live_workers(10.0) == []

@@ -37,6 +37,7 @@ def sweep(config: JobsConfig, store: JobStore, storage: ArtifactStore) -> None:
         storage.delete_job_files(job_id)
         store.mark_expired(job_id)
     storage.sweep_tmp(TMP_MAX_AGE_S)
+    store.prune_workers(TMP_MAX_AGE_S)
     candidates = storage.list_upload_ids(ORPHAN_UPLOAD_AGE_S)
     known = store.known_ids(candidates)
     for job_id in candidates:

@@ -93,6 +93,7 @@ class JobStore(Protocol):
     def worker_heartbeat(self, worker_id: str, busy_job: str | None) -> None: ...
     def unregister_worker(self, worker_id: str) -> None: ...
     def live_workers(self, within_s: float) -> list[dict[str, Any]]: ...
+    def prune_workers(self, older_than_s: float) -> int: ...
 
 
 def _js(value: Any) -> str | None:
@@ -336,3 +337,8 @@ class SQLiteJobStore:
     def live_workers(self, within_s: float) -> list[dict[str, Any]]:
         rows = self._read("SELECT * FROM workers WHERE heartbeat_at >= ?", (self.clock() - within_s,))
         return [dict(r) for r in rows]
+
+    def prune_workers(self, older_than_s: float) -> int:
+        """Forget workers silent for ``older_than_s`` (processes that died without unregistering)."""
+        with self._tx() as db:
+            return db.execute("DELETE FROM workers WHERE heartbeat_at < ?", (self.clock() - older_than_s,)).rowcount
