@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from quantd.engine.qlinear import QuantizedLinear, int8_matmul
+from quantd.errors import MalformedInputError
+
+
+def _layer(in_f: int = 64, out_f: int = 24, seed: int = 0) -> tuple[nn.Linear, torch.Tensor]:
+    torch.manual_seed(seed)
+    lin = nn.Linear(in_f, out_f)
+    x = torch.randn(3, 7, in_f)
+    return lin, x
+
+
+def _reference_acc(q: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """Straightforward int64 reference: (x_q − zp_x) · w_qᵀ + b_q."""
+    xq = torch.clamp(torch.round(x.reshape(-1, q.in_features) / q.input_scale) + q.input_zero_point, -128, 127)
+    acc = (xq.long() - q.input_zero_point) @ q.weight_codes.long().t()
+    return acc + (q.bias_codes.long() if q.bias_codes is not None else 0)
+
+
+@pytest.mark.parametrize("zp", [0, -7, 20])
+def test_exact_integer_accumulation(zp: int) -> None:
+    lin, x = _layer()
+    q = QuantizedLinear.from_float(lin, input_scale=float(x.abs().max()) / 120, input_zero_point=zp)
+    ref = _reference_acc(q, x)
+    xq = q.quantize_input(x.reshape(-1, 64))
+    acc_mm = q.accumulate(xq)
+    acc_f64 = q.accumulate(xq, use_int_mm=False)
+    assert acc_mm.dtype == torch.int32
+    assert torch.equal(acc_mm.long(), ref) and torch.equal(acc_f64.long(), ref)
+    y = q(x)
+    expected = (ref.double() * (q.input_scale * q.weight_scale.double())).float().reshape(3, 7, 24)
+    assert torch.equal(y, expected)
+
+
+def test_close_to_float_linear_within_error_bound() -> None:
+    lin, x = _layer(seed=1)
+    s_x = float(x.abs().max()) / 127
+    q = QuantizedLinear.from_float(lin, input_scale=s_x)
+    y = q(x).double()
+    y_float = lin(x).detach().double()
+    w = lin.weight.detach().double()
+    s_w = q.weight_scale.double()
+    # |x̂ŵ − xw| ≤ |x|·Δw + |w|·Δx + Δx·Δw per term, Δ = half a step; the bias rounds to half a step of s_x·s_w.
+    xa = x.abs().double().reshape(-1, 64)
+    bound = (xa @ (s_w / 2).expand(64, -1) + (s_x / 2) * w.abs().sum(1) + 64 * (s_x / 2) * (s_w / 2)
+             + s_x * s_w / 2)
+    err = (y - y_float).reshape(-1, 24).abs()
+    assert bool((err <= bound * (1 + 1e-9)).all())
+    assert float(err.max()) > 0  # it is quantized
+    assert float(err.mean()) < 0.05 * float(y_float.abs().mean())
+
+
+def test_int8_output_requantization() -> None:
+    lin, x = _layer(seed=2)
+    q_float = QuantizedLinear.from_float(lin, input_scale=float(x.abs().max()) / 127)
+    y = q_float(x)
+    s_y, zp_y = float(y.abs().max()) / 100, 3
+    q = QuantizedLinear.from_float(lin, input_scale=q_float.input_scale, output_scale=s_y,
+                                   output_zero_point=zp_y)
+    yq = q(x)
+    assert yq.dtype == torch.int8
+    ref = torch.clamp(torch.round(y.double() / s_y) + zp_y, -128, 127)
+    assert int((yq.double() - ref).abs().max()) <= 1  # equal up to float32 rounding at .5 ties
+    assert float((yq.double() - ref).abs().mean()) < 0.01
+
+
+def test_int8_matmul_paths_agree_and_shape_errors() -> None:
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(-128, 128, (5, 40), dtype=torch.int8, generator=g)
+    b = torch.randint(-128, 128, (9, 40), dtype=torch.int8, generator=g)
+    ref = a.long() @ b.long().t()
+    assert torch.equal(int8_matmul(a, b).long(), ref)
+    assert torch.equal(int8_matmul(a, b, use_int_mm=False).long(), ref)
+    lin, _ = _layer()
+    q = QuantizedLinear.from_float(lin, input_scale=0.1)
+    with pytest.raises(MalformedInputError, match="features"):
+        q(torch.randn(2, 63))
