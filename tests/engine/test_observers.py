@@ -205,3 +205,19 @@ def test_activation_errors() -> None:
         o.update(torch.randn(3, 5))
     with pytest.raises(Exception, match="no activation"):
         ActivationObserver(Scheme(dtype="int8", granularity="tensor")).range()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("observer", ["minmax", "percentile", "meanstd", "mse", "entropy"])
+def test_observers_on_cuda_match_cpu(observer: str) -> None:
+    x = _heavy(rows=32, cols=128, seed=6)
+    scheme = Scheme(dtype="int4", granularity="group", observer=observer)
+    lo, hi = observe_range(x.cuda(), scheme)
+    assert lo.device.type == "cuda"
+    ref_lo, ref_hi = observe_range(x, scheme)
+    tol = 0.05 * float(x.abs().max()) if observer == "entropy" else 1e-4  # histogram binning may differ by a bin
+    torch.testing.assert_close(lo.cpu(), ref_lo, atol=tol, rtol=0)
+    torch.testing.assert_close(hi.cpu(), ref_hi, atol=tol, rtol=0)
+    o = ActivationObserver(Scheme(dtype="int8", granularity="channel", observer="percentile"), axis=-1)
+    o.update(x.cuda())
+    assert o.range()[0].device.type == "cuda"

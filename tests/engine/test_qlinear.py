@@ -80,3 +80,15 @@ def test_int8_matmul_paths_agree_and_shape_errors() -> None:
     q = QuantizedLinear.from_float(lin, input_scale=0.1)
     with pytest.raises(MalformedInputError, match="features"):
         q(torch.randn(2, 63))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [5, 32])  # 5: the float64 fallback; 32: torch._int_mm
+def test_cuda_accumulation_is_exact(rows: int) -> None:
+    lin, _ = _layer()
+    x = torch.randn(rows, 64)
+    q = QuantizedLinear.from_float(lin, input_scale=float(x.abs().max()) / 120, input_zero_point=3)
+    ref = _reference_acc(q, x)
+    qc = q.cuda()
+    acc = qc.accumulate(qc.quantize_input(x.cuda()))
+    assert torch.equal(acc.cpu().long(), ref)
