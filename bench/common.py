@@ -34,8 +34,9 @@ SHARED_MACHINE_NOTE = (
 T = TypeVar("T")
 
 
-def timed(fn: Callable[[], T], *, repeats: int, warmup: int = 1,
-          budget_s: float = float("inf")) -> tuple[float, list[float], T]:
+def timed(
+    fn: Callable[[], T], *, repeats: int, warmup: int = 1, budget_s: float = float("inf")
+) -> tuple[float, list[float], T]:
     """Run ``fn`` ``warmup`` times untimed, then up to ``repeats`` (≥ 1) times, stopping early once the
     timed runs add up to ``budget_s``; returns the median seconds, all times and the last result."""
     for _ in range(warmup):
@@ -70,8 +71,10 @@ def fidelity_many(xs: dict[str, torch.Tensor], x_hats: dict[str, torch.Tensor]) 
     return fidelity(a, b)
 
 
-def outlier_weight(rows: int, cols: int, *, seed: int = 0, fraction: float = 0.01, factor: float = 10.0) -> torch.Tensor:
-    """Gaussian weight (std 0.02) in which a random ``fraction`` of the elements is multiplied by ``factor``."""
+def outlier_weight(
+    rows: int, cols: int, *, seed: int = 0, fraction: float = 0.01, factor: float = 10.0
+) -> torch.Tensor:
+    """Gaussian weight (std 0.02) in which a random ``fraction`` of the elements is scaled by ``factor``."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=gen) * 0.02
     mask = torch.rand(rows, cols, generator=gen) < fraction
@@ -137,8 +140,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def quantd_server(*, env: dict[str, str] | None = None, start_timeout_s: float = 60.0,
-                  workers: int = 1) -> Iterator[Server]:
+def quantd_server(
+    *, env: dict[str, str] | None = None, start_timeout_s: float = 60.0, workers: int = 1
+) -> Iterator[Server]:
     """Start ``python -m quantd serve`` on a free loopback port with a temp data dir; stop it after.
 
     Waits for ``/readyz`` (polling with a deadline) and fails with the server log if it never comes up.
@@ -150,10 +154,28 @@ def quantd_server(*, env: dict[str, str] | None = None, start_timeout_s: float =
         data_dir = Path(tmp) / "data"
         data_dir.mkdir()
         log_path = Path(tmp) / "server.log"
-        full_env = {**os.environ, "QUANTD_MAX_UPLOAD_BYTES": str(4 << 30),
-                    "QUANTD_MAX_SYNC_BYTES": str(256 << 20), **(env or {})}
-        cmd = [sys.executable, "-m", "quantd", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--data-dir", str(data_dir), "--workers", str(workers), "--device", "cpu"]
+        full_env = {
+            **os.environ,
+            "QUANTD_MAX_UPLOAD_BYTES": str(4 << 30),
+            "QUANTD_MAX_SYNC_BYTES": str(256 << 20),
+            **(env or {}),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "quantd",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--workers",
+            str(workers),
+            "--device",
+            "cpu",
+        ]
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=full_env)
         server = Server(f"http://127.0.0.1:{port}", proc, data_dir, log_path)
@@ -166,7 +188,9 @@ def quantd_server(*, env: dict[str, str] | None = None, start_timeout_s: float =
                     if httpx.get(f"{server.url}/readyz", timeout=2.0).status_code == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"quantd serve not ready after {start_timeout_s}s:\n{server.log_tail()}")
+                    raise RuntimeError(
+                        f"quantd serve not ready after {start_timeout_s}s:\n{server.log_tail()}"
+                    )
                 time.sleep(0.2)
             yield server
         finally:
