@@ -10,5 +10,5 @@ import importlib.util, sys
 for banned in ("torch", "fastapi", "uvicorn", "starlette"):
     assert importlib.util.find_spec(banned) is None, f"{banned} is installed in the bare venv"
 PY
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/client_bare
+QUANTD_BARE=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/client_bare
 rm -rf "$(dirname "$venv")"

@@ -1,6 +1,28 @@
 """quantd_client: the Python SDK of quantd. Needs httpx, pydantic and numpy only."""
 
+from ._artifact import ArtifactError, ArtifactFile, read_artifact
+from ._async import AsyncClient
+from ._client import Client
 from ._dtypes import DTYPES, NF4_CODEBOOK, DTypeInfo, dtype_info
+from ._exceptions import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    AuthError,
+    BadRequest,
+    ChecksumMismatch,
+    Conflict,
+    JobTimeout,
+    NotFound,
+    PayloadTooLarge,
+    QuantdError,
+    RateLimited,
+    ServerError,
+    UnsupportedMedia,
+    ValidationError,
+)
+from ._job import AsyncJobHandle, JobHandle
+from ._results import Artifact
 from ._schemas import (
     AnalyzeResponse,
     AnalyzeResult,
@@ -33,10 +55,23 @@ __version__ = "0.1.0"
 __all__ = [
     "DTYPES",
     "NF4_CODEBOOK",
+    "APIConnectionError",
+    "APIStatusError",
+    "APITimeoutError",
     "AnalyzeResponse",
     "AnalyzeResult",
     "AnalyzeTensor",
+    "Artifact",
+    "ArtifactError",
+    "ArtifactFile",
+    "AsyncClient",
+    "AsyncJobHandle",
+    "AuthError",
+    "BadRequest",
     "CalibrateResponse",
+    "ChecksumMismatch",
+    "Client",
+    "Conflict",
     "DTypeInfo",
     "DeviceInfo",
     "ErrorStats",
@@ -44,20 +79,30 @@ __all__ = [
     "InputInfo",
     "Job",
     "JobError",
+    "JobHandle",
     "JobList",
     "JobResult",
+    "JobTimeout",
     "LayerCalibration",
     "Limits",
+    "NotFound",
     "ObserverSpec",
+    "PayloadTooLarge",
     "Problem",
     "Progress",
     "QuantConfig",
+    "QuantdError",
+    "RateLimited",
     "Report",
     "Rule",
     "Scheme",
     "SchemeOverride",
+    "ServerError",
     "Summary",
     "TensorReport",
+    "UnsupportedMedia",
+    "ValidationError",
     "__version__",
     "dtype_info",
+    "read_artifact",
 ]

@@ -114,7 +114,7 @@ class Rule(_Strict):
 
 
 class QuantConfig(_Strict):
-    scheme: Scheme = Field(default_factory=Scheme)
+    scheme: Scheme = Field(default_factory=lambda: Scheme())
     rules: list[Rule] = Field(default_factory=list)
     skip_1d: bool = True
     min_numel: int = Field(0, ge=0)
@@ -142,9 +142,9 @@ class QuantConfig(_Strict):
     def _merge(self, override: SchemeOverride) -> Scheme:
         base = self.scheme.model_dump(exclude_unset=True)
         patch = override.model_dump(exclude_none=True)
-        if "dtype" in patch and "symmetric" not in patch and "symmetric" in base:
-            if patch["dtype"] != base.get("dtype", "int4"):
-                base.pop("symmetric")  # a new dtype re-resolves its own default
+        new_dtype = "dtype" in patch and patch["dtype"] != base.get("dtype", "int4")
+        if new_dtype and "symmetric" not in patch:
+            base.pop("symmetric", None)  # a new dtype re-resolves its own default
         return Scheme.model_validate({**base, **patch})
 
     def scheme_for(self, name: str, shape: tuple[int, ...] | list[int]) -> tuple[Scheme | None, str | None]:
@@ -259,6 +259,8 @@ class Job(BaseModel):
     result: JobResult | None = None
     error: JobError | None = None
     attempts: int = 0
+    cancel_requested: bool = False  # DELETE seen on a running job; it ends cancelled at the next tensor
+    expired_at: datetime | None = None  # files removed after the TTL (report/artifact then answer 410)
 
 
 class JobList(BaseModel):

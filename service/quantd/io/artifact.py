@@ -116,6 +116,10 @@ def _header_bytes(layout: list[OutputTensor], offsets: dict[str, tuple[int, int]
     return raw
 
 
+# Header bytes kept per quantized tensor for its ErrorStats JSON (13 fields of ≤ 25 characters + names).
+_STATS_RESERVE = 720
+
+
 class ArtifactWriter:
     """Streams the artifact tensors to ``dst.tmp``; :meth:`finish` writes the summary and renames.
 
@@ -139,7 +143,9 @@ class ArtifactWriter:
         self._meta: dict[str, Any] = {"format_version": FORMAT_VERSION, "producer": "quantd",
                                       "tensors": {k: dict(v) for k, v in tensors_meta.items()}, "summary": None}
         longest = max((len(n) for n in self._layout), default=0)
-        reserve = summary_reserve if summary_reserve is not None else 4096 + 16 * longest
+        # Room for the summary and for each quantized tensor's ErrorStats, filled in by finish().
+        reserve = (summary_reserve if summary_reserve is not None else 4096 + 16 * longest) \
+            + _STATS_RESERVE * len(self._meta["tensors"])
         n = len(_header_bytes(layout, self._offsets, self._meta, None)) + reserve
         self._header_len = n + (-(8 + n)) % 8  # data starts 8-byte aligned
         self._written: set[str] = set()
@@ -164,12 +170,21 @@ class ArtifactWriter:
             self._f.write(raw.data)
         self._written.add(name)
 
-    def finish(self, summary: Mapping[str, Any] | None) -> int:
-        """Rewrite the header with ``summary``, fsync, rename into place; returns the artifact size."""
+    @property
+    def total_bytes(self) -> int:
+        """The size the finished artifact will have (known up front: the header room is reserved)."""
+        return self.data_start + self.data_bytes
+
+    def finish(self, summary: Mapping[str, Any] | None,
+               tensor_stats: Mapping[str, Mapping[str, Any]] | None = None) -> int:
+        """Rewrite the header with ``summary`` (and each quantized tensor's ``stats``), fsync, rename
+        into place; returns the artifact size."""
         missing = set(self._layout) - self._written
         if missing:
             raise RuntimeError(f"artifact tensors never written: {sorted(missing)[:5]}")
         self._meta["summary"] = dict(summary) if summary is not None else None
+        for name, stats in (tensor_stats or {}).items():
+            self._meta["tensors"][name]["stats"] = dict(stats)
         self._f.seek(self.data_start + self.data_bytes)
         self._f.truncate()
         self._f.seek(8)

@@ -6,9 +6,11 @@ config that cannot apply fails in milliseconds with a ConfigError naming the fie
 Device errors (``torch.cuda.OutOfMemoryError`` included) propagate as they are: the jobs layer
 decides what to do with them.
 
-Summary conventions: ``input_bytes``/``output_bytes`` count tensor data (the input's tensors and
-the artifact's tensors), not container overhead; ``bits_per_weight`` is the numel-weighted mean
-over quantized tensors (the input's own bits when nothing is quantized).
+Summary conventions: ``input_bytes``/``output_bytes`` are the sizes of the input file and of the
+artifact file (as ``Job.input.bytes`` and ``Job.result.artifact_bytes``), so ``compression_ratio``
+is what a user saves on disk; each tensor's own ``compression_ratio`` compares its bits per weight.
+``bits_per_weight`` is the numel-weighted mean over quantized tensors (the input's own bits when
+nothing is quantized). The artifact's metadata carries each quantized tensor's ErrorStats too.
 """
 
 from __future__ import annotations
@@ -121,10 +123,9 @@ def _process(reader: ModelReader, writer: ArtifactWriter, p: TensorPlan, device:
     return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=p.scheme, stats=stats, skipped=False)
 
 
-def summarize(plans: list[TensorPlan], reports: list[TensorReport], output_bytes: int, elapsed_s: float,
-              device: torch.device) -> Summary:
+def summarize(plans: list[TensorPlan], reports: list[TensorReport], input_bytes: int, output_bytes: int,
+              elapsed_s: float, device: torch.device) -> Summary:
     """The CONTRACT §4 summary of a finished quantization."""
-    input_bytes = sum(p.info.nbytes for p in plans)
     quantized = [(p, r) for p, r in zip(plans, reports, strict=True) if r.stats is not None]
     qnumel = sum(p.numel for p, _ in quantized)
     if qnumel:
@@ -177,8 +178,10 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
                                     else len(reports) / len(plans))
                 if on_progress is not None:
                     on_progress(progress)
-            summary = summarize(plans, reports, writer.data_bytes, time.perf_counter() - t0, dev)
-            writer.finish(summary.model_dump(mode="json"))
+            summary = summarize(plans, reports, os.path.getsize(src), writer.total_bytes,
+                                time.perf_counter() - t0, dev)
+            writer.finish(summary.model_dump(mode="json"),
+                          {r.name: r.stats.model_dump(mode="json") for r in reports if r.stats is not None})
     return Report(job_id=job_id, config=config, summary=summary, tensors=reports)
 
 

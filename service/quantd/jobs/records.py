@@ -62,6 +62,7 @@ class JobRecord:
             "started_at": _dt(self.started_at), "finished_at": _dt(self.finished_at),
             "input": self.input, "config": self.config, "progress": self.progress, "device": self.device,
             "result": self.result, "error": self.error, "attempts": self.attempts,
+            "cancel_requested": self.cancel_requested, "expired_at": _dt(self.expired_at),
         })
 
 
