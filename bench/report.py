@@ -161,6 +161,8 @@ def plots(peers: dict[str, Any]) -> list[str]:
 
     if syn:
         fig, ax = plt.subplots(figsize=(7, 4.8))
+        markers = dict(zip(LIBS, ("o", "s", "^", "D"), strict=True))
+        sizes = dict(zip(LIBS, (30, 90, 140, 200), strict=True))  # overlapping points stay visible
         pts = []
         for lib in LIBS:
             rs = [r for r in syn if r.get("library") == lib and offered(r)]
@@ -168,8 +170,11 @@ def plots(peers: dict[str, Any]) -> list[str]:
                 [r["bits_per_weight"] for r in rs],
                 [r["sqnr_db"] for r in rs],
                 label=lib,
-                color=colors[lib],
-                s=40,
+                facecolors="none" if lib != "quantd" else colors[lib],
+                edgecolors=colors[lib],
+                marker=markers[lib],
+                s=sizes[lib],
+                zorder=3,
             )
             pts += [(r["bits_per_weight"], r["sqnr_db"]) for r in rs]
         front, best = [], float("-inf")
@@ -433,6 +438,38 @@ def generic_section(data: Any) -> str:
     return "\n".join(out)
 
 
+def engine_section(data: Any) -> str:
+    """engine.json (engine-core's bench/engine.py): per thread count and input dtype, GB/s per scheme."""
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, list):
+        return generic_section(data)
+    m = data.get("machine", {})
+    out = [
+        f"Machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}; load average before "
+        f"{data.get('loadavg_before')}, after {data.get('loadavg_after')}; shape {data.get('shape')}. "
+        "Best of the repeats (see bench/engine.py)."
+    ]
+    for run in runs:
+        for dtype, schemes in run.items():
+            if not isinstance(schemes, dict):
+                continue
+            rows = [
+                [
+                    name,
+                    fmt(v.get("s", 0.0) * 1e3, ".2f"),
+                    fmt(v.get("gbps"), ".3f"),
+                    fmt(v.get("fraction_of_copy"), ".3f"),
+                ]
+                for name, v in schemes.items()
+                if isinstance(v, dict) and "gbps" in v
+            ]
+            out.append(
+                f"\n**{dtype}, {run.get('threads')} thread(s)**\n\n"
+                + table(["scheme", "ms", "GB/s", "fraction of copy"], rows)
+            )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="prefer *_quick.json results (smoke runs)")
@@ -561,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         md += ["No `bench/results/service.json` yet: run `python bench/service.py`.", ""]
     md += ["## The engine (bench/engine.py)", ""]
     md_tail = [REPRODUCE]
-    md += [generic_section(engine) if engine is not None else "No `bench/results/engine.json` yet.", ""]
+    md += [engine_section(engine) if engine is not None else "No `bench/results/engine.json` yet.", ""]
     md += md_tail
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text("\n".join(md))
