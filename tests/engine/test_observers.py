@@ -221,3 +221,47 @@ def test_observers_on_cuda_match_cpu(observer: str) -> None:
     o = ActivationObserver(Scheme(dtype="int8", granularity="channel", observer="percentile"), axis=-1)
     o.update(x.cuda())
     assert o.range()[0].device.type == "cuda"
+
+
+def _kl_reference(hist: list[float], start: int, width: int, levels: int) -> float:
+    """ONNX Runtime's get_entropy_threshold inner loop for one window, written out plainly."""
+    import math
+
+    def smooth(d: list[float]) -> list[float]:
+        zeros = sum(1 for v in d if v == 0)
+        nonzeros = len(d) - zeros
+        eps1 = 1e-4 * zeros / max(nonzeros, 1)
+        return [v + 1e-4 if v == 0 else v - eps1 for v in d]
+
+    sliced = hist[start:start + width]
+    p = list(sliced)
+    p[0] += sum(hist[:start])
+    p[-1] += sum(hist[start + width:])
+    merged = width // levels
+    qbins = [sum(sliced[i * merged:(i + 1) * merged]) for i in range(levels)]
+    qbins[-1] += sum(sliced[levels * merged:])
+    q = [0.0] * width
+    for i in range(levels):
+        lo, hi = i * merged, (width if i == levels - 1 else (i + 1) * merged)
+        nz = sum(1 for j in range(lo, hi) if p[j] != 0)
+        for j in range(lo, hi):
+            q[j] = qbins[i] / nz if (nz and p[j] != 0) else 0.0
+    if sum(q) == 0:
+        return math.inf
+    ps, qs = smooth(p), smooth(q)
+    sp, sq = sum(ps), sum(qs)
+    return sum((a / sp) * math.log((a / sp) / (b / sq)) for a, b in zip(ps, qs, strict=True) if a > 0)
+
+
+def test_kl_divergences_match_plain_reference() -> None:
+    g = torch.Generator().manual_seed(7)
+    hist = torch.randint(0, 50, (3, 40), generator=g)
+    hist[:, 5:9] = 0  # empty bins inside windows
+    hist[1, :20] = 0
+    widths = torch.tensor([8, 13, 24, 40])
+    start = torch.tensor([[0, 0, 0, 0], [3, 10, 16, 0], [32, 27, 5, 0]])
+    kl = obs.kl_divergences(hist, start, widths, 8)
+    for b in range(3):
+        for c in range(4):
+            ref = _kl_reference([float(v) for v in hist[b]], int(start[b, c]), int(widths[c]), 8)
+            assert float(kl[b, c]) == pytest.approx(ref, rel=1e-3, abs=1e-5), (b, c)

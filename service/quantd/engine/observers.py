@@ -229,7 +229,7 @@ def _mse_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Sche
 # ---------------------------------------------------------------------------------------------- entropy
 
 # Thresholds tried per block by the entropy observer (evenly spaced window widths, both ends included).
-ENTROPY_MAX_CANDIDATES = 256
+ENTROPY_MAX_CANDIDATES = 128
 
 
 def batched_histogram(v: torch.Tensor, a: torch.Tensor, width: torch.Tensor, nbins: int) -> torch.Tensor:
@@ -264,33 +264,56 @@ def kl_divergences(hist: torch.Tensor, start: torch.Tensor, width: torch.Tensor,
     """``KL(P‖Q)`` ``[B, C]`` of each candidate window ``[start, start + width)`` (in bins) of ``hist[B, n]``.
 
     As TensorRT / ONNX Runtime: P = the window's bins with the mass outside added to its two edge bins;
-    Q = the window merged into ``levels`` equal runs of ``width // levels`` bins (the rest to the last),
-    each run's mass spread evenly over its bins that are non-empty in P; both smoothed; KL of the
-    normalised distributions. ``start[B, C]``, ``width[C]`` (≥ ``levels``).
+    Q = the window (without that mass) merged into ``levels`` runs of ``width // levels`` bins (the rest
+    to the last), each run's mass spread evenly over its bins that are non-empty in P; both smoothed
+    (ONNX ``smooth_distribution``); KL of the normalised distributions; ``inf`` when Q is empty.
+    ``start[B, C]``, ``width[C]`` (≥ ``levels``). Computed in window coordinates ``j = 0 … n−1`` with
+    run sums from prefix sums, so only gathers (no scatters) touch the ``[B, C, n]`` temporaries.
     """
-    n = hist.shape[1]
-    h = hist.float().unsqueeze(1)  # [B, 1, n]
-    rel = torch.arange(n, device=hist.device) - start.unsqueeze(-1)  # [B, C, n]
-    w = width.view(1, -1, 1)
-    inwin = (rel >= 0) & (rel < w)
-    run = torch.div(rel, torch.div(w, levels, rounding_mode="floor"), rounding_mode="floor").clamp_(0, levels - 1)
-    sliced = torch.where(inwin, h, 0.0)
-    prefix = torch.nn.functional.pad(hist.float().cumsum(1), (1, 0))  # [B, n + 1]
+    rows, n = hist.shape
+    dev = hist.device
+    h = hist.float()
+    zero = torch.zeros(rows, 1, device=dev)
+    prefix = torch.cat([zero, h.cumsum(1)], 1)  # [B, n + 1]
+    nz_prefix = torch.cat([zero, (h > 0).float().cumsum(1)], 1)
+    j = torch.arange(n, device=dev)
+    inwin = (j.unsqueeze(0) < width.unsqueeze(1)).unsqueeze(0)  # [1, C, n]
+    merged = torch.div(width, levels, rounding_mode="floor")  # [C]
+    run = torch.minimum(torch.div(j.unsqueeze(0), merged.unsqueeze(1), rounding_mode="floor"),
+                        torch.tensor(levels - 1, device=dev))  # [C, n]
+    l_idx = torch.arange(levels, device=dev)
+    r_lo = l_idx.unsqueeze(0) * merged.unsqueeze(1)  # [C, L] run bounds, window coordinates
+    r_hi = torch.where(l_idx.unsqueeze(0) == levels - 1, width.unsqueeze(1), r_lo + merged.unsqueeze(1))
+    end = start + width.unsqueeze(0)  # [B, C]
+    absolute = (start.unsqueeze(-1) + j).clamp_(max=n - 1)  # [B, C, n]
+    sliced = torch.where(inwin, h.gather(1, absolute.view(rows, -1)).view(absolute.shape), 0.0)
     left = prefix.gather(1, start)
-    right = prefix[:, -1:] - prefix.gather(1, start + width.view(1, -1))
+    right = prefix[:, -1:] - prefix.gather(1, end)
     p = sliced.clone()
-    p.scatter_add_(2, start.unsqueeze(-1), left.unsqueeze(-1))
-    p.scatter_add_(2, (start + width.view(1, -1) - 1).unsqueeze(-1), right.unsqueeze(-1))
+    p[:, :, 0] += left
+    p.scatter_add_(2, (width - 1).view(1, -1, 1).expand(rows, -1, 1), right.unsqueeze(-1))
+
+    def run_gather(pre: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:  # pre[B, n+1] at start + bounds
+        idx = (start.unsqueeze(-1) + bounds.unsqueeze(0)).view(rows, -1)
+        return pre.gather(1, idx).view(*start.shape, levels)
+
+    qsum = run_gather(prefix, r_hi) - run_gather(prefix, r_lo)  # [B, C, L]
+    qcnt = run_gather(nz_prefix, r_hi) - run_gather(nz_prefix, r_lo)
+    # P's edge bins may be non-empty only thanks to the outside mass: count them as non-empty too.
+    qcnt[:, :, 0] += ((left > 0) & (sliced[:, :, 0] == 0)).float()
+    last_bin = sliced.gather(2, (width - 1).view(1, -1, 1).expand(rows, -1, 1)).squeeze(-1)
+    last_run = run.gather(1, (width - 1).unsqueeze(1)).squeeze(1)  # [C]
+    extra = ((right > 0) & (last_bin == 0) & ((width > 1).unsqueeze(0) | (left == 0))).float()
+    qcnt.scatter_add_(2, last_run.view(1, -1, 1).expand(rows, -1, 1), extra.unsqueeze(-1))
+    avg = qsum / qcnt.clamp(min=1.0)
     nz = (p > 0) & inwin
-    qsum = torch.zeros(*start.shape, levels, device=hist.device).scatter_add_(2, run, sliced)
-    qcnt = torch.zeros_like(qsum).scatter_add_(2, run, nz.float())
-    q = torch.where(nz, (qsum / qcnt.clamp(min=1.0)).gather(2, run), 0.0)
+    q = torch.where(nz, avg.gather(2, run.unsqueeze(0).expand(rows, -1, -1)), 0.0)
+    empty_q = q.sum(-1) <= 0
     p, q = _smooth(p, inwin), _smooth(q, inwin)
     p = p / p.sum(-1, keepdim=True)
     q = q / q.sum(-1, keepdim=True)
     terms = torch.where(inwin & (p > 0), p * (p / q.clamp(min=1e-30)).log(), 0.0)
-    kl = terms.sum(-1)
-    return torch.where(q.sum(-1) > 0, kl, torch.inf)
+    return torch.where(empty_q, torch.inf, terms.sum(-1))
 
 
 def entropy_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Scheme,
@@ -300,15 +323,17 @@ def entropy_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: S
     Symmetric: histogram of ``|x|`` over ``[0, absmax]``, windows ``[0, t)``, ``quant_bins`` defaults to
     half the levels (128 for int8, as TensorRT). Affine: histogram of ``x`` over ``[min(lo,0), max(hi,0)]``,
     windows shrinking both ends towards 0 in proportion (the affine clip ``(r·lo, r·hi)``), ``quant_bins``
-    defaults to all the levels. The histogram has ``min(bins, max(2·quant_bins, K))`` bins (a block of
-    K values fills no more), and at most ``ENTROPY_MAX_CANDIDATES`` window widths are tried per block.
+    defaults to all the levels. The histogram has ``min(bins, max(2·quant_bins, K // 4))`` bins (about
+    4 values a bin at least: a small block cannot fill 2048 bins), and at most ``ENTROPY_MAX_CANDIDATES``
+    window widths (evenly spaced) are tried per block. Cost ∝ B · candidates · bins: cheap per tensor,
+    seconds for per-group/per-channel weights of millions of elements on a CPU.
     nf4 and fp8 are treated as 16 / 256 uniform levels: an approximation of their non-uniform grids.
     """
     args = scheme.observer_args
     total_levels = info.levels if info.kind == "int" else 2 ** info.bits
     levels = int(args.get("quant_bins", total_levels // 2 if scheme.symmetric else total_levels))
     levels = max(levels, 1)
-    nbins = max(levels, min(int(args.get("bins", 2048)), max(2 * levels, x.shape[1])))
+    nbins = max(levels, min(int(args.get("bins", 2048)), max(2 * levels, x.shape[1] // 4)))
     lo0, hi0 = lo.clamp(max=0.0), hi.clamp(min=0.0)
     if scheme.symmetric:
         v, a, b = x.abs(), torch.zeros_like(lo0), torch.maximum(-lo0, hi0)
