@@ -1,0 +1,186 @@
+"""Outside-in contract helpers: a real ``python -m quantd serve`` process, plain httpx, and a
+safetensors codec written from the file format alone (struct + json + numpy; no safetensors lib,
+no quantd). Nothing here imports quantd or quantd_client."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+KEY_A = "contract-key-aaaa-0001"
+KEY_B = "contract-key-bbbb-0002"
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    base: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    client: httpx.Client
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+def start_server(tmp: Path, env_extra: dict[str, str]) -> Server:
+    port = _free_port()
+    data = tmp / "data"
+    log = tmp / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTD_")}
+    env.update({"QUANTD_DEVICE": "cpu", **env_extra})
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "quantd", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--data-dir", str(data), "--workers", "1"],
+            env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60.0
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"/healthz not 200 within 60 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)  # poll step under a deadline
+    return Server(base, proc, log, httpx.Client(base_url=base, timeout=120.0))
+
+
+def stop_server(srv: Server) -> None:
+    srv.client.close()
+    if srv.proc.poll() is None:
+        srv.proc.terminate()
+        try:
+            srv.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            srv.proc.kill()
+            srv.proc.wait(timeout=15)
+
+
+# ---- safetensors, from the format description: u64 LE header length, JSON header, raw data ----
+
+ST_DTYPES: dict[str, np.dtype[Any]] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"),
+    "BF16": np.dtype("<u2"), "F8_E4M3": np.dtype("u1"), "F8_E5M2": np.dtype("u1"),
+}
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 → bfloat16 bit patterns (uint16)."""
+    u = np.ascontiguousarray(x, dtype="<f4").view("<u4").astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return rounded.astype("<u2")
+
+
+def st_encode(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str] | None = None) -> bytes:
+    """``{name: (ST dtype, array)}`` → safetensors bytes. BF16 arrays are given as float32."""
+    header: dict[str, Any] = {}
+    chunks: list[bytes] = []
+    offset = 0
+    for name, (dt, arr) in tensors.items():
+        raw = (f32_to_bf16_bits(arr) if dt == "BF16" else np.ascontiguousarray(arr, ST_DTYPES[dt])).tobytes()
+        header[name] = {"dtype": dt, "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    if metadata:
+        header["__metadata__"] = metadata
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    return struct.pack("<Q", len(hb)) + hb + b"".join(chunks)
+
+
+@dataclass
+class StTensor:
+    dtype: str
+    shape: tuple[int, ...]
+    raw: bytes
+
+    def array(self) -> np.ndarray:
+        a = np.frombuffer(self.raw, dtype=ST_DTYPES[self.dtype]).reshape(self.shape)
+        if self.dtype == "BF16":
+            return (a.astype(np.uint32) << 16).view(np.float32)
+        if self.dtype == "F8_E4M3":
+            return decode_fp8(a, exp_bits=4, man_bits=3, bias=7, ieee_special=False)
+        if self.dtype == "F8_E5M2":
+            return decode_fp8(a, exp_bits=5, man_bits=2, bias=15, ieee_special=True)
+        return a
+
+
+def st_decode(data: bytes) -> tuple[dict[str, StTensor], dict[str, str]]:
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    meta = header.pop("__metadata__", {}) or {}
+    body = data[8 + n:]
+    out: dict[str, StTensor] = {}
+    for name, h in header.items():
+        a, b = h["data_offsets"]
+        out[name] = StTensor(h["dtype"], tuple(h["shape"]), body[a:b])
+    return out, meta
+
+
+def decode_fp8(bits: np.ndarray, *, exp_bits: int, man_bits: int, bias: int, ieee_special: bool) -> np.ndarray:
+    """OCP fp8: e4m3fn has no inf (S.1111.111 is NaN); e5m2 is IEEE-like (exponent all ones = inf/NaN)."""
+    b = bits.astype(np.int64)
+    sign = np.where(b >> 7 == 1, -1.0, 1.0)
+    e = (b >> man_bits) & ((1 << exp_bits) - 1)
+    m = b & ((1 << man_bits) - 1)
+    normal = (1.0 + m / 2**man_bits) * np.exp2(e.astype(np.float64) - bias)
+    sub = (m / 2**man_bits) * 2.0 ** (1 - bias)
+    val = sign * np.where(e == 0, sub, normal)
+    emax = (1 << exp_bits) - 1
+    if ieee_special:
+        val = np.where(e == emax, np.where(m == 0, sign * np.inf, np.nan), val)
+    else:
+        val = np.where((e == emax) & (m == (1 << man_bits) - 1), np.nan, val)
+    return val.astype(np.float32)
+
+
+# ---- HTTP helpers ----
+
+def wait_job(client: httpx.Client, job_id: str, *, timeout: float = 120.0,
+             headers: dict[str, str] | None = None) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.get(f"/v1/jobs/{job_id}", headers=headers)
+        assert r.status_code == 200, r.text
+        job: dict[str, Any] = r.json()
+        if job["status"] in TERMINAL:
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} still {job['status']} after {timeout} s")
+        time.sleep(0.05)  # poll step under a deadline
+
+
+def assert_problem(r: httpx.Response, status: int | tuple[int, ...]) -> dict[str, Any]:
+    wanted = (status,) if isinstance(status, int) else status
+    assert r.status_code in wanted, (r.status_code, r.text[:500])
+    assert r.headers["content-type"].startswith("application/problem+json"), r.headers.get("content-type")
+    body: dict[str, Any] = r.json()
+    assert body["status"] == r.status_code
+    for field in ("type", "title", "detail"):
+        assert isinstance(body.get(field), str) and body[field], (field, body)
+    assert "Traceback" not in r.text
+    return body
