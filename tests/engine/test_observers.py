@@ -265,3 +265,12 @@ def test_kl_divergences_match_plain_reference() -> None:
         for c in range(4):
             ref = _kl_reference([float(v) for v in hist[b]], int(start[b, c]), int(widths[c]), 8)
             assert float(kl[b, c]) == pytest.approx(ref, rel=1e-3, abs=1e-5), (b, c)
+
+
+def test_mse_search_in_row_steps_equals_one_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _heavy(rows=40, cols=128, seed=8)
+    scheme = Scheme(dtype="int3", granularity="group", observer="mse")
+    ref = observe_range(x, scheme)
+    monkeypatch.setattr(obs, "MSE_QPARAM_ENTRIES", 30)  # two rows per search step
+    monkeypatch.setattr(obs, "MSE_CHUNK_ELEMENTS", 1000)
+    torch.testing.assert_close(observe_range(x, scheme), ref)

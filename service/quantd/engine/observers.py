@@ -49,6 +49,8 @@ __all__ = [
 CHUNK_ELEMENTS = 1 << 22
 # Elements of the [rows, candidates, cols] temporary of one mse chunk (the search's one big buffer).
 MSE_CHUNK_ELEMENTS = 1 << 20
+# Entries of the [rows, candidates] qparams and error arrays of one mse search step.
+MSE_QPARAM_ENTRIES = 1 << 18
 
 
 def observe_range(blocks: torch.Tensor, scheme: Scheme, *, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,19 +213,24 @@ def _mse_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Sche
     if scheme.symmetric:
         amax = torch.maximum(-lo, hi)
         lo, hi = -amax, amax
-    rows = x.shape[0]
     grid_r = torch.linspace(min_ratio, 1.0, grid, device=x.device) if grid > 1 else torch.ones(1, device=x.device)
     coarse, radius = mse_search_indices(grid)
-    idx = torch.tensor(coarse, device=x.device).expand(rows, -1)
-    err = _candidate_errors(x, lo, hi, grid_r[idx], scheme, info, norm)
-    best = idx.gather(1, err.argmin(1, keepdim=True))  # [B, 1]; argmin takes the first (smallest r) tie
-    if radius:
-        offs = torch.arange(-radius, radius + 1, device=x.device)
-        idx = (best + offs).clamp(0, grid - 1)
-        err = _candidate_errors(x, lo, hi, grid_r[idx], scheme, info, norm)
-        best = idx.gather(1, err.argmin(1, keepdim=True))
-    r = grid_r[best.squeeze(1)]
-    return lo * r, hi * r
+    coarse_t = torch.tensor(coarse, device=x.device)
+    best = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    # Rows per search: bounds the [rows, candidates] qparams/error arrays (choose_qparams works in float64).
+    step = max(1, MSE_QPARAM_ENTRIES // max(len(coarse), 2 * radius + 1))
+    for r in range(0, x.shape[0], step):
+        rs = slice(r, r + step)
+        idx = coarse_t.expand(x[rs].shape[0], -1)
+        err = _candidate_errors(x[rs], lo[rs], hi[rs], grid_r[idx], scheme, info, norm)
+        b = idx.gather(1, err.argmin(1, keepdim=True))  # [R, 1]; argmin takes the first (smallest r) tie
+        if radius:
+            idx = (b + torch.arange(-radius, radius + 1, device=x.device)).clamp(0, grid - 1)
+            err = _candidate_errors(x[rs], lo[rs], hi[rs], grid_r[idx], scheme, info, norm)
+            b = idx.gather(1, err.argmin(1, keepdim=True))
+        best[rs] = b.squeeze(1)
+    ratio = grid_r[best]
+    return lo * ratio, hi * ratio
 
 
 # ---------------------------------------------------------------------------------------------- entropy
