@@ -97,6 +97,35 @@ def test_clipped_fraction_counts_elements_outside_range() -> None:
     assert float(e[~unclipped].max()) > st.theoretical_max_error  # type: ignore[operator]
 
 
+@pytest.mark.parametrize("scheme", [
+    _scheme(dtype="int4", granularity="group", group_size=8, symmetric=False),
+    _scheme(dtype="uint4", granularity="channel"),
+    _scheme(dtype="nf4", granularity="group", group_size=8),
+    _scheme(dtype="fp8_e5m2", granularity="channel"),
+], ids=lambda s: s.dtype)
+def test_clipped_count_only_in_blocks_that_clip(scheme: Scheme, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 32, generator=g)
+    full = quantize(x, scheme)
+    blocks = x.reshape(full.scale.numel(), -1)  # type: ignore[union-attr]
+    lo, hi = blocks.amin(dim=1), blocks.amax(dim=1)
+    shrink = torch.ones_like(lo)
+    shrink[::2] = 0.3  # every other block's range shrunk to 30 %
+    qt = quantize(x, scheme, observer_range=(lo * shrink, hi * shrink))
+    assert qt.scale is not None
+    q = blocks / qt.scale.reshape(-1, 1).float()
+    if qt.dtype in ("int4", "uint4"):
+        zp = torch.zeros(1) if qt.zero_point is None else qt.zero_point.reshape(-1, 1).float()
+        lim_lo, lim_hi = (-8 if qt.dtype == "int4" else 0) - 0.5 - zp, (7 if qt.dtype == "int4" else 15) + 0.5 - zp
+        outside = (q < lim_lo) | (q > lim_hi)
+    else:
+        outside = q.abs() > (1.0 if qt.dtype == "nf4" else 57344.0)
+    expected = int(outside.sum())
+    assert expected > 0 and int(outside[1::2].sum()) == 0  # only the shrunk blocks clip
+    monkeypatch.setattr(stats, "_CHUNK", 40)  # several chunks of suspect rows
+    assert stats.clipped_count(x, qt) == expected
+
+
 def test_float16_cast_clips_beyond_max() -> None:
     x = torch.tensor([[1.0, 70000.0, -1e6, 2.0]])
     qt = quantize(x, _scheme(dtype="float16"))

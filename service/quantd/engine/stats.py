@@ -1,8 +1,11 @@
 """Error statistics of a quantized tensor (CONTRACT §4, ``quantd_client.ErrorStats``).
 
-Sums are accumulated in float64 over chunks (two passes over ``x``, one over ``x_hat``), so memory
-stays bounded and precision does not depend on the tensor's size. Mean and variance are merged per
-chunk (Chan et al.) rather than taken as ``E[x²] − E[x]²``, which cancels badly when the mean is large.
+Sums are accumulated in float64 over chunks, so memory stays bounded and precision does not depend on
+the tensor's size: one pass over ``x`` and ``x_hat`` for the sums (each chunk converted once into a
+float64 buffer that stays in cache; sums stay on the device until one sync at the end), one more over
+``x`` for the outliers (their threshold needs the global std). Mean and variance are merged per chunk
+(Chan et al.) rather than taken as ``E[x²] − E[x]²``, which cancels badly when the mean is large.
+The clipped count reads only the per-block extremes unless a block actually clips.
 """
 
 from __future__ import annotations
@@ -78,66 +81,131 @@ def theoretical_max_error(qt: QuantizedTensor, absmax: float) -> float:
     return max_scale / 2
 
 
+def _block_bounds(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block row, the interval of ``x / scale`` that is not clipped: ``[qmin − ½ − zp, qmax + ½ − zp]``
+    (integers), ``[−1, 1]`` (nf4), ``[−max_finite, max_finite]`` (fp8); float32 columns ``[B, 1]``."""
+    info = DTYPES[qt.dtype]
+    if qt.scale is None:
+        raise ConfigError(f"{qt.dtype} codes need a scale", field="scale")
+    rows = qt.scale.numel()
+    dev = qt.scale.device
+    if info.kind == "int":
+        zp = (torch.zeros(rows, device=dev) if qt.zero_point is None
+              else qt.zero_point.reshape(-1).float())
+        return (info.qmin - 0.5 - zp).unsqueeze(1), (info.qmax + 0.5 - zp).unsqueeze(1)
+    limit = 1.0 if info.kind == "nf4" else float(info.max_finite)
+    hi = torch.full((rows, 1), limit, device=dev)
+    return -hi, hi
+
+
 def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
     """Elements of ``x`` outside the range ``qt`` represents (the clamp moved them by more than
     half a step): integer ``x/scale + zp ∉ [qmin − ½, qmax + ½]``; nf4 ``|x/scale| > 1``; fp8
-    ``|x/scale| > max_finite``; float casts ``|x| > max_finite``."""
+    ``|x/scale| > max_finite``; float casts ``|x| > max_finite``.
+
+    Division by a positive scale is monotone (also after float32 rounding), so a block whose own
+    ``min/scale`` and ``max/scale`` are inside the bounds has no clipped element: only the blocks that
+    fail this check are counted element by element (none, for min-max ranges).
+    """
     info = DTYPES[qt.dtype]
     if info.kind == "float":
         limit = torch.finfo(FLOAT_TORCH_DTYPES[qt.dtype]).max
-        return sum(int((part.abs() > limit).sum().item()) for part in _flat_chunks(x))
-    if qt.scale is None:
-        raise ConfigError(f"{qt.dtype} codes need a scale", field="scale")
+        return int(sum((part.abs() > limit).sum() for part in _flat_chunks(x)))
     blocks, _ = block_view(x, granularity_of_qt(qt), name="x")
-    scale = qt.scale.reshape(-1, 1).float()
-    zp = None if qt.zero_point is None else qt.zero_point.reshape(-1, 1).float()
+    lo_b, hi_b = _block_bounds(qt)
+    scale = qt.scale.reshape(-1, 1).float()  # type: ignore[union-attr]  # _block_bounds checked it
+    lo_x = blocks.amin(dim=1, keepdim=True).float() / scale
+    hi_x = blocks.amax(dim=1, keepdim=True).float() / scale
+    suspect = ((lo_x < lo_b) | (hi_x > hi_b)).reshape(-1).nonzero().reshape(-1)
+    if suspect.numel() == 0:
+        return 0
+    count = torch.zeros((), dtype=torch.int64, device=x.device)
     rows_per_chunk = max(1, _CHUNK // blocks.shape[1])
-    count = 0
-    for r in range(0, blocks.shape[0], rows_per_chunk):
-        rs = slice(r, r + rows_per_chunk)
-        q = blocks[rs].float() / scale[rs]
-        if info.kind == "int":
-            off = zp[rs] if zp is not None else torch.zeros_like(scale[rs])
-            out = (q < info.qmin - 0.5 - off) | (q > info.qmax + 0.5 - off)
-        else:
-            out = q.abs() > (1.0 if info.kind == "nf4" else info.max_finite)
-        count += int(out.sum())
-    return count
+    for r in range(0, suspect.numel(), rows_per_chunk):
+        idx = suspect[r:r + rows_per_chunk]
+        q = blocks.index_select(0, idx).float() / scale[idx]
+        count += (q < lo_b[idx]).sum() + (q > hi_b[idx]).sum()
+    return int(count)
+
+
+# Per chunk sums, in this order (float64, one row per chunk).
+_N, _SUM_X, _M2, _SUM_X2, _SUM_H2, _SUM_XH, _SUM_E2, _SUM_ABS_E, _MAX_ABS_E, _MAX_ABS_X = range(10)
 
 
 @dataclass
 class _Moments:
-    """Running float64 sums over chunks of ``x`` and ``x_hat``."""
+    """Float64 sums over ``x`` and ``x_hat`` (merged over chunks)."""
 
-    n: int = 0
-    mean: float = 0.0
-    m2: float = 0.0  # Σ (x − mean)²
-    sum_x2: float = 0.0
-    sum_h2: float = 0.0
-    sum_xh: float = 0.0
-    sum_e2: float = 0.0
-    sum_abs_e: float = 0.0
-    max_abs_e: float = 0.0
-    max_abs_x: float = 0.0
+    n: int
+    mean: float
+    m2: float  # Σ (x − mean)²
+    sum_x2: float
+    sum_h2: float
+    sum_xh: float
+    sum_e2: float
+    sum_abs_e: float
+    max_abs_e: float
+    max_abs_x: float
 
-    def add(self, xc: torch.Tensor, hc: torch.Tensor) -> None:
-        n_c = xc.numel()
-        mean_c = float(xc.mean())
-        m2_c = float(((xc - mean_c) ** 2).sum())
-        err = xc - hc
-        delta = mean_c - self.mean
-        total = self.n + n_c
-        self.m2 += m2_c + delta * delta * self.n * n_c / total
-        self.mean += delta * n_c / total
-        self.n = total
-        self.sum_x2 += float((xc * xc).sum())
-        self.sum_h2 += float((hc * hc).sum())
-        self.sum_xh += float((xc * hc).sum())
-        abs_e = err.abs_()
-        self.sum_e2 += float((abs_e * abs_e).sum())
-        self.sum_abs_e += float(abs_e.sum())
-        self.max_abs_e = max(self.max_abs_e, float(abs_e.max()))
-        self.max_abs_x = max(self.max_abs_x, float(xc.abs().max()))
+
+def _chunk_sums(xc: torch.Tensor, hc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The per-chunk sums of float ``xc``/``hc``, through the float64 buffers ``a``/``b`` (overwritten).
+
+    One conversion of each input, then in-cache float64 passes; results stay on the device (no sync).
+    """
+    a.copy_(xc)
+    b.copy_(hc)
+    n_c = a.numel()
+    sum_x = a.sum()
+    sum_x2, sum_h2, sum_xh = torch.dot(a, a), torch.dot(b, b), torch.dot(a, b)
+    max_abs_x = torch.maximum(a.amax(), a.amin().neg())  # (vector_norm(inf) is many times slower on CPU)
+    err = torch.sub(a, b, out=b).abs_()
+    sum_e2 = torch.dot(err, err)
+    sum_abs_e = err.sum()
+    max_abs_e = err.amax()
+    centred = a.sub_(sum_x / n_c)  # Σ (x − mean_c)²: exact per chunk, merged by Chan et al. below
+    m2 = torch.dot(centred, centred)
+    n_t = torch.tensor(float(n_c), dtype=torch.float64, device=a.device)
+    return torch.stack([n_t, sum_x, m2, sum_x2, sum_h2, sum_xh, sum_e2, sum_abs_e, max_abs_e, max_abs_x])
+
+
+def _moments(x: torch.Tensor, x_hat: torch.Tensor) -> _Moments:
+    """All sums in one pass over ``x`` and ``x_hat`` and one host sync at the end.
+
+    Chunks' means and centred sums merge as ``M2 = Σ m2_c + Σ n_c (mean_c − mean)²`` (the parallel
+    form of Chan et al.), which never subtracts two large sums.
+    """
+    fx, fh = x.reshape(-1), x_hat.reshape(-1)
+    step = min(_CHUNK, fx.numel())
+    a = torch.empty(step, dtype=torch.float64, device=x.device)
+    b = torch.empty(step, dtype=torch.float64, device=x.device)
+    rows = [_chunk_sums(fx[i:i + step], fh[i:i + step], a[: min(step, fx.numel() - i)],
+                        b[: min(step, fx.numel() - i)]) for i in range(0, fx.numel(), step)]
+    s = torch.stack(rows)
+    n = s[:, _N].sum()
+    mean = s[:, _SUM_X].sum() / n
+    m2 = s[:, _M2].sum() + (s[:, _N] * (s[:, _SUM_X] / s[:, _N] - mean) ** 2).sum()
+    tot = s.sum(dim=0).tolist()
+    mx = s.amax(dim=0).tolist()
+    return _Moments(n=int(tot[_N]), mean=float(mean), m2=float(m2), sum_x2=tot[_SUM_X2], sum_h2=tot[_SUM_H2],
+                    sum_xh=tot[_SUM_XH], sum_e2=tot[_SUM_E2], sum_abs_e=tot[_SUM_ABS_E],
+                    max_abs_e=mx[_MAX_ABS_E], max_abs_x=mx[_MAX_ABS_X])
+
+
+def _outlier_count(x: torch.Tensor, mean: float, threshold: float) -> int:
+    """``#{|x − mean| > threshold}`` in float64, chunked, one host sync."""
+    flat = x.reshape(-1)
+    step = min(_CHUNK, flat.numel())
+    buf = torch.empty(step, dtype=torch.float64, device=x.device)
+    flags = torch.empty(step, dtype=torch.bool, device=x.device)
+    count = torch.zeros((), dtype=torch.int64, device=x.device)
+    for i in range(0, flat.numel(), step):
+        part = flat[i:i + step]
+        d = buf[: part.numel()]
+        d.copy_(part)
+        above = torch.gt(d.sub_(mean).abs_(), threshold, out=flags[: part.numel()])
+        count += above.sum(dtype=torch.int32)  # a chunk has < 2**31 elements
+    return int(count)
 
 
 def _cosine(m: _Moments) -> float:
@@ -156,12 +224,10 @@ def error_stats(x: torch.Tensor, x_hat: torch.Tensor, qt: QuantizedTensor) -> Er
     numel = x.numel()
     if numel == 0:
         raise ConfigError("statistics of an empty tensor are undefined", field="shape")
-    m = _Moments()
-    for xc, hc in zip(_flat_chunks(x), _flat_chunks(x_hat), strict=True):
-        m.add(xc.double(), hc.double())
+    m = _moments(x, x_hat)
     std = math.sqrt(m.m2 / numel)
     threshold = OUTLIER_STDS * std
-    outliers = sum(int(((xc.double() - m.mean).abs_() > threshold).sum().item()) for xc in _flat_chunks(x))
+    outliers = _outlier_count(x, m.mean, threshold)
     mse = m.sum_e2 / numel
     signal = m.sum_x2 / numel
     if mse == 0.0:
