@@ -90,6 +90,16 @@ class Scheme(_Strict):
         g = self.observer_args.get("grid")
         if g is not None and not 1 <= g <= 1000:
             raise ValueError("scheme.observer_args.grid must be in [1, 1000]")
+        r = self.observer_args.get("min_ratio")
+        if r is not None and not 0.0 < r <= 1.0:
+            raise ValueError("scheme.observer_args.min_ratio must be in (0, 1]")
+        n = self.observer_args.get("norm")
+        if n is not None and not n > 0:
+            raise ValueError("scheme.observer_args.norm must be > 0")
+        for key, hi in (("bins", 65536), ("quant_bins", 65536)):
+            b = self.observer_args.get(key)
+            if b is not None and not (2 <= b <= hi and float(b).is_integer()):
+                raise ValueError(f"scheme.observer_args.{key} must be an integer in [2, {hi}]")
         return self
 
 
@@ -301,15 +311,19 @@ class ObserverSpec(_Strict):
     symmetric: bool = False
     observer: ObserverName = "minmax"
     observer_args: dict[str, float] = Field(default_factory=dict)
-    granularity: GranularityName = "tensor"
-    axis: int = -1
+    granularity: Literal["tensor", "channel"] = "tensor"
+    axis: int = Field(-1, description="channel: the feature axis of the [N, ...] samples (default: the last)")
+
+    @model_validator(mode="after")
+    def _check(self) -> ObserverSpec:
+        self.as_scheme()  # the same dtype/symmetric/observer_args rules as a weight scheme
+        return self
 
     def as_scheme(self) -> Scheme:
         data = self.model_dump(exclude_unset=True)
         data.setdefault("granularity", "tensor")
-        data.pop("axis", None)
-        scheme = Scheme.model_validate(data)
-        return scheme
+        data.setdefault("axis", self.axis)
+        return Scheme.model_validate(data)
 
 
 class LayerCalibration(BaseModel):

@@ -12,7 +12,6 @@ from collections.abc import Iterable
 import torch
 
 from quantd.engine.observers import ActivationObserver
-from quantd.errors import ConfigError
 from quantd_client import LayerCalibration, ObserverSpec
 
 __all__ = ["calibrate_layers"]
@@ -32,8 +31,6 @@ def calibrate_layers(samples: Iterable[tuple[str, torch.Tensor]], spec: Observer
     """Per layer: ``min``, ``max`` (the observed range), ``scale``, ``zero_point`` (0 when symmetric),
     ``observer`` and ``num_samples`` (rows seen). Per channel (``spec.granularity == "channel"``, on
     ``spec.axis``) the values are lists, one per channel; per tensor they are numbers."""
-    if spec.granularity == "group":
-        raise ConfigError("activation calibration is per tensor or per channel", field="granularity")
     scheme = spec.as_scheme()
     observers: dict[str, ActivationObserver] = {}
     for name, batch in samples:
