@@ -14,15 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ._harness import Server, StTensor, st_decode, st_encode, wait_job
+from ._harness import INT_DOMAIN, NF4, Server, dequantize, expand, st_decode, st_encode, wait_job
 
-# Written from CONTRACT §5 (code domains) and QLoRA's NF4 table, not imported from the product.
-INT_DOMAIN = {"int8": (8, -128, 127), "int4": (4, -8, 7), "int3": (3, -4, 3), "int2": (2, -2, 1),
-              "uint8": (8, 0, 255), "uint4": (4, 0, 15)}
-NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-                -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-                0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-                0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
 META_FIELDS = {"dtype", "shape", "orig_dtype", "symmetric", "granularity", "axis", "group_size", "method",
                "observer"}
 SUMMARY_FIELDS = {"tensors_quantized", "tensors_skipped", "input_bytes", "output_bytes", "compression_ratio",
@@ -76,77 +69,6 @@ def _inputs() -> dict[str, np.ndarray]:
         x.reshape(shape[0], -1)[5] += 0.1  # an off-centre row, so zero points matter
         out[name] = x
     return out
-
-
-# ---- the reader (CONTRACT §5) ----
-
-def unpack_bits(raw: bytes, bits: int, numel: int) -> np.ndarray:
-    """Code j occupies stream bits [j·b, j·b+b); stream bit i is bit i%8 of byte i//8."""
-    stream = np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")[: numel * bits]
-    return (stream.reshape(numel, bits).astype(np.int64) << np.arange(bits)).sum(axis=1)
-
-
-def expand(param: np.ndarray, shape: tuple[int, ...], m: dict[str, Any]) -> np.ndarray:
-    """Broadcast a per-tensor / per-channel / per-group parameter to the full tensor shape."""
-    gran = m["granularity"]
-    if gran == "tensor":
-        assert param.shape == (), param.shape
-        return np.broadcast_to(param, shape)
-    axis = m["axis"] % len(shape)
-    if gran == "channel":
-        assert param.shape == (shape[axis],), (param.shape, shape, axis)
-        return np.broadcast_to(param.reshape([-1 if i == axis else 1 for i in range(len(shape))]), shape)
-    gs = m["group_size"]
-    moved = (shape[axis], *[s for i, s in enumerate(shape) if i != axis])
-    rows = shape[axis]
-    cols = math.prod(shape) // rows
-    assert param.shape == (rows, cols // gs), (param.shape, rows, cols, gs)
-    full = np.repeat(param, gs, axis=1).reshape(moved)
-    return np.moveaxis(full, 0, axis)
-
-
-def dequantize(tensors: dict[str, StTensor], name: str, m: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
-    """→ (x̂ as float64, parts: codes, scale, zero_point arrays as stored, for further checks)."""
-    shape = tuple(m["shape"])
-    numel = math.prod(shape)
-    dt = m["dtype"]
-    qd = tensors[f"{name}.qdata"]
-    parts: dict[str, Any] = {"qdata": qd}
-    if dt in ("float16", "bfloat16"):
-        assert qd.dtype == {"float16": "F16", "bfloat16": "BF16"}[dt]
-        return qd.array().astype(np.float64).reshape(shape), parts
-    scale = tensors[f"{name}.scale"].array().astype(np.float64)
-    parts["scale"] = scale
-    full_scale = expand(scale, shape, m)
-    if dt.startswith("fp8"):
-        assert qd.dtype == {"fp8_e4m3": "F8_E4M3", "fp8_e5m2": "F8_E5M2"}[dt]
-        assert f"{name}.zero_point" not in tensors
-        return qd.array().astype(np.float64).reshape(shape) * full_scale, parts
-    if dt == "nf4":
-        assert qd.dtype == "U8" and len(qd.raw) == math.ceil(numel * 4 / 8)
-        idx = unpack_bits(qd.raw, 4, numel).reshape(shape)
-        parts["codes"] = idx
-        return NF4[idx] * full_scale, parts
-    bits, qmin, qmax = INT_DOMAIN[dt]
-    if bits < 8:
-        assert qd.dtype == "U8" and qd.shape == (math.ceil(numel * bits / 8),), (qd.dtype, qd.shape)
-        codes = unpack_bits(qd.raw, bits, numel).reshape(shape) + qmin
-    else:
-        assert qd.dtype == {"int8": "I8", "uint8": "U8"}[dt] and qd.shape == shape, (qd.dtype, qd.shape)
-        codes = qd.array().astype(np.int64)
-    assert codes.min() >= qmin and codes.max() <= qmax
-    parts["codes"] = codes
-    zp_name = f"{name}.zero_point"
-    if m["symmetric"]:
-        assert zp_name not in tensors, "symmetric tensors carry no zero point"
-        zp = np.zeros(shape)
-    else:
-        zpa = tensors[zp_name].array().astype(np.int64)
-        assert zpa.shape == scale.shape, (zpa.shape, scale.shape)
-        assert zpa.min() >= qmin and zpa.max() <= qmax, "zero_point is in the code domain"
-        parts["zero_point"] = tensors[zp_name]
-        zp = expand(zpa, shape, m)
-    return (codes - zp) * full_scale, parts
 
 
 # ---- fixtures: one job (report + artifact) and one sync quantize of the same file ----
