@@ -296,14 +296,15 @@ class BaseClient:
                            upload_progress=progress, upload_label=f"upload {part.filename}")
 
     def _spec_analyze(self, x: UploadInput, schemes: Sequence[SchemeArg] | SchemeArg,
-                      name: str | None) -> RequestSpec:
+                      name: str | None, analyses: Sequence[str] = ()) -> RequestSpec:
         items: Sequence[SchemeArg] = [schemes] if isinstance(schemes, (Scheme, Mapping)) else schemes
         checked = [coerce_scheme(s, f"schemes[{i}]") for i, s in enumerate(items)]
         if not checked:
             raise ValidationError("schemes: give at least one scheme to analyze")
-        configs = json.dumps([s.model_dump(mode="json") for s in checked])
-        return RequestSpec("POST", "/v1/analyze",
-                           body=MultipartBody({"configs": configs}, [make_file_part(x, name=name)]))
+        fields = {"configs": json.dumps([s.model_dump(mode="json") for s in checked])}
+        if analyses:
+            fields["analyses"] = json.dumps(list(analyses))
+        return RequestSpec("POST", "/v1/analyze", body=MultipartBody(fields, [make_file_part(x, name=name)]))
 
     def _spec_calibrate(self, x: UploadInput, observer: ObserverSpec | Mapping[str, Any],
                         name: str | None) -> RequestSpec:

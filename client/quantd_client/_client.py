@@ -132,9 +132,11 @@ class Client(BaseClient):
         return Artifact(path=dst, summary=summary_header(response), request_id=self.last_request_id)
 
     def analyze(self, x: UploadInput, schemes: Sequence[SchemeArg] | SchemeArg, *,
-                name: str | None = None) -> AnalyzeResponse:
-        """Error statistics of each scheme on every tensor, without producing an artifact."""
-        return AnalyzeResponse.model_validate(self._json(self._spec_analyze(x, schemes, name)))
+                name: str | None = None, analyses: Sequence[str] = ()) -> AnalyzeResponse:
+        """Error statistics of each scheme on every tensor, without producing an artifact.
+
+        ``analyses``: any of "bit_widths", "outlier_impact", "scale_sensitivity", run on the first scheme."""
+        return AnalyzeResponse.model_validate(self._json(self._spec_analyze(x, schemes, name, analyses)))
 
     def calibrate(self, x: UploadInput, observer: ObserverSpec | Mapping[str, Any], *,
                   name: str | None = None) -> CalibrateResponse:

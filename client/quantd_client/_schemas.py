@@ -294,10 +294,53 @@ class AnalyzeResult(BaseModel):
     stats: ErrorStats
 
 
+class BitWidthResult(BaseModel):
+    """One integer dtype of a bit-width comparison: measured SQNR beside 6.02·b + 1.76 dB."""
+
+    dtype: str
+    bits: int
+    stats: ErrorStats
+    theoretical_sqnr_db: float
+    sqnr_db: float | None  # measured; None when the error is exactly zero
+
+
+class OutlierImpactResult(BaseModel):
+    """The range clipped at one percentile (100 = min-max): error overall, on outliers and inliers."""
+
+    percentile: float
+    mse: float
+    sqnr_db: float | None
+    clipped_fraction: float
+    outlier_fraction: float
+    mse_outliers: float | None  # None when there is no outlier
+    mse_inliers: float | None
+
+
+class ScaleSensitivityResult(BaseModel):
+    """Every scale multiplied by (1 + perturbation): the MSE change relative to the unperturbed scales."""
+
+    perturbation: float
+    scale_ratio: float  # mean of perturbed / base scales after rounding to scale_dtype
+    mse: float
+    relative_mse_change: float | None  # mse / base mse − 1; None when the base mse is 0
+
+
+AnalysisName = Literal["bit_widths", "outlier_impact", "scale_sensitivity"]
+
+
+class TensorAnalyses(BaseModel):
+    """Analyses asked for in /v1/analyze's optional ``analyses`` field, on the first scheme."""
+
+    bit_widths: list[BitWidthResult] | None = None
+    outlier_impact: list[OutlierImpactResult] | None = None
+    scale_sensitivity: list[ScaleSensitivityResult] | None = None
+
+
 class AnalyzeTensor(BaseModel):
     name: str
     shape: list[int]
     results: list[AnalyzeResult]
+    analyses: TensorAnalyses | None = None
 
 
 class AnalyzeResponse(BaseModel):

@@ -99,6 +99,24 @@ def format_analysis(resp: AnalyzeResponse) -> str:
         rows = [[t.name, *[getattr(r.stats, metric) for r in t.results]] for t in resp.tensors]
         rows.append(["(overall)", *[overall(resp, k)[metric] for k in range(len(schemes))]])
         blocks.append(title + "\n" + table(["tensor", *labels], rows))
+    for t in resp.tensors:
+        a = t.analyses
+        if a is None:
+            continue
+        if a.bit_widths:
+            blocks.append(f"{t.name}: bit widths\n" + table(
+                ["dtype", "SQNR dB", "theory dB", "MSE", "bits/weight"],
+                [[b.dtype, b.sqnr_db, b.theoretical_sqnr_db, b.stats.mse, b.stats.bits_per_weight]
+                 for b in a.bit_widths]))
+        if a.outlier_impact:
+            blocks.append(f"{t.name}: outlier impact (range clipped at a percentile)\n" + table(
+                ["percentile", "MSE", "SQNR dB", "clipped", "MSE outliers", "MSE inliers"],
+                [[o.percentile, o.mse, o.sqnr_db, o.clipped_fraction, o.mse_outliers, o.mse_inliers]
+                 for o in a.outlier_impact]))
+        if a.scale_sensitivity:
+            blocks.append(f"{t.name}: scale sensitivity\n" + table(
+                ["perturbation", "MSE", "MSE change"],
+                [[x.perturbation, x.mse, x.relative_mse_change] for x in a.scale_sensitivity]))
     return "\n\n".join(blocks)
 
 
@@ -218,11 +236,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     schemes = build_schemes(args)
     if args.server:
         with make_client(args) as c:
-            resp = c.analyze(args.input, schemes)
+            resp = c.analyze(args.input, schemes, analyses=args.analyses)
     else:
         from quantd.io.pipeline import analyze_file
 
-        resp = analyze_file(args.input, schemes, device=resolve_device(args.device))
+        resp = analyze_file(args.input, schemes, device=resolve_device(args.device), analyses=args.analyses)
     if args.json:
         _print_json({**resp.model_dump(mode="json"),
                      "overall": [overall(resp, k) for k in range(len(schemes))]})
@@ -318,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("analyze", parents=[client], help="error statistics of several schemes side by side")
     p.add_argument("input", type=Path)
     _scheme_flags(p, many_dtypes=True)
+    p.add_argument("--analysis", action="append", default=[], dest="analyses",
+                   choices=["bit_widths", "outlier_impact", "scale_sensitivity"],
+                   help="also run this analysis on the first scheme (repeatable)")
     p.add_argument("--device", default=os.environ.get("QUANTD_DEVICE", "auto"), help=DEVICE_HELP)
     p.set_defaults(func=cmd_analyze)
 

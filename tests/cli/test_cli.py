@@ -86,6 +86,17 @@ def test_analyze_in_process_side_by_side(model: Path, capsys: pytest.CaptureFixt
     assert "int8/g32/asym" in text and "int4/g32/asym" in text and "(overall)" in text and "bits/weight" in text
 
 
+def test_analyze_with_analyses_prints_their_tables(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["analyze", str(model), "--dtype", "int4", "--group-size", "32", "--device", "cpu",
+                 "--analysis", "bit_widths", "--analysis", "scale_sensitivity", "--json"]) == 0
+    (t,) = json.loads(capsys.readouterr().out)["tensors"]
+    assert [b["dtype"] for b in t["analyses"]["bit_widths"]] == ["int8", "int4", "int3", "int2"]
+    assert t["analyses"]["outlier_impact"] is None and len(t["analyses"]["scale_sensitivity"]) == 6
+    assert main(["analyze", str(model), "--dtype", "int4", "--group-size", "32", "--device", "cpu",
+                 "--analysis", "outlier_impact"]) == 0
+    assert "outlier impact" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_server_paths(cli_server: str, model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "s.safetensors"

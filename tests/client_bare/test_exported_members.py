@@ -11,6 +11,7 @@ EXPECTED = {
     "QuantdError", "APIStatusError", "BadRequest", "AuthError", "NotFound", "Conflict", "PayloadTooLarge",
     "UnsupportedMedia", "ValidationError", "RateLimited", "ServerError", "APIConnectionError",
     "APITimeoutError", "ChecksumMismatch", "JobTimeout", "__version__",
+    "BitWidthResult", "OutlierImpactResult", "ScaleSensitivityResult", "TensorAnalyses",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from quantd_client._artifact import read_artifact
@@ -62,6 +63,30 @@ async def test_analyze_returns_results_in_config_order(server):
     assert [x["scheme"]["dtype"] for x in t["results"]] == ["int8", "int4", "int2"]
     sqnr = [x["stats"]["sqnr_db"] for x in t["results"]]
     assert sqnr[0] > sqnr[1] > sqnr[2]
+
+
+async def test_analyze_runs_the_requested_analyses_on_the_first_scheme(server):
+    configs = [{"dtype": "int4", "group_size": 32, "symmetric": True}, {"dtype": "int8", "granularity": "channel"}]
+    r = await server.client.post("/v1/analyze", files=_files(st_bytes()),
+                                 data={"configs": json.dumps(configs),
+                                       "analyses": json.dumps(["bit_widths", "outlier_impact", "scale_sensitivity"])})
+    assert r.status_code == 200, r.text
+    (t,) = r.json()["tensors"]
+    a = t["analyses"]
+    assert [b["dtype"] for b in a["bit_widths"]] == ["int8", "int4", "int3", "int2"]
+    measured = [b["sqnr_db"] for b in a["bit_widths"]]
+    assert measured == sorted(measured, reverse=True)  # more bits, less error
+    # the int4 row of the comparison is the first scheme itself
+    assert a["bit_widths"][1]["stats"]["mse"] == pytest.approx(t["results"][0]["stats"]["mse"])
+    assert a["outlier_impact"][0]["percentile"] == 100.0 and a["outlier_impact"][0]["clipped_fraction"] == 0.0
+    assert all(x["relative_mse_change"] is not None for x in a["scale_sensitivity"])
+    # without the field there are no analyses; an unknown analysis is a 422 naming the field
+    r = await server.client.post("/v1/analyze", files=_files(st_bytes()), data={"configs": json.dumps(configs)})
+    assert r.json()["tensors"][0]["analyses"] is None
+    body = assert_problem(await server.client.post(
+        "/v1/analyze", files=_files(st_bytes()),
+        data={"configs": json.dumps(configs), "analyses": json.dumps(["vibes"])}), 422)
+    assert body["errors"][0]["loc"][:2] == ["body", "analyses"]
 
 
 async def test_analyze_rejects_more_than_16_configs_and_bad_schemes(server):

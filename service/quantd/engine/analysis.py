@@ -1,6 +1,6 @@
 """Analyses of one tensor under quantization: bit widths, outlier clipping, scale sensitivity.
 
-Each returns a list of small pydantic models (they feed ``/v1/analyze`` extensions and the CLI):
+Each returns a list of wire models (quantd_client; ``/v1/analyze`` returns them on request):
 
 - :func:`compare_bit_widths`: the same scheme at several integer dtypes, the measured SQNR next to
   the 6.02·b + 1.76 dB of an ideal b-bit quantizer.
@@ -15,14 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from pydantic import BaseModel
 
 from quantd.engine.granularity import block_view, granularity_of
 from quantd.engine.observers import observe_range, percentile_range
 from quantd.engine.primitives import dequantize, quantize
 from quantd.engine.stats import OUTLIER_STDS, error_stats, theoretical_sqnr_db
 from quantd.errors import ConfigError
-from quantd_client import ErrorStats, Scheme
+from quantd_client import BitWidthResult, OutlierImpactResult, ScaleSensitivityResult, Scheme
 from quantd_client._dtypes import dtype_info
 
 __all__ = [
@@ -33,31 +32,6 @@ __all__ = [
     "outlier_impact",
     "scale_sensitivity",
 ]
-
-
-class BitWidthResult(BaseModel):
-    dtype: str
-    bits: int
-    stats: ErrorStats
-    theoretical_sqnr_db: float
-    sqnr_db: float | None  # measured; None when the error is exactly zero
-
-
-class OutlierImpactResult(BaseModel):
-    percentile: float
-    mse: float
-    sqnr_db: float | None
-    clipped_fraction: float
-    outlier_fraction: float
-    mse_outliers: float | None  # None when there is no outlier
-    mse_inliers: float | None
-
-
-class ScaleSensitivityResult(BaseModel):
-    perturbation: float
-    scale_ratio: float  # mean of perturbed / base scales after rounding to scale_dtype
-    mse: float
-    relative_mse_change: float | None  # mse / base mse − 1; None when the base mse is 0
 
 
 def _with_dtype(scheme: Scheme, dtype: str) -> Scheme:

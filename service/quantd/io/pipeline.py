@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,7 @@ from quantd_client import (
     Report,
     Scheme,
     Summary,
+    TensorAnalyses,
     TensorReport,
 )
 from quantd_client._dtypes import DTYPE_BITS
@@ -185,12 +186,26 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
     return Report(job_id=job_id, config=config, summary=summary, tensors=reports)
 
 
+def run_analyses(x: torch.Tensor, scheme: Scheme, names: Sequence[str], tensor: str) -> TensorAnalyses:
+    """The named analyses (bit-width comparison, outlier impact, scale sensitivity) of one tensor."""
+    from quantd.engine import analysis
+
+    out = TensorAnalyses()
+    if "bit_widths" in names:
+        out.bit_widths = analysis.compare_bit_widths(x, scheme, name=tensor)
+    if "outlier_impact" in names:
+        out.outlier_impact = analysis.outlier_impact(x, scheme, name=tensor)
+    if "scale_sensitivity" in names:
+        out.scale_sensitivity = analysis.scale_sensitivity(x, scheme, name=tensor)
+    return out
+
+
 def _analyzable(t: TensorInfo) -> bool:
     return torch_dtype(t.dtype) in QUANTIZABLE and len(t.shape) >= 2 and math.prod(t.shape) > 0
 
 
 def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: str | torch.device,
-                 filename: str | None = None) -> AnalyzeResponse:
+                 filename: str | None = None, analyses: Sequence[str] = ()) -> AnalyzeResponse:
     """Error statistics of every scheme (in order) on every float tensor with ≥ 2 dims; no artifact.
 
     1-D tensors (biases, norms) and integer tensors are left out, as ``skip_1d`` does by default.
@@ -206,7 +221,8 @@ def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: 
             x = reader.load(t.name, dev)
             check_finite(x, t.name)
             results = [AnalyzeResult(scheme=s, stats=_measure(x, s, t.name)[0]) for s in schemes]
-            out.append(AnalyzeTensor(name=t.name, shape=list(t.shape), results=results))
+            extra = run_analyses(x, schemes[0], analyses, t.name) if analyses else None
+            out.append(AnalyzeTensor(name=t.name, shape=list(t.shape), results=results, analyses=extra))
             del x
     return AnalyzeResponse(tensors=out)
 

@@ -43,9 +43,14 @@ JOB_BODY = multipart_body(
 
 ANALYZE_BODY = multipart_body(
     {"file": _FILE, "configs": {"type": "array", "items": _ref(Scheme), "minItems": 1, "maxItems": 16,
-                                "description": "JSON list of schemes; results come back in this order"}},
-    ["file", "configs"], ["configs"],
-    {"file": "(binary)", "configs": [{"dtype": "int8", "granularity": "channel"}, {"dtype": "int4"}]})
+                                "description": "JSON list of schemes; results come back in this order"},
+     "analyses": {"type": "array", "maxItems": 3,
+                  "items": {"type": "string", "enum": ["bit_widths", "outlier_impact", "scale_sensitivity"]},
+                  "description": "optional: analyses run on the first scheme, per tensor (bit-width "
+                                 "comparison, outlier impact of percentile clipping, scale sensitivity)"}},
+    ["file", "configs"], ["configs", "analyses"],
+    {"file": "(binary)", "configs": [{"dtype": "int8", "granularity": "channel"}, {"dtype": "int4"}],
+     "analyses": ["bit_widths"]})
 
 CALIBRATE_BODY = multipart_body(
     {"file": {**_FILE, "description": "activation samples: tensor name → [N, ...]"},

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from pydantic import Field, TypeAdapter
 
 from quantd_client import AnalyzeResponse, CalibrateResponse, ObserverSpec, QuantConfig, Scheme
+from quantd_client._schemas import AnalysisName
 
 from ..deps import AppState, StateDep, TenantDep
 from ..files import file_response
@@ -34,6 +35,7 @@ MAX_ANALYZE_CONFIGS = 16
 _CONFIG = TypeAdapter(QuantConfig)
 _SCHEMES: TypeAdapter[list[Scheme]] = TypeAdapter(Annotated[list[Scheme], Field(min_length=1, max_length=MAX_ANALYZE_CONFIGS)])
 _OBSERVER = TypeAdapter(ObserverSpec)
+_ANALYSES: TypeAdapter[list[AnalysisName]] = TypeAdapter(Annotated[list[AnalysisName], Field(max_length=3)])
 _SYNC_HINT = "; this is the synchronous limit (QUANTD_MAX_SYNC_BYTES): submit larger inputs to POST /v1/jobs"
 
 
@@ -42,10 +44,10 @@ def compact_json(obj: object) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
 
 
-async def _receive(request: Request, state: AppState, text_field: str) -> MultipartForm:
+async def _receive(request: Request, state: AppState, text_field: str, *optional: str) -> MultipartForm:
     form = await receive_multipart(
         request, tmp_dir=state.settings.tmp_dir, max_file_bytes=state.settings.max_sync_bytes,
-        file_fields={"file"}, text_fields={text_field}, required={"file", text_field}, hint=_SYNC_HINT)
+        file_fields={"file"}, text_fields={text_field, *optional}, required={"file", text_field}, hint=_SYNC_HINT)
     state.metrics.inc("quantd_uploads_total", endpoint=request.url.path)
     return form
 
@@ -55,13 +57,14 @@ async def _receive(request: Request, state: AppState, text_field: str) -> Multip
 async def analyze(request: Request, state: StateDep, _tenant: TenantDep) -> AnalyzeResponse:
     from quantd import io
 
-    form = await _receive(request, state, "configs")
+    form = await _receive(request, state, "configs", "analyses")
     try:
         schemes = parse_json_field(form, "configs", _SCHEMES)
+        analyses = parse_json_field(form, "analyses", _ANALYSES) if "analyses" in form.fields else []
         up = form.files["file"]
         await run_engine(state, io.detect_format, up.path)
         return await run_engine(state, io.analyze_file, up.path, schemes, device=state.sync_device,
-                                filename=up.filename)
+                                filename=up.filename, analyses=analyses)
     finally:
         form.cleanup()
 
