@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -376,6 +377,9 @@ def test_junk_truncated_and_nan_are_4xx(server: Server) -> None:
     assert_problem(quantize(server, b"this is not a model at all" * 10, "m.safetensors"), 415)
     good = small_model()
     assert_problem(quantize(server, good[: len(good) // 2], "m.safetensors"), (400, 413, 415, 422))
+    lying = json.dumps({"w": {"dtype": "F32", "shape": [4096, 4096], "data_offsets": [0, 64]}}).encode()
+    r = quantize(server, struct.pack("<Q", len(lying)) + lying + bytes(64), "m.safetensors")
+    assert "w" in assert_problem(r, (400, 415, 422))["detail"]
     bad = np.ones((8, 32), np.float32)
     bad[3, 5] = np.nan
     body = assert_problem(quantize(server, st_encode({"w": ("F32", bad)}), "m.safetensors"), (400, 422))
