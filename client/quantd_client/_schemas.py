@@ -123,12 +123,38 @@ class Rule(_Strict):
     skip: bool = False
 
 
+class ObserverSpec(_Strict):
+    """The ``observer`` form field of /v1/calibrate: how activation ranges are observed."""
+
+    dtype: DType = "int8"
+    symmetric: bool = False
+    observer: ObserverName = "minmax"
+    observer_args: dict[str, float] = Field(default_factory=dict)
+    granularity: Literal["tensor", "channel"] = "tensor"
+    axis: int = Field(-1, description="channel: the feature axis of the [N, ...] samples (default: the last)")
+
+    @model_validator(mode="after")
+    def _check(self) -> ObserverSpec:
+        self.as_scheme()  # the same dtype/symmetric/observer_args rules as a weight scheme
+        return self
+
+    def as_scheme(self) -> Scheme:
+        data = self.model_dump(exclude_unset=True)
+        data.setdefault("granularity", "tensor")
+        data.setdefault("axis", self.axis)
+        return Scheme.model_validate(data)
+
+
 class QuantConfig(_Strict):
     scheme: Scheme = Field(default_factory=lambda: Scheme())
     rules: list[Rule] = Field(default_factory=list)
     skip_1d: bool = True
     min_numel: int = Field(0, ge=0)
     output: Literal["safetensors"] = "safetensors"
+    activations: ObserverSpec | None = Field(
+        None, description="how activation ranges are observed when a job comes with a calibration file "
+                          "(default: int8 affine min-max per tensor); the ranges land in the report and "
+                          "the artifact's metadata for static activation quantization")
 
     model_config = ConfigDict(
         extra="forbid",
@@ -226,6 +252,7 @@ class Report(BaseModel):
     config: QuantConfig
     summary: Summary
     tensors: list[TensorReport]
+    activations: list[LayerCalibration] | None = None  # when a calibration file came with the job
 
 
 class InputInfo(BaseModel):
@@ -347,28 +374,6 @@ class AnalyzeResponse(BaseModel):
     tensors: list[AnalyzeTensor]
 
 
-class ObserverSpec(_Strict):
-    """The ``observer`` form field of /v1/calibrate: how activation ranges are observed."""
-
-    dtype: DType = "int8"
-    symmetric: bool = False
-    observer: ObserverName = "minmax"
-    observer_args: dict[str, float] = Field(default_factory=dict)
-    granularity: Literal["tensor", "channel"] = "tensor"
-    axis: int = Field(-1, description="channel: the feature axis of the [N, ...] samples (default: the last)")
-
-    @model_validator(mode="after")
-    def _check(self) -> ObserverSpec:
-        self.as_scheme()  # the same dtype/symmetric/observer_args rules as a weight scheme
-        return self
-
-    def as_scheme(self) -> Scheme:
-        data = self.model_dump(exclude_unset=True)
-        data.setdefault("granularity", "tensor")
-        data.setdefault("axis", self.axis)
-        return Scheme.model_validate(data)
-
-
 class LayerCalibration(BaseModel):
     name: str
     min: float | list[float]
@@ -407,3 +412,6 @@ class Info(BaseModel):
     output_formats: list[str]
     limits: Limits
     auth: bool = False
+
+
+Report.model_rebuild()

@@ -280,3 +280,21 @@ def test_calibrate_file(tmp_path: Path) -> None:
     save_file({"a": torch.tensor([[1.0, float("nan")]])}, str(nan))
     with pytest.raises(NonFiniteError, match="'a'"):
         calibrate_file(nan, ObserverSpec(), device="cpu")
+
+
+def test_calibration_samples_are_observed_first(tmp_path: Path, model_file: Path) -> None:
+    from quantd_client import ObserverSpec
+
+    calib = tmp_path / "acts.safetensors"
+    save_file({"fc.in": torch.tensor([[-2.0, 0.5], [1.0, 6.0]])}, str(calib))
+    config = QuantConfig(scheme=Scheme(dtype="int8", granularity="channel"),
+                         activations=ObserverSpec(dtype="int8", symmetric=True))
+    report = quantize_file(model_file, tmp_path / "out.safetensors", config, device="cpu", calibration=calib)
+    (layer,) = report.activations or []
+    assert (layer.min, layer.max, layer.num_samples) == (-2.0, 6.0, 2)
+    assert read_artifact(tmp_path / "out.safetensors").metadata["activations"][0]["name"] == "fc.in"
+    # a broken calibration file fails before any weight is touched: no artifact is left behind
+    save_file({"fc.in": torch.tensor([[float("nan"), 1.0]])}, str(calib))
+    with pytest.raises(NonFiniteError, match=r"fc\.in"):
+        quantize_file(model_file, tmp_path / "bad.safetensors", config, device="cpu", calibration=calib)
+    assert not (tmp_path / "bad.safetensors").exists() and not (tmp_path / "bad.safetensors.tmp").exists()

@@ -157,6 +157,25 @@ async def test_calibration_file_is_accepted_with_the_job(make_server):
         assert len(list((h.settings.data_dir / "uploads").iterdir())) == 2
 
 
+async def test_calibration_ranges_land_in_the_report_and_artifact(server):
+    import torch
+
+    acts = torch.linspace(-1.0, 3.0, 8 * 16).reshape(8, 16)
+    files = {"file": ("m.safetensors", st_bytes(), "application/octet-stream"),
+             "calibration": ("acts.safetensors", st_bytes({"layer.input": acts}), "application/octet-stream")}
+    config = {**CONFIG, "activations": {"dtype": "uint8", "observer": "minmax"}}
+    r = await server.client.post("/v1/jobs", files=files, data={"config": json.dumps(config)})
+    assert r.status_code == 202, r.text
+    job = await server.wait_job(r.json()["id"])
+    assert job["status"] == "succeeded", job
+    rep = (await server.client.get(f"/v1/jobs/{job['id']}/report")).json()
+    (layer,) = rep["activations"]
+    assert layer["name"] == "layer.input" and layer["min"] == -1.0 and layer["max"] == 3.0
+    assert layer["num_samples"] == 8 and abs(layer["scale"] - 4.0 / 255) <= 2**-15
+    art = read_artifact((await server.client.get(f"/v1/jobs/{job['id']}/artifact")).content)
+    assert art.metadata["activations"] == rep["activations"]
+
+
 @pytest.mark.cuda
 async def test_job_and_sync_quantize_run_on_cuda(make_server):
     async with make_server(device="cuda") as h:

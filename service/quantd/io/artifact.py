@@ -128,7 +128,8 @@ class ArtifactWriter:
     """
 
     def __init__(self, dst: str | os.PathLike[str], layout: list[OutputTensor],
-                 tensors_meta: Mapping[str, Mapping[str, Any]], *, summary_reserve: int | None = None) -> None:
+                 tensors_meta: Mapping[str, Mapping[str, Any]], *, summary_reserve: int | None = None,
+                 extra_meta: Mapping[str, Any] | None = None) -> None:
         self.dst = Path(dst)
         self.tmp = self.dst.with_name(self.dst.name + ".tmp")
         self._layout = {o.name: o for o in layout}
@@ -141,7 +142,8 @@ class ArtifactWriter:
             pos += o.nbytes
         self.data_bytes = pos
         self._meta: dict[str, Any] = {"format_version": FORMAT_VERSION, "producer": "quantd",
-                                      "tensors": {k: dict(v) for k, v in tensors_meta.items()}, "summary": None}
+                                      "tensors": {k: dict(v) for k, v in tensors_meta.items()}, "summary": None,
+                                      **(extra_meta or {})}
         longest = max((len(n) for n in self._layout), default=0)
         # Room for the summary and for each quantized tensor's ErrorStats, filled in by finish().
         reserve = (summary_reserve if summary_reserve is not None else 4096 + 16 * longest) \

@@ -151,14 +151,21 @@ def summarize(plans: list[TensorPlan], reports: list[TensorReport], input_bytes:
 def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], config: QuantConfig, *,
                   device: str | torch.device, filename: str | None = None, job_id: str | None = None,
                   on_progress: ProgressCallback | None = None,
-                  should_cancel: Callable[[], bool] | None = None) -> Report:
+                  should_cancel: Callable[[], bool] | None = None,
+                  calibration: str | os.PathLike[str] | None = None) -> Report:
     """Quantize the model file ``src`` into the artifact ``dst`` (CONTRACT §5) and return the Report.
 
     ``on_progress`` is called once before the first tensor and after every tensor;
     ``should_cancel`` is polled between tensors (JobCancelled; no artifact is left behind).
+    ``calibration``: activation samples (name → ``[N, ...]``) observed with ``config.activations``;
+    the ranges go into the report and the artifact's metadata (``"activations"``).
     """
     t0 = time.perf_counter()
     dev = torch.device(device)
+    activations = None
+    if calibration is not None:  # first: a bad calibration file fails before any weight work
+        spec = config.activations or ObserverSpec()
+        activations = calibrate_file(calibration, spec, device=dev).layers
     with open_model(src, filename) as reader:
         plans = plan(reader.tensors, config)
         meta = {p.info.name: quantized_meta(p.info.shape, torch_dtype(p.info.dtype), p.scheme)
@@ -167,7 +174,8 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
         if on_progress is not None:
             on_progress(progress)
         reports: list[TensorReport] = []
-        with ArtifactWriter(dst, [o for p in plans for o in p.outputs], meta) as writer:
+        extra = None if activations is None else {"activations": [a.model_dump(mode="json") for a in activations]}
+        with ArtifactWriter(dst, [o for p in plans for o in p.outputs], meta, extra_meta=extra) as writer:
             for p in plans:
                 if should_cancel is not None and should_cancel():
                     raise JobCancelled(f"cancelled after {len(reports)} of {len(plans)} tensors")
@@ -183,7 +191,7 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
                                 time.perf_counter() - t0, dev)
             writer.finish(summary.model_dump(mode="json"),
                           {r.name: r.stats.model_dump(mode="json") for r in reports if r.stats is not None})
-    return Report(job_id=job_id, config=config, summary=summary, tensors=reports)
+    return Report(job_id=job_id, config=config, summary=summary, tensors=reports, activations=activations)
 
 
 def run_analyses(x: torch.Tensor, scheme: Scheme, names: Sequence[str], tensor: str) -> TensorAnalyses:

@@ -221,10 +221,13 @@ class Worker:
         src = self.storage.upload_path(job.id, "input")
         if not src.is_file():
             return _error("urn:quantd:storage-error", "Storage error", f"the upload of job {job.id} is gone")
+        extra: dict[str, Any] = {}
+        if job.calibration is not None:
+            extra["calibration"] = self.storage.upload_path(job.id, "calibration")
         try:
             return self.quantize_fn(src, tmp, QuantConfig.model_validate(job.config), device=self.device,
                                     filename=job.input.get("filename"), job_id=job.id,
-                                    on_progress=lease.on_progress, should_cancel=lease.should_cancel)
+                                    on_progress=lease.on_progress, should_cancel=lease.should_cancel, **extra)
         except JobCancelled:
             return None
         except torch.cuda.OutOfMemoryError as e:
