@@ -274,53 +274,76 @@ def kl_divergences(hist: torch.Tensor, start: torch.Tensor, width: torch.Tensor,
     Q = the window (without that mass) merged into ``levels`` runs of ``width // levels`` bins (the rest
     to the last), each run's mass spread evenly over its bins that are non-empty in P; both smoothed
     (ONNX ``smooth_distribution``); KL of the normalised distributions; ``inf`` when Q is empty.
-    ``start[B, C]``, ``width[C]`` (≥ ``levels``). Computed in window coordinates ``j = 0 … n−1`` with
-    run sums from prefix sums, so only gathers (no scatters) touch the ``[B, C, n]`` temporaries.
+    ``start[B, C]``, ``width[C]`` or ``[B, C]`` (≥ ``levels``). Computed in window coordinates
+    ``j = 0 … max(width)−1`` with run sums from prefix sums, so only gathers (no scatters) touch the
+    ``[B, C, n]`` temporaries.
     """
     rows, n = hist.shape
     dev = hist.device
+    w = width if width.dim() == 2 else width.unsqueeze(0)  # [B | 1, C]
+    cands = w.shape[1]
     h = hist.float()
     zero = torch.zeros(rows, 1, device=dev)
     prefix = torch.cat([zero, h.cumsum(1)], 1)  # [B, n + 1]
     nz_prefix = torch.cat([zero, (h > 0).float().cumsum(1)], 1)
-    j = torch.arange(n, device=dev)
-    inwin = (j.unsqueeze(0) < width.unsqueeze(1)).unsqueeze(0)  # [1, C, n]
-    merged = torch.div(width, levels, rounding_mode="floor")  # [C]
-    run = torch.minimum(torch.div(j.unsqueeze(0), merged.unsqueeze(1), rounding_mode="floor"),
-                        torch.tensor(levels - 1, device=dev))  # [C, n]
+    # Window coordinates up to the widest candidate only: the bins beyond are masked out anyway.
+    j = torch.arange(min(n, int(w.max())), device=dev)
+    inwin = j < w.unsqueeze(-1)  # [B | 1, C, n']
+    merged = torch.div(w, levels, rounding_mode="floor").unsqueeze(-1)  # [B | 1, C, 1]
+    run = torch.minimum(torch.div(j, merged, rounding_mode="floor"), torch.tensor(levels - 1, device=dev))
     l_idx = torch.arange(levels, device=dev)
-    r_lo = l_idx.unsqueeze(0) * merged.unsqueeze(1)  # [C, L] run bounds, window coordinates
-    r_hi = torch.where(l_idx.unsqueeze(0) == levels - 1, width.unsqueeze(1), r_lo + merged.unsqueeze(1))
-    end = start + width.unsqueeze(0)  # [B, C]
-    absolute = (start.unsqueeze(-1) + j).clamp_(max=n - 1)  # [B, C, n]
+    r_lo = l_idx * merged  # [B | 1, C, L] run bounds, window coordinates
+    r_hi = torch.where(l_idx == levels - 1, w.unsqueeze(-1), r_lo + merged)
+    end = start + w  # [B, C]
+    absolute = (start.unsqueeze(-1) + j).clamp_(max=n - 1)  # [B, C, n']
     sliced = torch.where(inwin, h.gather(1, absolute.view(rows, -1)).view(absolute.shape), 0.0)
     left = prefix.gather(1, start)
     right = prefix[:, -1:] - prefix.gather(1, end)
+    last = (w - 1).unsqueeze(-1).expand(rows, cands, 1)
     p = sliced.clone()
     p[:, :, 0] += left
-    p.scatter_add_(2, (width - 1).view(1, -1, 1).expand(rows, -1, 1), right.unsqueeze(-1))
+    p.scatter_add_(2, last, right.unsqueeze(-1))
 
     def run_gather(pre: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:  # pre[B, n+1] at start + bounds
-        idx = (start.unsqueeze(-1) + bounds.unsqueeze(0)).view(rows, -1)
-        return pre.gather(1, idx).view(*start.shape, levels)
+        idx = (start.unsqueeze(-1) + bounds).reshape(rows, -1)
+        return pre.gather(1, idx).view(rows, cands, levels)
 
     qsum = run_gather(prefix, r_hi) - run_gather(prefix, r_lo)  # [B, C, L]
     qcnt = run_gather(nz_prefix, r_hi) - run_gather(nz_prefix, r_lo)
     # P's edge bins may be non-empty only thanks to the outside mass: count them as non-empty too.
     qcnt[:, :, 0] += ((left > 0) & (sliced[:, :, 0] == 0)).float()
-    last_bin = sliced.gather(2, (width - 1).view(1, -1, 1).expand(rows, -1, 1)).squeeze(-1)
-    last_run = run.gather(1, (width - 1).unsqueeze(1)).squeeze(1)  # [C]
-    extra = ((right > 0) & (last_bin == 0) & ((width > 1).unsqueeze(0) | (left == 0))).float()
-    qcnt.scatter_add_(2, last_run.view(1, -1, 1).expand(rows, -1, 1), extra.unsqueeze(-1))
+    last_bin = sliced.gather(2, last).squeeze(-1)
+    last_run = run.expand(rows, -1, -1).gather(2, last)  # [B, C, 1]
+    extra = ((right > 0) & (last_bin == 0) & ((w > 1) | (left == 0))).float()
+    qcnt.scatter_add_(2, last_run, extra.unsqueeze(-1))
     avg = qsum / qcnt.clamp(min=1.0)
     nz = (p > 0) & inwin
-    q = torch.where(nz, avg.gather(2, run.unsqueeze(0).expand(rows, -1, -1)), 0.0)
+    q = torch.where(nz, avg.gather(2, run.expand(rows, -1, -1)), 0.0)
     empty_q = q.sum(-1) <= 0
     p, q = _smooth(p, inwin), _smooth(q, inwin)
     p = p / p.sum(-1, keepdim=True)
     q = q / q.sum(-1, keepdim=True)
     terms = torch.where(inwin & (p > 0), p * (p / q.clamp(min=1e-30)).log(), 0.0)
     return torch.where(empty_q, torch.inf, terms.sum(-1))
+
+
+def _entropy_kl(hist: torch.Tensor, zero_pos: torch.Tensor, widths: torch.Tensor, levels: int,
+                nbins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL ``[B, C]`` and window starts ``[B, C]`` of the windows ``widths[B, C]`` placed around each
+    block's zero bin (shrinking both ends in proportion), in chunks of ~``CHUNK_ELEMENTS // 4``
+    ``[rows, candidates, bins]`` elements (about ten such temporaries live at once)."""
+    rows, cands = widths.shape
+    start = (zero_pos * (1.0 - widths.float() / nbins)).round().long()
+    start = torch.minimum(start.clamp(min=0), nbins - widths)
+    kl = torch.empty(rows, cands, dtype=torch.float32, device=hist.device)
+    budget = CHUNK_ELEMENTS // 4
+    cand_c = max(1, min(cands, budget // nbins))
+    rows_c = max(1, budget // (cand_c * nbins))
+    for r in range(0, rows, rows_c):
+        for c in range(0, cands, cand_c):
+            kl[r:r + rows_c, c:c + cand_c] = kl_divergences(hist[r:r + rows_c], start[r:r + rows_c, c:c + cand_c],
+                                                           widths[r:r + rows_c, c:c + cand_c], levels)
+    return kl, start
 
 
 def entropy_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Scheme,
@@ -330,17 +353,19 @@ def entropy_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: S
     Symmetric: histogram of ``|x|`` over ``[0, absmax]``, windows ``[0, t)``, ``quant_bins`` defaults to
     half the levels (128 for int8, as TensorRT). Affine: histogram of ``x`` over ``[min(lo,0), max(hi,0)]``,
     windows shrinking both ends towards 0 in proportion (the affine clip ``(r·lo, r·hi)``), ``quant_bins``
-    defaults to all the levels. The histogram has ``min(bins, max(2·quant_bins, K // 4))`` bins (about
-    4 values a bin at least: a small block cannot fill 2048 bins), and at most ``ENTROPY_MAX_CANDIDATES``
-    window widths (evenly spaced) are tried per block. Cost ∝ B · candidates · bins: cheap per tensor,
-    seconds for per-group/per-channel weights of millions of elements on a CPU.
+    defaults to all the levels. The histogram has ``min(bins, max(2·quant_bins, min(K // 4, max(4·quant_bins, K // 8))))``
+    bins (4 values a bin at least, 8 beyond 4·quant_bins bins: a block cannot fill 2048 bins, and the
+    cost grows with the bins), and at most ``ENTROPY_MAX_CANDIDATES``
+    window widths (evenly spaced) are searched per block coarse to fine as in ``mse``
+    (:func:`mse_search_indices`: ~31 KL evaluations of 128). Cost ∝ B · candidates · bins.
     nf4 and fp8 are treated as 16 / 256 uniform levels: an approximation of their non-uniform grids.
     """
     args = scheme.observer_args
     total_levels = info.levels if info.kind == "int" else 2 ** info.bits
     levels = int(args.get("quant_bins", total_levels // 2 if scheme.symmetric else total_levels))
     levels = max(levels, 1)
-    nbins = max(levels, min(int(args.get("bins", 2048)), max(2 * levels, x.shape[1] // 4)))
+    k = x.shape[1]
+    nbins = max(levels, min(int(args.get("bins", 2048)), max(2 * levels, min(k // 4, max(4 * levels, k // 8)))))
     lo0, hi0 = lo.clamp(max=0.0), hi.clamp(min=0.0)
     if scheme.symmetric:
         v, a, b = x.abs(), torch.zeros_like(lo0), torch.maximum(-lo0, hi0)
@@ -350,29 +375,20 @@ def entropy_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: S
     empty = bin_w <= 0
     bin_w = torch.where(empty, torch.ones_like(bin_w), bin_w)
     hist = batched_histogram(v, a, bin_w, nbins)
+    zero_pos = (-a / bin_w).unsqueeze(1)  # the bin position of 0 (0 for symmetric)
     n_cand = min(nbins - levels + 1, ENTROPY_MAX_CANDIDATES)
     step = (nbins - levels) / max(n_cand - 1, 1)
-    widths = torch.tensor(sorted({round(levels + i * step) for i in range(n_cand)}), device=x.device)
-    zero_pos = (-a / bin_w).unsqueeze(1)  # the bin position of 0 (0 for symmetric)
-    rows = x.shape[0]
-    best = torch.empty(rows, dtype=torch.long, device=x.device)
-    best_start = torch.empty(rows, dtype=torch.long, device=x.device)
-    budget = CHUNK_ELEMENTS // 4  # ~10 temporaries of [rows, candidates, nbins]
-    cand_c = max(1, min(widths.numel(), budget // nbins))
-    rows_c = max(1, budget // (cand_c * nbins))
-    for r in range(0, rows, rows_c):
-        hr = hist[r:r + rows_c]
-        kl_parts, start_parts = [], []
-        for c in range(0, widths.numel(), cand_c):
-            wc = widths[c:c + cand_c]
-            start = (zero_pos[r:r + rows_c] * (1.0 - wc.float() / nbins)).round().long()
-            start = torch.minimum(start.clamp(min=0), nbins - wc)
-            kl_parts.append(kl_divergences(hr, start, wc, levels))
-            start_parts.append(start)
-        kl = torch.cat(kl_parts, 1)
-        idx = kl.argmin(1)
-        best[r:r + rows_c] = widths[idx]
-        best_start[r:r + rows_c] = torch.cat(start_parts, 1).gather(1, idx.unsqueeze(1)).squeeze(1)
+    grid = torch.tensor(sorted({round(levels + i * step) for i in range(n_cand)}), device=x.device)
+    coarse, radius = mse_search_indices(grid.numel())
+    idx = torch.tensor(coarse, device=x.device).expand(x.shape[0], -1)
+    kl, start = _entropy_kl(hist, zero_pos, grid[idx], levels, nbins)
+    b = idx.gather(1, kl.argmin(1, keepdim=True))
+    if radius:  # the widths around each block's best coarse width
+        idx = (b + torch.arange(-radius, radius + 1, device=x.device)).clamp(0, grid.numel() - 1)
+        kl, start = _entropy_kl(hist, zero_pos, grid[idx], levels, nbins)
+    pick = kl.argmin(1, keepdim=True)
+    best = grid[idx.gather(1, pick).squeeze(1)]
+    best_start = start.gather(1, pick).squeeze(1)
     t_lo = a + best_start * bin_w
     t_hi = a + (best_start + best) * bin_w
     if scheme.symmetric:
