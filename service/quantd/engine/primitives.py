@@ -128,10 +128,14 @@ def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str) -> tuple
     rows, cols = enc.blocks.shape
     dev = enc.blocks.device
     scale = torch.empty(rows, dtype=scale_torch_dtype(scheme.scale_dtype), device=dev)
+    lo_all = torch.empty(rows, dtype=torch.float32, device=dev)
+    hi_all = torch.empty(rows, dtype=torch.float32, device=dev)
     zp: torch.Tensor | None = None
     for rs, cs in _chunks(rows, cols):
         src = enc.load(rs, cs)
-        lo, hi = observe(src, scheme, name=name)
+        # The minmax observer inlined (amin/amax of the chunk's rows); its NaN/Inf check is done once
+        # for all rows after the loop, not per chunk: no host sync inside the loop.
+        lo, hi = torch.amin(src, dim=1, out=lo_all[rs]), torch.amax(src, dim=1, out=hi_all[rs])
         s, z = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
                               scale_dtype=scheme.scale_dtype)
         scale[rs] = s
@@ -140,6 +144,8 @@ def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str) -> tuple
                 zp = torch.empty(rows, dtype=z.dtype, device=dev)
             zp[rs] = z
         enc.encode(src, rs, cs, s.float().unsqueeze(1), None if z is None else z.float().unsqueeze(1))
+    if not bool(torch.isfinite(lo_all).all() & torch.isfinite(hi_all).all()):
+        raise NonFiniteError(f"tensor {name!r} has NaN or Inf values; cannot observe a range", tensor=name)
     return scale, zp
 
 
