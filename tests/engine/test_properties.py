@@ -25,6 +25,15 @@ def _mse(x: torch.Tensor, scheme: Scheme) -> float:
     return float(((x.double() - fake_quantize(x, scheme).double()) ** 2).mean())
 
 
+def _mean_row_relative_mse(x: torch.Tensor, scheme: Scheme, row: int | None = None) -> float:
+    """Mean over rows (of ``row`` elements; default: the last dim) of MSE / signal power: every row
+    counts, not only the loudest one."""
+    row = row or x.shape[-1]
+    xd = x.double().reshape(-1, row)
+    err = ((xd - fake_quantize(x, scheme).double().reshape(-1, row)) ** 2).mean(dim=1)
+    return float((err / (xd**2).mean(dim=1)).mean())
+
+
 @FAST
 @given(x=arrays(np.float32, st.tuples(st.integers(1, 6), st.sampled_from([8, 16, 24])), elements=finite),
        dtype=st.sampled_from(["int8", "int4", "int3", "int2"]),
@@ -73,7 +82,12 @@ def test_per_channel_beats_per_tensor_on_rows_of_different_scales(base: np.ndarr
     t = _with_peak(base)[: len(exps)] * torch.tensor([100.0**e for e in exps]).unsqueeze(1)
     # float32 scales: a float16 scale would saturate at 65504 for the 1e6 rows and clip both alike.
     kw = {"dtype": dtype, "scale_dtype": "float32"}
-    assert _mse(t, _scheme(granularity="channel", **kw)) < _mse(t, _scheme(granularity="tensor", **kw))
+    # Not plain MSE: it is dominated by the loudest row, whose grid is nearly the same under both schemes,
+    # so which one wins there is rounding luck (hypothesis found such a case). The quiet rows are what
+    # per-channel scales are for: their relative error drops by orders of magnitude.
+    channel = _mean_row_relative_mse(t, _scheme(granularity="channel", **kw))
+    tensor = _mean_row_relative_mse(t, _scheme(granularity="tensor", **kw))
+    assert channel < tensor
 
 
 @FAST
@@ -84,7 +98,9 @@ def test_per_group_beats_per_channel_on_groups_of_different_scales(base: np.ndar
     groups = _with_peak(base.reshape(4, 4, 8)) * torch.tensor([100.0**e for e in exps]).reshape(1, 4, 1)
     t = groups.reshape(4, 32)
     kw = {"dtype": dtype, "scale_dtype": "float32"}
-    assert _mse(t, _scheme(granularity="group", group_size=8, **kw)) < _mse(t, _scheme(granularity="channel", **kw))
+    group = _mean_row_relative_mse(t, _scheme(granularity="group", group_size=8, **kw), row=8)
+    channel = _mean_row_relative_mse(t, _scheme(granularity="channel", **kw), row=8)
+    assert group < channel  # per group of 8: the quiet groups are what group scales are for
 
 
 @FAST
