@@ -268,3 +268,19 @@ def test_codes_of_non_contiguous_input_follow_logical_layout() -> None:
     x = torch.randn(16, 8).t()  # [8, 16], non-contiguous
     scheme = _scheme("int4", "group", 0, 8)
     assert torch.equal(quantize(x, scheme).codes, quantize(x.contiguous(), scheme).codes)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_half_step_ties_at_the_range_ends_are_clamped_not_wrapped(dtype: str) -> None:
+    # amax / scale == qmax + ½ exactly (scale 1.0 is exact): round-half-even gives qmax + 1, which the
+    # fused integer store must clamp (not wrap around to qmin); the low end −qmax − ½ → qmin − 0 stays.
+    info = DTYPES[dtype]
+    half = (info.qmax - info.qmin) / 2
+    row = torch.tensor([[half, -half, 0.5, 1.5, -2.5, 2.5]])
+    x = torch.cat([row, row * 2.0], dim=0)
+    scheme = Scheme(dtype=dtype, symmetric=True, granularity="channel", scale_dtype="float32")
+    qt = quantize(x, scheme)
+    assert qt.scale is not None and qt.scale.tolist() == [1.0, 2.0]
+    expected = torch.round(x / qt.scale.unsqueeze(1)).clamp(info.qmin, info.qmax)
+    assert torch.equal(qt.codes.to(torch.int32), expected.to(torch.int32))
+    assert qt.codes[0, 0] == info.qmax and qt.codes[0, 2] == 0 and qt.codes[0, 4] == -2

@@ -5,10 +5,16 @@ Integer dtypes: ``code = clamp(round(x / scale) + zero_point, qmin, qmax)``, ``x
 fp8: ``code = fp8(clamp(x / scale, ±max_finite))``, ``x̂ = code · scale``. float16/bfloat16: a saturating
 cast (values beyond the largest finite value become ±max, never inf). Inputs are taken as float32.
 
-Speed: the blocks are processed in chunks of rows small enough to stay in cache across the passes
-(observe, divide, round, clamp, store), with in-place ops into one preallocated buffer. For the
-minmax observer the range of each chunk is observed right before it is encoded, so the input is read
-from memory once. The chunked path computes exactly what the plain formulas above compute.
+Speed: the blocks are processed in chunks of rows small enough to stay in cache across the passes,
+with in-place ops into one preallocated buffer. For the minmax observer the range of each chunk is
+observed right before it is encoded, so the input is read from memory once. Integer codes take two
+passes after observing plus one store: ``y = x / scale + (zero_point + M)`` with ``M = 1.5·2²³`` rounds ``x / scale``
+half to even in the float adder itself (every float32 in ``[2²³, 2²⁴)`` is an
+integer), so ``y``'s bit pattern is ``0x4B400000 + code`` and its low byte IS the int8/uint8 code: one
+integer copy stores it. The clamp to ``[qmin, qmax]`` is skipped when the chunk cannot need it:
+``x ↦ fl(fl(x / s) + b)`` is monotone, so each row's extremes decide (checked on ``[rows]`` values;
+on CUDA the clamp always runs, to avoid a host sync per chunk). The chunked path computes exactly
+what the plain formulas above compute (tests compare them bit for bit).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ from quantd_client._dtypes import NF4_CODEBOOK, DTypeInfo, dtype_info
 # 4 MiB of float32 per chunk: split over two cores it stays in their L2 (2 MiB each), on one core in
 # L3, across all its passes; larger chunks fall out of cache, smaller ones pay more per-chunk overhead.
 CHUNK_ELEMENTS = 1 << 20
+
+# float32 x + 1.5·2²³ rounds x (|x| < 2²²) to an integer, half to even, leaving it in the low mantissa bits.
+_ROUND_MAGIC = 12582912.0
 
 FP8_TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
@@ -77,6 +86,8 @@ class _Encoder:
         cb = torch.tensor(NF4_CODEBOOK, dtype=torch.float32)
         self.mids: list[float] = ((cb[1:] + cb[:-1]) / 2).tolist()  # float32 midpoints, host constants
         self.bbuf = torch.empty(n if info.kind == "nf4" else 0, dtype=torch.bool, device=blocks.device)
+        self.magic = torch.full((1, 1), _ROUND_MAGIC, dtype=torch.float32, device=blocks.device)
+        self.always_clamp = blocks.device.type != "cpu"  # a host sync per chunk costs more there
 
     def load(self, rs: slice, cs: slice) -> torch.Tensor:
         """The chunk as float32: a view of the input, or converted into the buffer."""
@@ -88,18 +99,23 @@ class _Encoder:
         return buf
 
     def encode(self, src: torch.Tensor, rs: slice, cs: slice, scale: torch.Tensor,
-               zero_point: torch.Tensor | None) -> None:
-        """codes[rs, cs] from float32 ``src`` and per-row float32 ``scale``/``zero_point`` columns."""
+               zero_point: torch.Tensor | None, extremes: Range | None = None) -> None:
+        """codes[rs, cs] from float32 ``src`` and per-row float32 ``scale``/``zero_point`` columns.
+
+        ``extremes``: the rows' exact min/max of ``src`` when known; then the integer clamp runs only
+        if one of them falls outside ``[qmin, qmax]``."""
         info, out = self.info, self.codes[rs, cs]
         buf = self.buf[: src.numel()].view(src.shape)
-        torch.div(src, scale, out=buf)
         if info.kind == "int":
-            buf.round_()
-            if zero_point is not None:
-                buf.add_(zero_point)
-            buf.clamp_(info.qmin, info.qmax)
-            out.copy_(buf)
-        elif info.kind == "nf4":
+            bias = self.magic if zero_point is None else zero_point + _ROUND_MAGIC  # exact: small integers
+            torch.div(src, scale, out=buf)
+            buf.add_(bias)  # rounds half to even (see the module docstring)
+            if self._needs_clamp(bias, scale, extremes):
+                buf.clamp_(_ROUND_MAGIC + info.qmin, _ROUND_MAGIC + info.qmax)
+            out.copy_(buf.view(torch.int32))  # the low byte of the bit pattern is the code
+            return
+        torch.div(src, scale, out=buf)
+        if info.kind == "nf4":
             # index = #{midpoints < v}: a value exactly between two levels goes to the lower one.
             # 15 compare-and-add passes in cache beat torch.bucketize's per-element search on CPU.
             above = self.bbuf[: src.numel()].view(src.shape)
@@ -110,6 +126,15 @@ class _Encoder:
         else:
             buf.clamp_(-info.max_finite, info.max_finite)
             out.copy_(buf)
+
+
+    def _needs_clamp(self, bias: torch.Tensor, scale: torch.Tensor, extremes: Range | None) -> bool:
+        if extremes is None or self.always_clamp:
+            return True
+        lo, hi = extremes
+        y_lo = lo.unsqueeze(1) / scale + bias  # the same float ops as on every element
+        y_hi = hi.unsqueeze(1) / scale + bias
+        return bool((y_lo < _ROUND_MAGIC + self.info.qmin).any() | (y_hi > _ROUND_MAGIC + self.info.qmax).any())
 
 
 def _check_range(rng: Range, nblocks: int, *, name: str) -> Range:
@@ -143,7 +168,8 @@ def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str) -> tuple
             if zp is None:
                 zp = torch.empty(rows, dtype=z.dtype, device=dev)
             zp[rs] = z
-        enc.encode(src, rs, cs, s.float().unsqueeze(1), None if z is None else z.float().unsqueeze(1))
+        enc.encode(src, rs, cs, s.float().unsqueeze(1), None if z is None else z.float().unsqueeze(1),
+                   extremes=(lo, hi))
     if not bool(torch.isfinite(lo_all).all() & torch.isfinite(hi_all).all()):
         raise NonFiniteError(f"tensor {name!r} has NaN or Inf values; cannot observe a range", tensor=name)
     return scale, zp
