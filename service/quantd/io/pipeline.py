@@ -117,8 +117,11 @@ def _process(reader: ModelReader, writer: ArtifactWriter, p: TensorPlan, device:
         return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=None, stats=None, skipped=True,
                             reason=p.reason)
     x = reader.load(name, device)
-    check_finite(x, name)
-    stats, qt = _measure(x, p.scheme, name)
+    try:  # the engine refuses NaN/Inf on its own (observing the range), without an extra pass here
+        stats, qt = _measure(x, p.scheme, name)
+    except NonFiniteError:
+        check_finite(x, name)  # the error with a count of the bad values
+        raise
     for out_name, t in encode_quantized(qt, name).items():
         writer.write(out_name, t)
     return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=p.scheme, stats=stats, skipped=False)
