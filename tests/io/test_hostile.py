@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import struct
 import time
@@ -226,10 +227,27 @@ def test_truncated_pytorch_zip(tmp_path: Path) -> None:
 
 
 def test_corrupt_legacy_pickle(tmp_path: Path) -> None:
+    # An opcode the weights-only unpickler does not take: corrupt or not, it is refused unread.
     p = tmp_path / "m.pt"
     p.write_bytes(b"\x80\x02" + b"\x00" * 30)
-    with fast_error(MalformedInputError):
+    with fast_error(UnsafeInputError, "weights-only"):
         open_model(p)
+
+
+def test_protocol_4_code_pickle_is_refused_as_unsafe(tmp_path: Path) -> None:
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, (f"touch {marker}",))
+
+    p = tmp_path / "m.pt"
+    p.write_bytes(pickle.dumps({"w": Evil()}, protocol=4))
+    with fast_error(UnsafeInputError, "nothing was executed"):
+        open_model(p)
+    assert not marker.exists()
 
 
 def test_unsupported_npy_dtype(tmp_path: Path) -> None:

@@ -56,12 +56,6 @@ FLOAT_TORCH_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat1
 Range = tuple[torch.Tensor, torch.Tensor]
 
 
-def observe(blocks: torch.Tensor, scheme: Scheme, *, name: str) -> Range:
-    """Per-block-row range ``lo[B], hi[B]`` of float32 ``blocks`` by the scheme's observer
-    (raises NonFiniteError for NaN/Inf)."""
-    return observe_range(blocks, scheme, name=name)
-
-
 def _chunks(rows: int, cols: int) -> Iterator[tuple[slice, slice]]:
     """Row chunks of about CHUNK_ELEMENTS; a row longer than that is cut into column chunks."""
     if cols <= CHUNK_ELEMENTS:
@@ -180,7 +174,7 @@ def _quantize_two_pass(enc: _Encoder, scheme: Scheme, rng: Range | None, *, name
     """Observe all blocks (or take the given range), then encode chunk by chunk."""
     rows, cols = enc.blocks.shape
     if rng is None:
-        rng = observe(enc.blocks.float(), scheme, name=name)
+        rng = observe_range(enc.blocks.float(), scheme, name=name)
     elif not bool(torch.isfinite(enc.blocks).all()):
         raise NonFiniteError("NaN or Inf in the weights", tensor=name)
     lo, hi = _check_range(rng, rows, name=name)

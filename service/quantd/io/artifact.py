@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from quantd.engine.granularity import check_applicable, granularity_of, scale_shape
+from quantd.engine.packing import packed_nbytes
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import MalformedInputError
 from quantd_client import Scheme
@@ -44,10 +45,6 @@ class OutputTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * ST_ITEMSIZE[self.dtype]
-
-
-def packed_nbytes(numel: int, bits: int) -> int:
-    return (numel * bits + 7) // 8
 
 
 def quantized_layout(name: str, shape: tuple[int, ...], scheme: Scheme) -> list[OutputTensor]:

@@ -230,8 +230,11 @@ def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: 
                 quantized_layout(t.name, t.shape, s)
         for t in targets:
             x = reader.load(t.name, dev)
-            check_finite(x, t.name)
-            results = [AnalyzeResult(scheme=s, stats=_measure(x, s, t.name)[0]) for s in schemes]
+            try:
+                results = [AnalyzeResult(scheme=s, stats=_measure(x, s, t.name)[0]) for s in schemes]
+            except NonFiniteError:
+                check_finite(x, t.name)
+                raise
             extra = run_analyses(x, schemes[0], analyses, t.name) if analyses else None
             out.append(AnalyzeTensor(name=t.name, shape=list(t.shape), results=results, analyses=extra))
             del x

@@ -16,6 +16,7 @@ import math
 import os
 import pickle
 import re
+import warnings
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -151,14 +152,18 @@ class PyTorchReader(ModelReader):
         with path.open("rb") as f:
             is_zip = f.read(4) == b"PK\x03\x04"
         try:
-            obj = torch.load(path, weights_only=True, mmap=is_zip, map_location="cpu")
+            with warnings.catch_warnings():  # the weights-only unpickler decides; its hint is noise
+                warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+                obj = torch.load(path, weights_only=True, mmap=is_zip, map_location="cpu")
         except pickle.UnpicklingError as e:
             msg = str(e)
             why = msg.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0][:300] if msg else ""
-            if "Weights only load failed" in msg and "Unsupported operand" not in why:
+            if "Weights only load failed" in msg:
+                # Either it needs code beyond plain tensors or it uses an opcode the weights-only
+                # unpickler does not take (e.g. protocol 4 framing): refused either way, never run.
                 raise UnsafeInputError(
-                    f"PyTorch checkpoint refused: loading it needs code beyond plain tensors (weights-only "
-                    f"mode; nothing was executed): {why}") from None
+                    f"PyTorch checkpoint refused: it cannot be loaded in weights-only mode (plain tensors "
+                    f"and containers only; nothing was executed): {why}") from None
             raise MalformedInputError(f"corrupt PyTorch pickle: {why or msg[:300]}") from None
         except Exception as e:  # torch raises RuntimeError/EOFError/KeyError/... on corrupt archives
             raise MalformedInputError(f"corrupt PyTorch checkpoint ({type(e).__name__}): {str(e)[:300]}") from None

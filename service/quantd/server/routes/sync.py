@@ -62,7 +62,6 @@ async def analyze(request: Request, state: StateDep, _tenant: TenantDep) -> Anal
         schemes = parse_json_field(form, "configs", _SCHEMES)
         analyses = parse_json_field(form, "analyses", _ANALYSES) if "analyses" in form.fields else []
         up = form.files["file"]
-        await run_engine(state, io.detect_format, up.path)
         return await run_engine(state, io.analyze_file, up.path, schemes, device=state.sync_device,
                                 filename=up.filename, analyses=analyses)
     finally:
@@ -81,7 +80,6 @@ async def quantize(request: Request, state: StateDep, _tenant: TenantDep) -> Res
     try:
         config = parse_json_field(form, "config", _CONFIG)
         up = form.files["file"]
-        await run_engine(state, io.detect_format, up.path)
         report = await run_engine(state, io.quantize_file, up.path, dst, config, device=state.sync_device,
                                   filename=up.filename)
         state.metrics.inc("quantd_quantized_bytes_total", up.bytes)
@@ -110,7 +108,6 @@ async def calibrate(request: Request, state: StateDep, _tenant: TenantDep) -> Ca
     try:
         spec = parse_json_field(form, "observer", _OBSERVER)
         up = form.files["file"]
-        await run_engine(state, io.detect_format, up.path)
         return await run_engine(state, io.calibrate_file, up.path, spec, device=state.sync_device,
                                 filename=up.filename)
     finally:
