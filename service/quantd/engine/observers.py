@@ -47,8 +47,8 @@ __all__ = [
 
 # Float32 elements per temporary in the chunked searches (16 MB); a few temporaries live at once.
 CHUNK_ELEMENTS = 1 << 22
-# Elements of the [rows, candidates, cols] temporary of one mse chunk (the search's one big buffer).
-MSE_CHUNK_ELEMENTS = 1 << 20
+# Elements of each of the two [rows, candidates, cols] temporaries of one mse chunk (1 MB: they stay in L2).
+MSE_CHUNK_ELEMENTS = 1 << 18
 # Blocks of at least 2·MSE_SAMPLE values are searched first on a strided sample: every
 # min(MSE_SAMPLE_STRIDE, K // MSE_SAMPLE)-th value (≥ MSE_SAMPLE values; sparser samples missed the best clip of heavy tails).
 MSE_SAMPLE = 256
@@ -180,8 +180,10 @@ def _fake_quant_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | N
         q = torch.round(t, out=buf2[:n].view(shape)).clamp_(info.qmin, info.qmax)
         d = t.sub_(q)
         if norm == 2.0:
-            return torch.linalg.vecdot(d, d).mul_(scale.square())
-        return torch.linalg.vector_norm(d, ord=norm, dim=-1).pow_(norm).mul_(scale.pow(norm))
+            e2: torch.Tensor = torch.linalg.vecdot(d, d)
+            return e2.mul_(scale.square())
+        en: torch.Tensor = torch.linalg.vector_norm(d, ord=norm, dim=-1)
+        return en.pow_(norm).mul_(scale.pow(norm))
     torch.div(xe, s, out=t)
     if info.kind == "nf4":
         cb = torch.tensor(NF4_CODEBOOK, dtype=x.dtype, device=x.device)
@@ -239,28 +241,31 @@ def _mse_search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, grid_r: tor
             return _candidate_errors(xs, los, his, grid_r[idx], scheme, info, norm)
 
         idx = coarse_t.expand(xs.shape[0], -1)
-        err = errors(idx)
-        e_best, j = err.min(1)  # min takes the first (smallest r) tie
-        b = idx.gather(1, j.unsqueeze(1)).squeeze(1)
+        seen_i, seen_e = [idx], [errors(idx)]  # every evaluated (index, error); the best wins at the end
         if half:
-            a, c = (b - half).clamp(min=0).double(), (b + half).clamp(max=grid - 1).double()
-            i1, i2 = (c - _INV_PHI * (c - a)).round().long(), (a + _INV_PHI * (c - a)).round().long()
-            e12 = errors(torch.stack([i1, i2], 1))
-            f1, f2 = e12[:, 0], e12[:, 1]
+            b = idx.gather(1, seen_e[0].argmin(1, keepdim=True)).squeeze(1)
+            a, c = (b - half).clamp(min=0).float(), (b + half).clamp(max=grid - 1).float()
+            i1, i2 = (c - _INV_PHI * (c - a)).round(), (a + _INV_PHI * (c - a)).round()
+            e12 = errors(torch.stack([i1, i2], 1).long())
+            seen_i.append(torch.stack([i1, i2], 1).long())
+            seen_e.append(e12)
+            pts, f = torch.stack([a, i1, i2, c], 1), e12  # bracket a ≤ i1 ≤ i2 ≤ c; errors at i1, i2
+            # torch.where is slow on CPU: each step gathers its new state from a 2-way pattern table.
+            keep_pts = torch.tensor([[1, 2, 4, 3], [0, 4, 1, 2]], device=x.device)  # [i1, i2, new, c] / [a, new, i1, i2]
+            keep_f = torch.tensor([[1, 2], [2, 0]], device=x.device)  # [f2, f_new] / [f_new, f1]
             for _ in range(steps):
-                left = f1 < f2  # the minimum lies in [a, i2]: drop (i2, c]
-                c = torch.where(left, i2.double(), c)
-                a = torch.where(left, a, i1.double())
-                new = torch.where(left, (c - _INV_PHI * (c - a)).round(), (a + _INV_PHI * (c - a)).round()).long()
-                f_new = errors(new.unsqueeze(1)).squeeze(1)
-                for i, f in ((i1, f1), (i2, f2)):
-                    better = f < e_best
-                    e_best, b = torch.where(better, f, e_best), torch.where(better, i, b)
-                i1, f1, i2, f2 = (torch.where(left, new, i2), torch.where(left, f_new, f2),
-                                  torch.where(left, i1, new), torch.where(left, f1, f_new))
-            for i, f in ((i1, f1), (i2, f2)):
-                better = f < e_best
-                e_best, b = torch.where(better, f, e_best), torch.where(better, i, b)
+                left = (f[:, 0] < f[:, 1]).long()  # the minimum lies in [a, i2]; else in [i1, c]
+                a, i1, i2, c = pts.unbind(1)
+                cand = torch.stack([i1 + _INV_PHI * (c - i1), i2 - _INV_PHI * (i2 - a)], 1).round_()
+                new = cand.gather(1, left.unsqueeze(1))
+                f_new = errors(new.long())
+                seen_i.append(new.long())
+                seen_e.append(f_new)
+                pts = torch.cat([pts, new], 1).gather(1, keep_pts[left])
+                f = torch.cat([f, f_new], 1).gather(1, keep_f[left])
+        all_i, all_e = torch.cat(seen_i, 1), torch.cat(seen_e, 1)
+        # min over candidates takes the first tie: the coarse grid (ascending r) comes first
+        b = all_i.gather(1, all_e.argmin(1, keepdim=True)).squeeze(1)
         best[r:r + step] = b
     return best
 
