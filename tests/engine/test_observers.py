@@ -289,3 +289,35 @@ def test_mse_sampled_search_on_large_blocks_within_1pct_of_exhaustive(dtype: str
         qt = quantize(x, base, observer_range=(-amax * r, amax * r))
         best = torch.minimum(best, (dequantize(qt) - x).pow(2).sum(1))
     assert err <= float(best.sum()) / x.numel() * 1.01
+
+
+def _student_t(n: int, seed: int, df: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, generator=g, dtype=torch.float64)
+    chi2 = torch.randn(int(df), n, generator=g, dtype=torch.float64).square().sum(0)
+    return (z / (chi2 / df).sqrt()).float().unsqueeze(0)
+
+
+@pytest.mark.parametrize("data", ["laplace", "student_t"])
+def test_mse_int4_g128_heavy_tails_within_1pct_of_exhaustive(data: str) -> None:
+    x = (_laplace(128 * 64, seed=11) if data == "laplace" else _student_t(128 * 64, seed=12)).reshape(64, 128)
+    x[::4, 7] *= 20.0  # an outlier in every 4th group
+    base = Scheme(dtype="int4", symmetric=True, granularity="group", group_size=128)
+    mse_s = base.model_copy(update={"observer": "mse"})
+    err = _mse(x, mse_s, observe_range(x, mse_s))
+    assert err <= _mse(x, base) * (1 + 1e-6)
+    amax = x.abs().amax(1)
+    best = torch.full((64,), float("inf"))
+    for r in torch.linspace(0.2, 1.0, 100):
+        qt = quantize(x, base, observer_range=(-amax * r, amax * r))
+        best = torch.minimum(best, (dequantize(qt) - x).pow(2).sum(1))
+    assert err <= float(best.sum()) / x.numel() * 1.01
+    assert err < 0.97 * _mse(x, base)  # clipping the tails pays on this data
+
+
+def test_mse_search_indices_coarse_grid_and_bracket() -> None:
+    assert obs.mse_search_indices(10) == (list(range(10)), 0)
+    coarse, half = obs.mse_search_indices(100)
+    assert coarse[-1] == 99 and half == 25 and coarse == [24, 49, 74, 99]
+    coarse9, half9 = obs.mse_search_indices(100, 9)
+    assert coarse9[-1] == 99 and half9 == 13 and len(coarse9) == 8
