@@ -102,6 +102,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "platform": platform.platform(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "loadavg_1_5_15min": list(os.getloadavg()),
         "note": SHARED_MACHINE_NOTE,
     }
 

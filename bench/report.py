@@ -205,7 +205,8 @@ def machine_section(m: dict[str, Any]) -> str:
             f"- CPU: {m.get('cpu')}, {m.get('cores')} cores (torch threads: {m.get('torch_threads')}), "
             f"RAM {ram / 2**30:.1f} GiB",
             f"- Python {m.get('python')}, torch {m.get('torch')}, {m.get('platform')}",
-            f"- Date (UTC): {m.get('date')}",
+            f"- Date (UTC): {m.get('date')}; load average (1, 5, 15 min) when the results were written: "
+            f"{m.get('loadavg_1_5_15min', 'not recorded')}",
             f"- {m.get('note') or SHARED_MACHINE_NOTE}",
         ]
     )
