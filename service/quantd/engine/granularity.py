@@ -11,6 +11,7 @@ Every granularity maps a tensor ``x`` to blocks ``[B, K]`` (one scale per block 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -41,8 +42,17 @@ class PerGroup:
 Granularity = PerTensor | PerChannel | PerGroup
 
 
-def granularity_of(scheme: Scheme) -> Granularity:
-    """The granularity object a scheme names."""
+class _NamesGranularity(Protocol):
+    @property
+    def granularity(self) -> str: ...
+    @property
+    def axis(self) -> int: ...
+    @property
+    def group_size(self) -> int: ...
+
+
+def granularity_of(scheme: Scheme | _NamesGranularity) -> Granularity:
+    """The granularity object a scheme (or a QuantizedTensor, which records the same fields) names."""
     if scheme.granularity == "tensor":
         return PerTensor()
     if scheme.granularity == "channel":

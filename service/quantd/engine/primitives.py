@@ -24,10 +24,6 @@ from collections.abc import Iterator
 import torch
 
 from quantd.engine.granularity import (
-    Granularity,
-    PerChannel,
-    PerGroup,
-    PerTensor,
     block_view,
     check_applicable,
     granularity_of,
@@ -235,14 +231,6 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor",
         symmetric=zp is None, method=scheme.method, observer=scheme.observer)
 
 
-def granularity_of_qt(qt: QuantizedTensor) -> Granularity:
-    if qt.granularity == "tensor":
-        return PerTensor()
-    if qt.granularity == "channel":
-        return PerChannel(axis=qt.axis)
-    return PerGroup(group_size=qt.group_size, axis=qt.axis)
-
-
 def dequantize(qt: QuantizedTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x̂`` in ``dtype`` (computed in float32), on the device of ``qt.codes``."""
     info = dtype_info(qt.dtype)
@@ -250,7 +238,7 @@ def dequantize(qt: QuantizedTensor, *, dtype: torch.dtype = torch.float32) -> to
         return qt.codes.to(dtype)
     if qt.scale is None:
         raise ConfigError(f"{qt.dtype} codes need a scale", field="scale")
-    gran = granularity_of_qt(qt)
+    gran = granularity_of(qt)
     blocks, _ = block_view(qt.codes, gran, name="codes")
     scale = qt.scale.reshape(-1, 1).float()
     if info.kind == "nf4":

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quantd.engine.granularity import block_view
-from quantd.engine.primitives import FLOAT_TORCH_DTYPES, granularity_of_qt
+from quantd.engine.granularity import block_view, granularity_of
+from quantd.engine.primitives import FLOAT_TORCH_DTYPES
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError
 from quantd_client import ErrorStats
@@ -111,7 +111,7 @@ def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
     if info.kind == "float":
         limit = torch.finfo(FLOAT_TORCH_DTYPES[qt.dtype]).max
         return int(sum((part.abs() > limit).sum() for part in _flat_chunks(x)))
-    blocks, _ = block_view(x, granularity_of_qt(qt), name="x")
+    blocks, _ = block_view(x, granularity_of(qt), name="x")
     lo_b, hi_b = _block_bounds(qt)
     scale = qt.scale.reshape(-1, 1).float()  # type: ignore[union-attr]  # _block_bounds checked it
     lo_x = blocks.amin(dim=1, keepdim=True).float() / scale
