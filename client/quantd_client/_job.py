@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._base import TERMINAL_STATUSES, event_fraction
+from ._base import TERMINAL_STATUSES, ServerSentEvent, event_fraction
 from ._exceptions import APIConnectionError, APIStatusError, AuthError, JobTimeout
 from ._progress import ProgressArg, Reporter
 from ._schemas import Job, JobError, JobResult, JobStatus, Progress, Report
@@ -53,6 +53,18 @@ class _HandleBase:
     def _expected_sha(self) -> str | None:
         return self.model.result.artifact_sha256 if self.model.result else None
 
+    def _on_event(self, event: ServerSentEvent, reporter: Reporter, deadline: float | None, now: float) -> bool:
+        """One SSE event of /events: progress moves the bar; True on the terminal event."""
+        if event.event == "progress":
+            frac = event_fraction(event.json())
+            if frac is not None:
+                reporter.set(frac)
+        elif event.event in TERMINAL_STATUSES:
+            return True
+        if deadline is not None and now >= deadline:
+            raise JobTimeout(f"job {self.id} still {self.status} after the timeout")
+        return False
+
 
 class JobHandle(_HandleBase):
     """A job on the server, as last seen (``.model``). Methods talk to the server."""
@@ -88,14 +100,8 @@ class JobHandle(_HandleBase):
         remaining = None if deadline is None else max(0.0, deadline - c._clock())
         try:
             for event in c._events(self.id, remaining):
-                if event.event == "progress":
-                    frac = event_fraction(event.json())
-                    if frac is not None:
-                        reporter.set(frac)
-                elif event.event in TERMINAL_STATUSES:
+                if self._on_event(event, reporter, deadline, c._clock()):
                     return True
-                if deadline is not None and c._clock() >= deadline:
-                    raise JobTimeout(f"job {self.id} still {self.status} after the timeout")
         except (APIConnectionError, APIStatusError, ValueError) as e:
             if isinstance(e, AuthError):
                 raise  # polling would fail the same way; anything else falls back to polling
@@ -161,14 +167,8 @@ class AsyncJobHandle(_HandleBase):
         remaining = None if deadline is None else max(0.0, deadline - c._clock())
         try:
             async for event in c._events(self.id, remaining):
-                if event.event == "progress":
-                    frac = event_fraction(event.json())
-                    if frac is not None:
-                        reporter.set(frac)
-                elif event.event in TERMINAL_STATUSES:
+                if self._on_event(event, reporter, deadline, c._clock()):
                     return True
-                if deadline is not None and c._clock() >= deadline:
-                    raise JobTimeout(f"job {self.id} still {self.status} after the timeout")
         except (APIConnectionError, APIStatusError, ValueError) as e:
             if isinstance(e, AuthError):
                 raise  # polling would fail the same way; anything else falls back to polling
