@@ -284,3 +284,108 @@ def test_half_step_ties_at_the_range_ends_are_clamped_not_wrapped(dtype: str) ->
     expected = torch.round(x / qt.scale.unsqueeze(1)).clamp(info.qmin, info.qmax)
     assert torch.equal(qt.codes.to(torch.int32), expected.to(torch.int32))
     assert qt.codes[0, 0] == info.qmax and qt.codes[0, 2] == 0 and qt.codes[0, 4] == -2
+
+
+# ------------------------------------------------------------------ the compiled kernels (quantd.engine.kernels)
+
+@pytest.fixture
+def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor through the fused compiled kernels, whatever its size."""
+    from quantd.engine import kernels
+
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
+    kernels.KERNELS.reset(available=True)
+    yield
+    assert kernels.KERNELS._broken is None, kernels.KERNELS._broken  # compiled, not silently fallen back
+    kernels.KERNELS.reset()
+
+
+@pytest.fixture
+def eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantd.engine import kernels
+
+    kernels.KERNELS.reset(available=False)
+    yield
+    kernels.KERNELS.reset()
+
+
+COMPILED_LAYOUTS = [LAYOUTS[1], LAYOUTS[2], LAYOUTS[7]]  # rows, a strided view, groups on a moved axis
+
+
+@pytest.mark.parametrize("dtype,symmetric", DTYPE_SYMMETRIC)
+@pytest.mark.parametrize("layout", COMPILED_LAYOUTS, ids=lambda t: f"{t[0]}-{t[1]}{t[2]}-g{t[3]}")
+def test_compiled_kernels_match_reference(compiled: None, dtype: str, symmetric: bool, layout: tuple) -> None:
+    shape, gran, axis, gs = layout
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(11)) * 3
+    _check_against_reference(x, _scheme(dtype, gran, axis, gs, symmetric=symmetric))
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("observer", ["minmax", "percentile"])
+def test_compiled_kernels_low_precision_inputs_and_observers(compiled: None, in_dtype: torch.dtype,
+                                                               observer: str) -> None:
+    x = (torch.randn(8, 48, generator=torch.Generator().manual_seed(12)) * 2).to(in_dtype)
+    for dtype in ("int4", "uint8", "nf4"):
+        scheme = _scheme(dtype, "group", 0, 16, observer=observer)
+        got = quantize(x, scheme)
+        from quantd.engine import kernels
+
+        kernels.KERNELS.reset(available=False)
+        want = quantize(x, scheme)
+        kernels.KERNELS.reset(available=True)
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_ties_round_half_even_before_an_odd_zero_point(request: pytest.FixtureRequest, path: str) -> None:
+    # uint8 affine over [-15, 240]: scale 1.0 exactly, zero point 15 (odd). round(x / s) + zp rounds the
+    # ties of x / s (2.5 → 2 → 17); rounding x / s + zp instead would give 17.5 → 18.
+    request.getfixturevalue(path)
+    row = torch.tensor([-15.0, 240.0, 2.5, -3.5, 0.5, 1.5, -0.5, 100.5])
+    x = torch.stack([row, row * 2.0])
+    scheme = Scheme(dtype="uint8", symmetric=False, granularity="channel", scale_dtype="float32")
+    qt = quantize(x, scheme)
+    assert qt.scale is not None and qt.scale.tolist() == [1.0, 2.0]
+    assert qt.zero_point is not None and qt.zero_point.tolist() == [15, 15]
+    assert qt.codes[0].tolist() == [0, 255, 17, 11, 15, 17, 15, 115]
+    _check_against_reference(x, scheme)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_compiled_path_rejects_non_finite_weights(compiled: None, bad: float) -> None:
+    x = torch.randn(8, 32)
+    x[3, 5] = bad
+    with pytest.raises(NonFiniteError):
+        quantize(x, _scheme("int8", "channel", 0, 128), name="w")
+
+
+def test_a_compiler_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    from quantd.engine import kernels
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(kernels, "_Compiled", kernels._Compiled)  # restore nothing; we use a fresh instance
+    fresh = kernels._Compiled()
+    fresh.reset(available=True)
+    monkeypatch.setattr(kernels, "KERNELS", fresh)
+    monkeypatch.setattr(torch, "compile", broken)
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(13))
+    scheme = _scheme("int4", "group", 0, 8)
+    _check_against_reference(x, scheme)
+    assert fresh._broken is not None and "no C++ compiler" in fresh._broken
+    assert not fresh.available() and "compiled kernels disabled" in caplog.text
+
+
+def test_kernels_only_for_large_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantd.engine import kernels
+
+    fresh = kernels._Compiled()
+    monkeypatch.setenv("QUANTD_COMPILE", "1")
+    assert fresh.wants(torch.empty(kernels.MIN_ELEMENTS)) == fresh.available()
+    assert not fresh.wants(torch.empty(kernels.MIN_ELEMENTS - 1))
+    monkeypatch.setenv("QUANTD_COMPILE", "0")
+    fresh.reset()
+    assert not fresh.available() and not fresh.wants(torch.empty(kernels.MIN_ELEMENTS))

@@ -5,14 +5,17 @@ Integer dtypes: ``code = clamp(round(x / scale) + zero_point, qmin, qmax)``, ``x
 fp8: ``code = fp8(clamp(x / scale, ±max_finite))``, ``x̂ = code · scale``. float16/bfloat16: a saturating
 cast (values beyond the largest finite value become ±max, never inf). Inputs are taken as float32.
 
-Speed: the blocks are processed in chunks of rows small enough to stay in cache across the passes,
+Speed: on CPU, tensors of at least ``kernels.MIN_ELEMENTS`` elements go through two fused compiled
+kernels (:mod:`quantd.engine.kernels`: the per-block range in one pass, the encode in one more), which
+compute exactly the formulas above. Otherwise (CUDA, small tensors, no C++ compiler) the eager path
+below runs: the blocks are processed in chunks of rows small enough to stay in cache across the passes,
 with in-place ops into one preallocated buffer. For the minmax observer the range of each chunk is
 observed right before it is encoded, so the input is read from memory once. Integer codes take two
-passes after observing plus one store: ``y = x / scale + (zero_point + M)`` with ``M = 1.5·2²³`` rounds ``x / scale``
-half to even in the float adder itself (every float32 in ``[2²³, 2²⁴)`` is an
+passes after observing plus one store (three when affine): ``y = (x / scale + M) + zero_point`` with
+``M = 1.5·2²³`` rounds ``x / scale`` half to even in the float adder itself (every float32 in ``[2²³, 2²⁴)`` is an
 integer), so ``y``'s bit pattern is ``0x4B400000 + code`` and its low byte IS the int8/uint8 code: one
 integer copy stores it. The clamp to ``[qmin, qmax]`` is skipped when the chunk cannot need it:
-``x ↦ fl(fl(x / s) + b)`` is monotone, so each row's extremes decide (checked on ``[rows]`` values;
+``x ↦ fl(fl(x / s) + M) + zero_point`` is monotone, so each row's extremes decide (checked on ``[rows]`` values;
 on CUDA the clamp always runs, to avoid a host sync per chunk). The chunked path computes exactly
 what the plain formulas above compute (tests compare them bit for bit).
 """
@@ -23,6 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
+from quantd.engine import kernels
 from quantd.engine.granularity import (
     block_view,
     check_applicable,
@@ -51,6 +55,10 @@ FLOAT_TORCH_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat1
 
 Range = tuple[torch.Tensor, torch.Tensor]
 
+# The midpoints between consecutive nf4 levels, computed in float32 (host constants).
+_CB = torch.tensor(NF4_CODEBOOK, dtype=torch.float32)
+NF4_MIDPOINTS: tuple[float, ...] = tuple(((_CB[1:] + _CB[:-1]) / 2).tolist())
+
 
 def _chunks(rows: int, cols: int) -> Iterator[tuple[slice, slice]]:
     """Row chunks of about CHUNK_ELEMENTS; a row longer than that is cut into column chunks."""
@@ -67,14 +75,13 @@ def _chunks(rows: int, cols: int) -> Iterator[tuple[slice, slice]]:
 class _Encoder:
     """Encodes chunks of blocks into preallocated codes, reusing one float32 buffer."""
 
-    def __init__(self, info: DTypeInfo, blocks: torch.Tensor, codes: torch.Tensor) -> None:
+    def __init__(self, info: DTypeInfo, blocks: torch.Tensor, codes_dtype: torch.dtype) -> None:
         self.info = info
         self.blocks = blocks
-        self.codes = codes
+        self.codes = torch.empty(blocks.shape, dtype=codes_dtype, device=blocks.device)
         n = min(blocks.numel(), CHUNK_ELEMENTS)  # no chunk of _chunks() is larger
         self.buf = torch.empty(n, dtype=torch.float32, device=blocks.device)
-        cb = torch.tensor(NF4_CODEBOOK, dtype=torch.float32)
-        self.mids: list[float] = ((cb[1:] + cb[:-1]) / 2).tolist()  # float32 midpoints, host constants
+        self.mids = NF4_MIDPOINTS
         self.bbuf = torch.empty(n if info.kind == "nf4" else 0, dtype=torch.bool, device=blocks.device)
         self.magic = torch.full((1, 1), _ROUND_MAGIC, dtype=torch.float32, device=blocks.device)
         self.always_clamp = blocks.device.type != "cpu"  # a host sync per chunk costs more there
@@ -97,10 +104,13 @@ class _Encoder:
         info, out = self.info, self.codes[rs, cs]
         buf = self.buf[: src.numel()].view(src.shape)
         if info.kind == "int":
-            bias = self.magic if zero_point is None else zero_point + _ROUND_MAGIC  # exact: small integers
             torch.div(src, scale, out=buf)
-            buf.add_(bias)  # rounds half to even (see the module docstring)
-            if self._needs_clamp(bias, scale, extremes):
+            buf.add_(self.magic)  # rounds half to even (see the module docstring)
+            if zero_point is not None:
+                # A separate, exact integer add: folding zero_point into the magic constant would round
+                # ties of x / scale + zero_point, not of x / scale (different when zero_point is odd).
+                buf.add_(zero_point)
+            if self._needs_clamp(zero_point, scale, extremes):
                 buf.clamp_(_ROUND_MAGIC + info.qmin, _ROUND_MAGIC + info.qmax)
             out.copy_(buf.view(torch.int32))  # the low byte of the bit pattern is the code
             return
@@ -118,12 +128,14 @@ class _Encoder:
             out.copy_(buf)
 
 
-    def _needs_clamp(self, bias: torch.Tensor, scale: torch.Tensor, extremes: Range | None) -> bool:
+    def _needs_clamp(self, zero_point: torch.Tensor | None, scale: torch.Tensor, extremes: Range | None) -> bool:
         if extremes is None or self.always_clamp:
             return True
         lo, hi = extremes
-        y_lo = lo.unsqueeze(1) / scale + bias  # the same float ops as on every element
-        y_hi = hi.unsqueeze(1) / scale + bias
+        y_lo = lo.unsqueeze(1) / scale + self.magic  # the same float ops as on every element
+        y_hi = hi.unsqueeze(1) / scale + self.magic
+        if zero_point is not None:
+            y_lo, y_hi = y_lo + zero_point, y_hi + zero_point
         return bool((y_lo < _ROUND_MAGIC + self.info.qmin).any() | (y_hi > _ROUND_MAGIC + self.info.qmax).any())
 
 
@@ -138,7 +150,8 @@ def _check_range(rng: Range, nblocks: int, *, name: str) -> Range:
     return lo, hi
 
 
-def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One read of the input: per chunk of whole rows, observe, choose qparams, encode."""
     rows, cols = enc.blocks.shape
     dev = enc.blocks.device
@@ -162,11 +175,11 @@ def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str) -> tuple
                    extremes=(lo, hi))
     if not bool(torch.isfinite(lo_all).all() & torch.isfinite(hi_all).all()):
         raise NonFiniteError(f"tensor {name!r} has NaN or Inf values; cannot observe a range", tensor=name)
-    return scale, zp
+    return enc.codes, scale, zp
 
 
 def _quantize_two_pass(enc: _Encoder, scheme: Scheme, rng: Range | None, *, name: str
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Observe all blocks (or take the given range), then encode chunk by chunk."""
     rows, cols = enc.blocks.shape
     if rng is None:
@@ -180,7 +193,39 @@ def _quantize_two_pass(enc: _Encoder, scheme: Scheme, rng: Range | None, *, name
     z_col = None if zp is None else zp.float().unsqueeze(1)
     for rs, cs in _chunks(rows, cols):
         enc.encode(enc.load(rs, cs), rs, cs, s_col[rs], None if z_col is None else z_col[rs])
-    return scale, zp
+    return enc.codes, scale, zp
+
+
+def _encode_compiled(blocks: torch.Tensor, info: DTypeInfo, codes_dtype: torch.dtype, scale: torch.Tensor,
+                     zp: torch.Tensor | None) -> torch.Tensor | None:
+    """All blocks encoded by one fused kernel (:mod:`quantd.engine.kernels`); None when not compiled."""
+    s_col = scale.float().unsqueeze(1)
+    if info.kind == "int":
+        z_col = torch.zeros_like(s_col) if zp is None else zp.float().unsqueeze(1)
+        return kernels.encode_int(blocks, s_col, z_col, info.qmin, info.qmax, codes_dtype)
+    if info.kind == "nf4":
+        return kernels.encode_nf4(blocks, s_col, NF4_MIDPOINTS)
+    return kernels.encode_fp8(blocks, s_col, info.max_finite, codes_dtype)
+
+
+def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, codes_dtype: torch.dtype,
+                       rng: Range | None, *, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """Observe (minmax: one fused pass), choose qparams, encode (one fused pass); None when the kernels
+    are not available, and the caller takes the eager path."""
+    if rng is not None:  # given by the caller: the weights themselves are not checked by observing
+        if not bool(torch.isfinite(blocks).all()):
+            raise NonFiniteError("NaN or Inf in the weights", tensor=name)
+    elif scheme.observer == "minmax":  # NaN/Inf propagate into the range, which _check_range rejects
+        rng = kernels.row_range(blocks)
+        if rng is None:
+            return None
+    else:
+        rng = observe_range(blocks.float(), scheme, name=name)
+    lo, hi = _check_range(rng, blocks.shape[0], name=name)
+    scale, zp = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
+                               scale_dtype=scheme.scale_dtype)
+    codes = _encode_compiled(blocks, info, codes_dtype, scale, zp)
+    return None if codes is None else (codes, scale, zp)
 
 
 def _check_input(x: torch.Tensor, *, name: str) -> None:
@@ -216,14 +261,18 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor",
     axis = check_applicable(tuple(x.shape), gran, name=name)
     blocks, sshape = block_view(x, gran, name=name)
     codes_dtype = FP8_TORCH_DTYPES[scheme.dtype] if info.kind == "fp8" else code_dtype(scheme.dtype)
-    codes = torch.empty(blocks.shape, dtype=codes_dtype, device=x.device)
-    enc = _Encoder(info, blocks, codes)
-    fused = (observer_range is None and scheme.observer == "minmax" and blocks.shape[0] > 1
-             and blocks.shape[1] <= CHUNK_ELEMENTS)
-    if fused:
-        scale, zp = _quantize_fused_minmax(enc, scheme, name=name)
-    else:
-        scale, zp = _quantize_two_pass(enc, scheme, observer_range, name=name)
+    done = None
+    if kernels.KERNELS.wants(blocks):
+        done = _quantize_compiled(blocks, scheme, info, codes_dtype, observer_range, name=name)
+    if done is None:
+        enc = _Encoder(info, blocks, codes_dtype)
+        fused = (observer_range is None and scheme.observer == "minmax" and blocks.shape[0] > 1
+                 and blocks.shape[1] <= CHUNK_ELEMENTS)
+        if fused:
+            done = _quantize_fused_minmax(enc, scheme, name=name)
+        else:
+            done = _quantize_two_pass(enc, scheme, observer_range, name=name)
+    codes, scale, zp = done
     return QuantizedTensor(
         codes=unblock(codes, tuple(x.shape), gran), scale=scale.reshape(sshape),
         zero_point=None if zp is None else zp.reshape(sshape), shape=tuple(x.shape), dtype=scheme.dtype,
