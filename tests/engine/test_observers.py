@@ -315,9 +315,43 @@ def test_mse_int4_g128_heavy_tails_within_1pct_of_exhaustive(data: str) -> None:
     assert err < 0.97 * _mse(x, base)  # clipping the tails pays on this data
 
 
-def test_mse_search_indices_coarse_grid_and_bracket() -> None:
-    assert obs.mse_search_indices(10) == (list(range(10)), 0)
-    coarse, half = obs.mse_search_indices(100)
-    assert coarse[-1] == 99 and half == 25 and coarse == [24, 49, 74, 99]
-    coarse9, half9 = obs.mse_search_indices(100, 9)
-    assert coarse9[-1] == 99 and half9 == 13 and len(coarse9) == 8
+def test_mse_search_indices_coarse_grid_and_stages() -> None:
+    assert obs.mse_search_indices(10) == (list(range(10)), [])
+    coarse, stages = obs.mse_search_indices(100)
+    assert coarse == [24, 49, 74, 99]
+    assert stages == [[-18, -9, 9, 18], [-6, -3, 3, 6], [-2, -1, 1, 2]]
+    for grid, points in [(100, 4), (100, 8), (17, 4), (1000, 4), (37, 3)]:
+        coarse, stages = obs.mse_search_indices(grid, points)
+        assert coarse[-1] == grid - 1 and len(coarse) in (points, points + 1)
+        # every stage's reach covers the spacing before it, and the last one ends on neighbours
+        spacing = coarse[1] - coarse[0]
+        for offsets in stages:
+            finer = min(o for o in offsets if o > 0)
+            assert max(offsets) + finer >= spacing and -min(offsets) == max(offsets)
+            spacing = finer
+        assert spacing == 1
+
+@pytest.mark.parametrize("dtype,symmetric,norm", [("int4", False, 2.0), ("int8", True, 2.0), ("int3", True, 2.4)])
+def test_compiled_mse_errors_match_eager(monkeypatch: pytest.MonkeyPatch, dtype: str, symmetric: bool,
+                                         norm: float) -> None:
+    from quantd.engine import kernels
+    from quantd_client._dtypes import dtype_info
+
+    x = _heavy(rows=32, cols=128, seed=21)
+    scheme = Scheme(dtype=dtype, symmetric=symmetric, granularity="group", group_size=128, observer="mse",
+                    observer_args={"norm": norm})
+    lo, hi = x.amin(1), x.amax(1)
+    ratios = torch.linspace(0.3, 1.0, 6).expand(32, -1)
+    kernels.KERNELS.reset(available=False)
+    want = obs._candidate_errors(x, lo, hi, ratios, scheme, dtype_info(dtype), norm)
+    ref_range = observe_range(x, scheme)
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
+    kernels.KERNELS.reset(available=True)
+    try:
+        got = obs._candidate_errors(x, lo, hi, ratios, scheme, dtype_info(dtype), norm)
+        got_range = observe_range(x, scheme)
+        assert kernels.KERNELS._broken is None
+    finally:
+        kernels.KERNELS.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+    assert _mse(x, scheme, got_range) <= _mse(x, scheme, ref_range) * (1 + 1e-4)

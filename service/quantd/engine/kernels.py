@@ -134,3 +134,22 @@ def encode_fp8(blocks: torch.Tensor, scale: torch.Tensor, max_finite: float,
                out_dtype: torch.dtype) -> torch.Tensor | None:
     """fp8 codes: ``x / scale`` clamped to ±max_finite and cast."""
     return KERNELS.call("fp8", _encode_fp8, (blocks.dtype, out_dtype), blocks, scale, max_finite, out_dtype)
+
+
+def _fake_quant_error_int(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: torch.Tensor,
+                          qmax: torch.Tensor, norm: float) -> torch.Tensor:
+    t = x.unsqueeze(1) / scale.unsqueeze(-1) + zero_point.unsqueeze(-1)
+    d = t - torch.round(t).clamp(qmin, qmax)
+    e = (d * d).sum(-1) if norm == 2.0 else d.abs().pow(norm).sum(-1)
+    return e * scale.pow(norm)
+
+
+def fake_quant_error_int(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int,
+                         norm: float) -> torch.Tensor | None:
+    """``Σ_k |x − x̂|ⁿ`` ``[R, C]`` of rows ``x[R, K]`` under candidate qparams ``scale``/``zero_point``
+    ``[R, C]`` (float32), one fused pass per candidate with no ``[R, C, K]`` temporary: the mse
+    observer's inner loop. The same formula as the eager ``observers._fake_quant_error``."""
+    lo = torch.tensor(float(qmin), dtype=torch.float32)
+    hi = torch.tensor(float(qmax), dtype=torch.float32)
+    return KERNELS.call("fq_error_int", _fake_quant_error_int, (x.dtype, float(norm)),
+                        x, scale, zero_point, lo, hi, float(norm))

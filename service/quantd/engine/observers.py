@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from quantd.engine import kernels
 from quantd.engine.qparams import choose_qparams
 from quantd.errors import ConfigError, MalformedInputError, NonFiniteError
 from quantd_client import Scheme
@@ -142,21 +143,36 @@ def mse_chunk_plan(rows: int, candidates: int, cols: int, budget: int | None = N
     return rows_c, cand_c, cols_c
 
 
-def mse_search_indices(grid: int, points: int = 5) -> tuple[list[int], int]:
-    """The coarse stage of the mse search: grid indices evaluated first, and the bracket half-width.
-
-    Grids up to 16 are searched exhaustively (half-width 0). Larger grids evaluate ~``points`` ratios
-    spaced ``S = ⌈(G − 1) / (points − 1)⌉`` apart, ending at ``r = 1``; then a golden-section search (every row one new
-    candidate per step, all rows in one batched evaluation) narrows ``[best − S, best + S]`` down to
-    adjacent grid points: about ``points + 2 + log_φ(S)`` evaluations instead of ``G`` (≈ 13 for G = 100).
-    nf4/fp8 errors are more jagged in ``r`` (non-uniform levels): their search uses 9 coarse points.
-    The best ratio evaluated anywhere wins, so the result is never worse than min-max.
-    """
+def coarse_grid(grid: int, points: int) -> tuple[list[int], int]:
+    """``points`` indices of ``range(grid)`` spaced ``⌈(grid − 1) / points⌉`` apart, ending at the last,
+    and that spacing; grids up to 16: all indices, spacing 0."""
     if grid <= 16:
         return list(range(grid)), 0
-    stride = math.ceil((grid - 1) / max(points - 1, 1))
-    coarse = list(range(grid - 1, -1, -stride))[::-1]
-    return coarse, stride
+    spacing = math.ceil((grid - 1) / max(points, 1))
+    return list(range(grid - 1, -1, -spacing))[::-1], spacing
+
+
+def mse_search_indices(grid: int, points: int = 4) -> tuple[list[int], list[list[int]]]:
+    """The mse search plan: grid indices evaluated first, then per refinement stage the offsets tried
+    around each row's best index so far.
+
+    Grids up to 16 are searched exhaustively (no stages). Larger grids evaluate ``points`` ratios
+    spaced ``S = ⌈(G − 1) / points⌉`` apart, ending at ``r = 1``; each stage then divides the spacing by
+    about 3 and tries every multiple of the new spacing strictly inside ``±`` the old one (25 → 9 → 3 → 1
+    for G = 100: ±9, ±18; ±3, ±6; ±1, ±2). For an error unimodal in ``r`` the minimum lies within
+    the old spacing of the best point, so the last stage ends on adjacent grid points: 16 evaluations
+    in 4 batched calls instead of G. nf4/fp8 errors are more jagged in ``r`` (non-uniform levels):
+    their search uses 8 coarse points. The best ratio evaluated anywhere wins, so the result is never
+    worse than min-max.
+    """
+    coarse, spacing = coarse_grid(grid, points)
+    stages: list[list[int]] = []
+    while spacing > 1:
+        finer = math.ceil(spacing / 3)
+        reach = (spacing - 1) // finer
+        stages.append([k * finer for k in range(-reach, reach + 1) if k])
+        spacing = finer
+    return coarse, stages
 
 
 def _fake_quant_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, info: DTypeInfo,
@@ -202,6 +218,11 @@ def _candidate_errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ratio
     rows, k = x.shape
     cands = ratios.shape[1]
     scale, zp = qparams_for(lo.unsqueeze(1) * ratios, hi.unsqueeze(1) * ratios, scheme)
+    if info.kind == "int" and kernels.KERNELS.wants(x):
+        fused = kernels.fake_quant_error_int(x, scale, torch.zeros_like(scale) if zp is None else zp,
+                                             info.qmin, info.qmax, norm)
+        if fused is not None:
+            return fused
     rows_c, cand_c, cols_c = mse_chunk_plan(rows, cands, k)
     buf = torch.empty(rows_c * cand_c * cols_c, dtype=torch.float32, device=x.device)
     buf2 = torch.empty_like(buf)
@@ -217,55 +238,31 @@ def _candidate_errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ratio
     return err
 
 
-# 1/φ: the golden-section step.
-_INV_PHI = (math.sqrt(5.0) - 1.0) / 2.0
-
-
 def _mse_search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, grid_r: torch.Tensor, scheme: Scheme,
                 info: DTypeInfo, norm: float) -> torch.Tensor:
-    """Grid index ``[B]`` of the ratio minimising the error of each row of ``x``: a coarse grid, then a
-    golden-section search on the grid indices around each row's best coarse ratio (vectorised over rows:
-    each step evaluates one new candidate for every row in one batched call)."""
+    """Grid index ``[B]`` of the ratio minimising the error of each row of ``x``: a coarse grid, then
+    coarse-to-fine stages around each row's best (:func:`mse_search_indices`), every stage one batched
+    evaluation of all rows × its candidates."""
     grid = grid_r.numel()
-    coarse, half = mse_search_indices(grid, 5 if info.kind == "int" else 9)
+    coarse, stages = mse_search_indices(grid, 4 if info.kind == "int" else 8)
     coarse_t = torch.tensor(coarse, device=x.device)
+    stage_t = [torch.tensor(o, device=x.device) for o in stages]
     best = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     # Rows per search: bounds the [rows, candidates] qparams/error arrays (choose_qparams works in float64).
-    step = max(1, MSE_QPARAM_ENTRIES // len(coarse))
-    steps = math.ceil(math.log(max(2 * half, 2) / 2) / -math.log(_INV_PHI)) + 1 if half else 0
+    step = max(1, MSE_QPARAM_ENTRIES // max(len(coarse), *(len(o) for o in stages)))
     for r in range(0, x.shape[0], step):
         xs, los, his = x[r:r + step], lo[r:r + step], hi[r:r + step]
-
-        def errors(idx: torch.Tensor, xs: torch.Tensor = xs, los: torch.Tensor = los,
-                   his: torch.Tensor = his) -> torch.Tensor:
-            return _candidate_errors(xs, los, his, grid_r[idx], scheme, info, norm)
-
         idx = coarse_t.expand(xs.shape[0], -1)
-        seen_i, seen_e = [idx], [errors(idx)]  # every evaluated (index, error); the best wins at the end
-        if half:
-            b = idx.gather(1, seen_e[0].argmin(1, keepdim=True)).squeeze(1)
-            a, c = (b - half).clamp(min=0).float(), (b + half).clamp(max=grid - 1).float()
-            i1, i2 = (c - _INV_PHI * (c - a)).round(), (a + _INV_PHI * (c - a)).round()
-            e12 = errors(torch.stack([i1, i2], 1).long())
-            seen_i.append(torch.stack([i1, i2], 1).long())
-            seen_e.append(e12)
-            pts, f = torch.stack([a, i1, i2, c], 1), e12  # bracket a ≤ i1 ≤ i2 ≤ c; errors at i1, i2
-            # torch.where is slow on CPU: each step gathers its new state from a 2-way pattern table.
-            keep_pts = torch.tensor([[1, 2, 4, 3], [0, 4, 1, 2]], device=x.device)  # [i1, i2, new, c] / [a, new, i1, i2]
-            keep_f = torch.tensor([[1, 2], [2, 0]], device=x.device)  # [f2, f_new] / [f_new, f1]
-            for _ in range(steps):
-                left = (f[:, 0] < f[:, 1]).long()  # the minimum lies in [a, i2]; else in [i1, c]
-                a, i1, i2, c = pts.unbind(1)
-                cand = torch.stack([i1 + _INV_PHI * (c - i1), i2 - _INV_PHI * (i2 - a)], 1).round_()
-                new = cand.gather(1, left.unsqueeze(1))
-                f_new = errors(new.long())
-                seen_i.append(new.long())
-                seen_e.append(f_new)
-                pts = torch.cat([pts, new], 1).gather(1, keep_pts[left])
-                f = torch.cat([f, f_new], 1).gather(1, keep_f[left])
-        all_i, all_e = torch.cat(seen_i, 1), torch.cat(seen_e, 1)
+        err = _candidate_errors(xs, los, his, grid_r[idx], scheme, info, norm)
         # min over candidates takes the first tie: the coarse grid (ascending r) comes first
-        b = all_i.gather(1, all_e.argmin(1, keepdim=True)).squeeze(1)
+        e_best, j = err.min(1)
+        b = coarse_t[j]
+        for offsets in stage_t:
+            idx = (b.unsqueeze(1) + offsets).clamp_(0, grid - 1)
+            e_new, j = _candidate_errors(xs, los, his, grid_r[idx], scheme, info, norm).min(1)
+            better = e_new < e_best  # strictly: an equal error keeps the point found first
+            b = torch.where(better, idx.gather(1, j.unsqueeze(1)).squeeze(1), b)
+            e_best = torch.minimum(e_new, e_best)
         best[r:r + step] = b
     return best
 
@@ -288,7 +285,7 @@ def _mse_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Sche
     # Large blocks: search on a strided sample (every MSE_SAMPLE_STRIDE-th value, ≥ MSE_SAMPLE; an
     # unbiased estimate of the error, candidates still scaled from the full block's range), then rank
     # the sample's best ratio, its neighbours and r = 1 on the full blocks: never worse than min-max.
-    sample = x[:, :: min(MSE_SAMPLE_STRIDE, k // MSE_SAMPLE)]
+    sample = x[:, :: min(MSE_SAMPLE_STRIDE, k // MSE_SAMPLE)].contiguous()  # read ~15 times: unit stride pays
     b = _mse_search(sample, lo, hi, grid_r, scheme, info, norm)
     idx = torch.cat([(b.unsqueeze(1) + torch.arange(-1, 2, device=x.device)).clamp(0, grid - 1),
                      torch.full_like(b, grid - 1).unsqueeze(1)], 1)
@@ -444,7 +441,7 @@ def entropy_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: S
     n_cand = min(nbins - levels + 1, ENTROPY_MAX_CANDIDATES)
     step = (nbins - levels) / max(n_cand - 1, 1)
     grid = torch.tensor(sorted({round(levels + i * step) for i in range(n_cand)}), device=x.device)
-    coarse, radius = mse_search_indices(grid.numel())
+    coarse, radius = coarse_grid(grid.numel(), 4)
     idx = torch.tensor(coarse, device=x.device).expand(x.shape[0], -1)
     kl, start = _entropy_kl(hist, zero_pos, grid[idx], levels, nbins)
     b = idx.gather(1, kl.argmin(1, keepdim=True))
