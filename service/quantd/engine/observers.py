@@ -64,8 +64,10 @@ def observe_range(blocks: torch.Tensor, scheme: Scheme, *, name: str = "tensor")
         raise MalformedInputError(f"observer needs a non-empty 2-D block view [B, K], got shape "
                                   f"{tuple(blocks.shape)}", tensor=name)
     x = blocks.float()
-    # amin and amax separately: torch.aminmax over a dim is several times slower on CPU.
-    lo, hi = x.amin(dim=1), x.amax(dim=1)
+    # amin and amax separately: torch.aminmax over a dim is several times slower on CPU; one fused pass
+    # when the compiled kernels run.
+    fused = kernels.row_range(x) if kernels.KERNELS.wants(x) else None
+    lo, hi = fused if fused is not None else (x.amin(dim=1), x.amax(dim=1))
     if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
         raise NonFiniteError(f"tensor {name!r} has NaN or Inf values; cannot observe a range", tensor=name)
     info = dtype_info(scheme.dtype)
@@ -261,7 +263,7 @@ def _mse_search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, grid_r: tor
             idx = (b.unsqueeze(1) + offsets).clamp_(0, grid - 1)
             e_new, j = _candidate_errors(xs, los, his, grid_r[idx], scheme, info, norm).min(1)
             better = e_new < e_best  # strictly: an equal error keeps the point found first
-            b = torch.where(better, idx.gather(1, j.unsqueeze(1)).squeeze(1), b)
+            b = b + better * (idx.gather(1, j.unsqueeze(1)).squeeze(1) - b)  # torch.where is slow on CPU
             e_best = torch.minimum(e_new, e_best)
         best[r:r + step] = b
     return best

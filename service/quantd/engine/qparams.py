@@ -60,8 +60,7 @@ def round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     r = s.to(dtype)
     below = r.to(s.dtype) < s
-    bumped = (r.view(_INT_VIEW[dtype]) + 1).view(dtype)
-    r = torch.where(below, bumped, r)
+    r = (r.view(_INT_VIEW[dtype]) + below).view(dtype)  # + 1 on the bit pattern where rounded down (no where: slow on CPU)
     info = torch.finfo(dtype)
     return r.clamp(min=smallest_positive(dtype), max=info.max)
 
