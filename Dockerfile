@@ -18,6 +18,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
+# A C++ compiler: on CPU the engine compiles its fused kernels with torch.compile (Inductor's C++
+# backend); without one it falls back to eager torch (slower, same results). GPU workers do not need it.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first (only when the base has none), so the layer is cached across source changes.
 RUN if ! python -c "import torch" 2>/dev/null; then \
         pip install --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "torch>=2.4,<3"; \
