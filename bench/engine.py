@@ -1,12 +1,14 @@
 """Engine throughput: GB/s of input quantized, against a same-run ``dst.copy_(src)`` of the same tensor.
 
-    python bench/engine.py [--size 4096] [--repeats 7] [--threads 0] [--out bench/results/engine.json]
+    python bench/engine.py [--size 4096] [--repeats 7] [--eager] [--out bench/results/engine.json]
 
 For a ``size × size`` weight in float32 and bfloat16, each scheme is timed (alternating with a copy of
 the same tensor, whose best time is that scheme's baseline) as the best of ``repeats``
 runs (after one warm-up), with ``torch.set_num_threads`` at its default and, for comparison, at 1.
 Also times the naive unchunked chain (abs → amax → div → round → clamp → to) for int8 per-channel,
-and the ``mse`` observer against ``minmax``. A benchmark, not a test: numbers depend on the machine
+and the ``mse`` observer against ``minmax``. By default the engine uses its compiled CPU kernels (the
+first call of each scheme, which compiles, is recorded apart as ``first_call_s``); ``--eager`` turns them
+off, to compare with the eager path. A benchmark, not a test: numbers depend on the machine
 and on what else runs on it (the load average is recorded).
 """
 
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from quantd.engine import kernels
 from quantd.engine.primitives import quantize
 from quantd_client import Scheme
 
@@ -81,9 +84,13 @@ def run(size: int, repeats: int, threads: int) -> dict[str, Any]:
             key: (lambda x=x, scheme=Scheme.model_validate(spec): quantize(x, scheme)) for key, spec in SCHEMES.items()}
         fns["naive_int8_channel_chain"] = lambda x=x: naive_int8_channel(x)
         for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()  # the first call compiles the scheme's kernels (when compiled)
+            first = time.perf_counter() - t0
             copy_s, s = paired_best(copy, fn, repeats)
             copies.append(copy_s)
-            row[key] = {"s": s, "gbps": gb / s, "fraction_of_copy": copy_s / s, "paired_copy_s": copy_s}
+            row[key] = {"s": s, "gbps": gb / s, "fraction_of_copy": copy_s / s, "paired_copy_s": copy_s,
+                        "first_call_s": first}
         row["copy"] = {"s": min(copies), "gbps": gb / min(copies)}
         out[str(dtype).removeprefix("torch.")] = row
     x = torch.randn(size, size, generator=torch.Generator().manual_seed(1))
@@ -101,11 +108,15 @@ def main() -> None:
     p.add_argument("--size", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine.json")
+    p.add_argument("--eager", action="store_true", help="turn the compiled kernels off")
     args = p.parse_args()
+    if args.eager:
+        kernels.KERNELS.reset(available=False)
     default_threads = torch.get_num_threads()
     result: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch": torch.__version__, "loadavg_before": os.getloadavg()},
+        "kernels": "compiled" if kernels.KERNELS.available() else "eager",
         "shape": [args.size, args.size],
         "runs": [run(args.size, args.repeats, default_threads)],
     }
@@ -113,6 +124,8 @@ def main() -> None:
         result["runs"].append(run(args.size, args.repeats, 1))
     torch.set_num_threads(default_threads)
     result["machine"]["loadavg_after"] = os.getloadavg()
+    result["kernels_fell_back"] = kernels.KERNELS._broken  # None: every compiled call worked
+    print(f"kernels: {result['kernels']}")
     for r in result["runs"]:
         print(f"threads={r['threads']}")
         for dt in ("float32", "bfloat16"):

@@ -30,6 +30,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# Compiled variants kept per kernel (input dtype × output dtype × layout); past Dynamo's default of 8 a
+# kernel would silently run eager.
+RECOMPILE_LIMIT = 64
+
 # Below this many elements the eager path's per-call cost is small, and a cold compile is not worth it.
 MIN_ELEMENTS = 1 << 18
 
@@ -84,17 +88,18 @@ class _Compiled:
         if not self.available():
             return None
         try:
-            if (name, *key) in self._warm:
-                return self._fns[name](*args)  # type: ignore[no-any-return]
-            with self._lock:  # the first call of a variant compiles: one thread at a time
-                compiled = self._fns.get(name)
-                if compiled is None:
-                    compiled = self._fns[name] = torch.compile(fn, dynamic=True, fullgraph=True)
-                with warnings.catch_warnings():  # the compiler's own deprecation noise is not ours to raise
-                    warnings.simplefilter("ignore")
-                    out = compiled(*args)
-                self._warm.add((name, *key))
-                return out  # type: ignore[no-any-return]
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                if (name, *key) in self._warm:
+                    return self._fns[name](*args)  # type: ignore[no-any-return]
+                with self._lock:  # the first call of a variant compiles: one thread at a time
+                    compiled = self._fns.get(name)
+                    if compiled is None:
+                        compiled = self._fns[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+                    with warnings.catch_warnings():  # the compiler's own warnings are not ours to raise
+                        warnings.simplefilter("ignore")
+                        out = compiled(*args)
+                    self._warm.add((name, *key))
+                    return out  # type: ignore[no-any-return]
         except Exception as e:  # any compiler or toolchain failure: fall back, never fail the job
             self._broken = f"{type(e).__name__}: {e}"
             log.warning("compiled kernels disabled, using eager torch: %s", self._broken.splitlines()[0][:300])
