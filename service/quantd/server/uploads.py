@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import queue
 import re
+import threading
 import unicodedata
 import uuid
 from collections.abc import Callable
@@ -171,6 +173,64 @@ class _Collector:
             self._fh = None
 
 
+class _BatchWriter:
+    """Feeds body batches to the multipart parser (whose callbacks hash and write the file) on a
+    thread of its own, so that receiving overlaps parsing, hashing and writing. The first error the
+    parser raises is re-raised on the event loop by the next ``put``/``finish``."""
+
+    DEPTH = 4  # batches queued at most: bounds the memory of one upload to ~DEPTH MiB
+
+    def __init__(self, parser: MultipartParser) -> None:
+        self._parser = parser
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=self.DEPTH)
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="upload-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            if self._error is None and not self._stop:
+                try:
+                    self._parser.write(batch)
+                except BaseException as e:  # handed to the event loop by put()/finish()
+                    self._error = e
+        if self._error is None and not self._stop:
+            try:
+                self._parser.finalize()
+            except BaseException as e:  # handed to the event loop by finish()
+                self._error = e
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    async def _enqueue(self, item: bytes | None) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:  # the thread is behind: wait for room off the event loop
+            await anyio.to_thread.run_sync(self._queue.put, item)
+
+    async def put(self, batch: bytes) -> None:
+        self._raise()
+        await self._enqueue(batch)
+
+    async def finish(self) -> None:
+        await self._enqueue(None)
+        await anyio.to_thread.run_sync(self._thread.join)
+        self._raise()
+
+    async def abort(self) -> None:
+        """Stop writing (queued batches are dropped) and wait for the thread: the caller then closes
+        and deletes the files."""
+        self._stop = True
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+        await self._enqueue(None)
+        await anyio.to_thread.run_sync(self._thread.join)
+
+
 async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: int, file_fields: set[str],
                             text_fields: set[str], required: set[str], hint: str = "") -> MultipartForm:
     """Parse a ``multipart/form-data`` body while it streams. Raises ProblemException 400/413/415;
@@ -189,29 +249,37 @@ async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: 
     col = _Collector(tmp_dir, file_fields=file_fields, text_fields=text_fields, max_file_bytes=max_file_bytes,
                      hint=hint)
     parser = MultipartParser(options[b"boundary"], cast("MultipartCallbacks", col.callbacks()))
+    writer = _BatchWriter(parser)
     total = 0
-    pending = bytearray()  # network chunks are small; parse and write them 1 MiB at a time, off the loop
+    # Network chunks are small: they are gathered into 1 MiB batches, which a thread parses, hashes and
+    # writes while the event loop receives the next ones (at most _BatchWriter.DEPTH batches in flight).
+    pending: list[bytes] = []
+    pending_bytes = 0
     try:
         async for chunk in request.stream():
             total += len(chunk)
             if total > max_file_bytes + FORM_OVERHEAD_BYTES:
                 raise too_large(max_file_bytes, hint)
-            pending += chunk
-            if len(pending) >= WRITE_BATCH_BYTES:
-                batch, pending = bytes(pending), bytearray()
-                await anyio.to_thread.run_sync(parser.write, batch)
+            pending.append(chunk)
+            pending_bytes += len(chunk)
+            if pending_bytes >= WRITE_BATCH_BYTES:
+                await writer.put(b"".join(pending))
+                pending, pending_bytes = [], 0
         if pending:
-            await anyio.to_thread.run_sync(parser.write, bytes(pending))
-        parser.finalize()
+            await writer.put(b"".join(pending))
+        await writer.finish()
     except MultipartParseError as e:
+        await writer.abort()
         col.close()
         col.form.cleanup()
         raise ProblemException(400, f"malformed multipart body: {e}") from None
     except ClientDisconnect:
+        await writer.abort()
         col.close()
         col.form.cleanup()
         raise ProblemException(400, "client disconnected before the body was complete") from None
     except BaseException:
+        await writer.abort()
         col.close()
         col.form.cleanup()
         raise
