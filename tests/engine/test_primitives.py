@@ -288,27 +288,6 @@ def test_half_step_ties_at_the_range_ends_are_clamped_not_wrapped(dtype: str) ->
 
 # ------------------------------------------------------------------ the compiled kernels (quantd.engine.kernels)
 
-@pytest.fixture
-def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every tensor through the fused compiled kernels, whatever its size."""
-    from quantd.engine import kernels
-
-    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
-    kernels.KERNELS.reset(available=True)
-    yield
-    assert kernels.KERNELS._broken is None, kernels.KERNELS._broken  # compiled, not silently fallen back
-    kernels.KERNELS.reset()
-
-
-@pytest.fixture
-def eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quantd.engine import kernels
-
-    kernels.KERNELS.reset(available=False)
-    yield
-    kernels.KERNELS.reset()
-
-
 COMPILED_LAYOUTS = [LAYOUTS[1], LAYOUTS[2], LAYOUTS[7]]  # rows, a strided view, groups on a moved axis
 
 
@@ -318,6 +297,21 @@ def test_compiled_kernels_match_reference(compiled: None, dtype: str, symmetric:
     shape, gran, axis, gs = layout
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(11)) * 3
     _check_against_reference(x, _scheme(dtype, gran, axis, gs, symmetric=symmetric))
+
+
+@pytest.mark.parametrize("dtype,symmetric", DTYPE_SYMMETRIC)
+@pytest.mark.parametrize("layout", COMPILED_LAYOUTS, ids=lambda t: f"{t[0]}-{t[1]}{t[2]}-g{t[3]}")
+def test_compiled_dequantize_equals_eager(compiled: None, dtype: str, symmetric: bool, layout: tuple) -> None:
+    from quantd.engine import kernels
+
+    shape, gran, axis, gs = layout
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(13)) * 3
+    qt = quantize(x, _scheme(dtype, gran, axis, gs, symmetric=symmetric))
+    got = dequantize(qt)
+    kernels.KERNELS.reset(available=False)
+    want = dequantize(qt)
+    kernels.KERNELS.reset(available=True)
+    assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])

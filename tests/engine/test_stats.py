@@ -177,6 +177,33 @@ def test_chunked_sums_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     assert whole.outlier_threshold == pytest.approx(3 * float(x.double().std(unbiased=False)), rel=1e-9)
 
 
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if s.dtype not in ("float16", "bfloat16")]
+                         + [_scheme(dtype="int4", granularity="group", group_size=16, observer="percentile",
+                                    observer_args={"percentile": 99.0})],
+                         ids=lambda s: f"{s.dtype}-{s.granularity}-{s.observer}")
+def test_compiled_stats_equal_eager(compiled: None, scheme: Scheme, monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantd.engine import kernels
+
+    monkeypatch.setattr(stats, "_CHUNK", 100)  # several whole chunks for the fused pass, and a tail
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(24, 96, generator=gen) * torch.rand(24, 1, generator=gen) + 0.5
+    x[3, 7], x[20, 1] = 40.0, -35.0  # outliers, clipped by the percentile observer
+    qt = quantize(x, scheme)
+    x_hat = dequantize(qt)
+    got = error_stats(x, x_hat, qt)
+    kernels.KERNELS.reset(available=False)
+    want = error_stats(x, x_hat, qt)
+    kernels.KERNELS.reset(available=True)
+    for field, value in want.model_dump().items():
+        if isinstance(value, float) and math.isfinite(value):
+            assert getattr(got, field) == pytest.approx(value, rel=1e-12, abs=1e-300), field
+        else:
+            assert getattr(got, field) == value, field
+    assert got.outlier_rate > 0
+    if scheme.observer == "percentile":
+        assert got.clipped_fraction > 0
+
+
 def test_shape_mismatch_is_an_error() -> None:
     x = torch.randn(4, 8)
     qt = quantize(x, _scheme(dtype="int8", granularity="channel"))

@@ -281,3 +281,21 @@ def test_sdk_unpack_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sdk, "_UNPACK_CHUNK", 64)
     offsets = torch.randint(0, 8, (1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
     np.testing.assert_array_equal(sdk.unpack_bits(pack(offsets, 3).numpy(), 3, 1000), offsets.numpy())
+
+
+@pytest.mark.parametrize("dtype,symmetric", [("int4", False), ("int4", True), ("uint4", False), ("int3", True),
+                                             ("int2", False), ("nf4", True)])
+@pytest.mark.parametrize("numel_shape", [(16, 64), (5, 9)])  # a multiple of 8 codes (fused), and not
+def test_compiled_packing_equals_eager(compiled: None, dtype: str, symmetric: bool,
+                                       numel_shape: tuple[int, int]) -> None:
+    from quantd.engine import kernels
+
+    x = torch.randn(*numel_shape, generator=torch.Generator().manual_seed(3))
+    qt = quantize(x, Scheme(dtype=dtype, symmetric=symmetric, granularity="channel"))
+    got = encode_quantized(qt, "w")
+    kernels.KERNELS.reset(available=False)
+    want = encode_quantized(qt, "w")
+    kernels.KERNELS.reset(available=True)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k

@@ -4,11 +4,16 @@ Eager torch runs one pass over memory per op: for an int8 per-channel weight tha
 divide, add, clamp and a store, each reading the chunk again, and it tops out near 55 % of a plain
 copy on a 2-core CPU. Compiled, the per-block range is one pass (min and max together, with the
 conversion from bf16/fp16 folded in) and the encode is one more (divide, round, clamp, store):
-about the traffic of a copy.
+about the traffic of a copy. The rest of a tensor's trip through the pipeline is fused the same way:
+dequantize (one pass from codes to floats), packing (codes straight to the bitstream, no offsets
+tensor), the error statistics (every float64 sum of a chunk in one pass over ``x`` and ``x̂``; the
+outlier count in one more) and the mse observer's candidate errors.
 
 The kernels compute exactly what the eager formulas in :mod:`quantd.engine.primitives` compute
 (IEEE division, round half to even, the same clamp; tests compare them bit for bit), so whether a
-tensor took the compiled or the eager path never shows in its codes.
+tensor took the compiled or the eager path never shows in its codes, scales, packed bytes or ``x̂``.
+The statistics' float64 sums may differ from the eager ones in the last bits (another summation
+order; tests hold them to 1e-12 relative); the counts are exact.
 
 When they run: on CPU tensors of at least :data:`MIN_ELEMENTS` elements, when a C++ compiler is
 found and ``QUANTD_COMPILE`` is not ``0``. CUDA tensors stay on the eager ops. The first call of each
@@ -158,3 +163,76 @@ def fake_quant_error_int(x: torch.Tensor, scale: torch.Tensor, zero_point: torch
     hi = torch.tensor(float(qmax), dtype=torch.float32)
     return KERNELS.call("fq_error_int", _fake_quant_error_int, (x.dtype, float(norm)),
                         x, scale, zero_point, lo, hi, float(norm))
+
+
+def _decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    return (codes.float() - zero_point) * scale
+
+
+def decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor | None:
+    """``(codes − zero_point) · scale`` in float32 (integer and fp8 codes ``[B, K]``; scale and zero point
+    float32 columns ``[B, 1]``, zeros when symmetric): the eager ``dequantize`` formula, fused."""
+    return KERNELS.call("decode", _decode, (codes.dtype,), codes, scale, zero_point)
+
+
+def _decode_nf4(codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    return codebook[codes.long()] * scale
+
+
+def decode_nf4(codes: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor | None:
+    """``codebook[codes] · scale`` in float32 (nf4 indices ``[B, K]``, scale ``[B, 1]``)."""
+    return KERNELS.call("decode_nf4", _decode_nf4, (), codes, scale, codebook)
+
+
+def _pack_codes(codes: torch.Tensor, qmin: int, bits: int) -> torch.Tensor:
+    off = (codes - qmin).to(torch.uint8)  # codes are in [qmin, qmin + 2**bits): no wrap-around
+    if 8 % bits == 0:  # whole offsets per byte, the first in the low bits (uint8 ops vectorise best)
+        lanes = off.reshape(-1, 8 // bits)
+        byte = lanes[:, 0]
+        for j in range(1, 8 // bits):
+            byte = byte | (lanes[:, j] << (j * bits))
+        return byte
+    # Otherwise eight offsets are 8·bits bits: exactly ``bits`` bytes of the little-endian stream.
+    eights = off.reshape(-1, 8).to(torch.int64)
+    word = eights[:, 0]
+    for j in range(1, 8):
+        word = word | (eights[:, j] << (j * bits))
+    return torch.stack([(word >> (8 * k)) & 255 for k in range(bits)], dim=1).to(torch.uint8).reshape(-1)
+
+
+def pack_codes(codes: torch.Tensor, qmin: int, bits: int) -> torch.Tensor | None:
+    """The packed bitstream (CONTRACT §5) of the offsets ``codes − qmin``, ``codes`` flat with a multiple of
+    8 elements, each in ``[qmin, qmin + 2**bits)``: one pass from the codes to the bytes, with no offsets
+    tensor in between. The same bytes as ``packing.pack``."""
+    return KERNELS.call("pack", _pack_codes, (codes.dtype, qmin, bits), codes.reshape(-1), qmin, bits)
+
+
+def _moments(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+    a = x.double()
+    b = x_hat.double()
+    n_c = a.shape[1]
+    sum_x = a.sum(dim=1)
+    centred = a - (sum_x / n_c).unsqueeze(1)
+    err = (a - b).abs()
+    return torch.stack([
+        torch.full_like(sum_x, n_c), sum_x, (centred * centred).sum(dim=1), (a * a).sum(dim=1),
+        (b * b).sum(dim=1), (a * b).sum(dim=1), (err * err).sum(dim=1), err.sum(dim=1), err.amax(dim=1),
+        a.abs().amax(dim=1),
+    ], dim=1)
+
+
+def moments(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor | None:
+    """Per row of ``x``/``x_hat`` ``[n, chunk]`` the float64 sums of ``stats._chunk_sums`` (same order
+    of columns), ``[n, 10]``, in one pass over both."""
+    return KERNELS.call("moments", _moments, (x.dtype, x_hat.dtype), x, x_hat)
+
+
+def _outliers(x: torch.Tensor, mean: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    return ((x.double() - mean).abs() > threshold).sum()
+
+
+def outlier_count(x: torch.Tensor, mean: float, threshold: float) -> torch.Tensor | None:
+    """``#{|x − mean| > threshold}`` computed in float64 (a 0-d int64 tensor)."""
+    m = torch.tensor(mean, dtype=torch.float64)
+    t = torch.tensor(threshold, dtype=torch.float64)
+    return KERNELS.call("outliers", _outliers, (x.dtype,), x.reshape(-1), m, t)

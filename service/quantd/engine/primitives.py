@@ -280,6 +280,16 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor",
         symmetric=zp is None, method=scheme.method, observer=scheme.observer)
 
 
+def _dequantize_compiled(blocks: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                         info: DTypeInfo) -> torch.Tensor | None:
+    """The float32 blocks of ``dequantize`` through one fused kernel; None: run eager."""
+    if info.kind == "nf4":
+        return kernels.decode_nf4(blocks, scale, torch.tensor(NF4_CODEBOOK, dtype=torch.float32))
+    # (c − 0) · s is c · s exactly: symmetric codes take the same kernel with a zero column.
+    zp = torch.zeros_like(scale) if zero_point is None else zero_point.reshape(-1, 1).float()
+    return kernels.decode(blocks, scale, zp)
+
+
 def dequantize(qt: QuantizedTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x̂`` in ``dtype`` (computed in float32), on the device of ``qt.codes``."""
     info = dtype_info(qt.dtype)
@@ -290,6 +300,10 @@ def dequantize(qt: QuantizedTensor, *, dtype: torch.dtype = torch.float32) -> to
     gran = granularity_of(qt)
     blocks, _ = block_view(qt.codes, gran, name="codes")
     scale = qt.scale.reshape(-1, 1).float()
+    if kernels.KERNELS.wants(blocks):
+        values = _dequantize_compiled(blocks, scale, qt.zero_point, info)
+        if values is not None:
+            return unblock(values, qt.shape, gran).to(dtype)
     if info.kind == "nf4":
         cb = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=qt.codes.device)
         values = cb[blocks.long()] * scale

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantd.engine import kernels
 from quantd.engine.granularity import block_view, granularity_of
 from quantd.engine.primitives import FLOAT_TORCH_DTYPES
 from quantd.engine.types import QuantizedTensor
@@ -114,8 +115,10 @@ def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
     blocks, _ = block_view(x, granularity_of(qt), name="x")
     lo_b, hi_b = _block_bounds(qt)
     scale = qt.scale.reshape(-1, 1).float()  # type: ignore[union-attr]  # _block_bounds checked it
-    lo_x = blocks.amin(dim=1, keepdim=True).float() / scale
-    hi_x = blocks.amax(dim=1, keepdim=True).float() / scale
+    rng = kernels.row_range(blocks) if kernels.KERNELS.wants(blocks) else None
+    lo_r, hi_r = rng if rng is not None else (blocks.amin(dim=1), blocks.amax(dim=1))
+    lo_x = lo_r.unsqueeze(1).float() / scale
+    hi_x = hi_r.unsqueeze(1).float() / scale
     suspect = ((lo_x < lo_b) | (hi_x > hi_b)).reshape(-1).nonzero().reshape(-1)
     if suspect.numel() == 0:
         return 0
@@ -177,11 +180,21 @@ def _moments(x: torch.Tensor, x_hat: torch.Tensor) -> _Moments:
     """
     fx, fh = x.reshape(-1), x_hat.reshape(-1)
     step = min(_CHUNK, fx.numel())
-    a = torch.empty(step, dtype=torch.float64, device=x.device)
-    b = torch.empty(step, dtype=torch.float64, device=x.device)
-    rows = [_chunk_sums(fx[i:i + step], fh[i:i + step], a[: min(step, fx.numel() - i)],
-                        b[: min(step, fx.numel() - i)]) for i in range(0, fx.numel(), step)]
-    s = torch.stack(rows)
+    rows: list[torch.Tensor] = []
+    start = 0
+    if kernels.KERNELS.wants(fx):  # the whole chunks in one fused pass, the tail below
+        whole = fx.numel() // _CHUNK * _CHUNK
+        fused = kernels.moments(fx[:whole].view(-1, _CHUNK), fh[:whole].view(-1, _CHUNK))
+        if fused is not None:
+            rows.append(fused)
+            start = whole
+    if start < fx.numel():
+        a = torch.empty(step, dtype=torch.float64, device=x.device)
+        b = torch.empty(step, dtype=torch.float64, device=x.device)
+        rows.extend(_chunk_sums(fx[i:i + step], fh[i:i + step], a[: min(step, fx.numel() - i)],
+                                b[: min(step, fx.numel() - i)]).unsqueeze(0)
+                    for i in range(start, fx.numel(), step))
+    s = torch.cat(rows)
     n = s[:, _N].sum()
     mean = s[:, _SUM_X].sum() / n
     m2 = s[:, _M2].sum() + (s[:, _N] * (s[:, _SUM_X] / s[:, _N] - mean) ** 2).sum()
@@ -195,6 +208,10 @@ def _moments(x: torch.Tensor, x_hat: torch.Tensor) -> _Moments:
 def _outlier_count(x: torch.Tensor, mean: float, threshold: float) -> int:
     """``#{|x − mean| > threshold}`` in float64, chunked, one host sync."""
     flat = x.reshape(-1)
+    if kernels.KERNELS.wants(flat):
+        fused = kernels.outlier_count(flat, mean, threshold)
+        if fused is not None:
+            return int(fused)
     step = min(_CHUNK, flat.numel())
     buf = torch.empty(step, dtype=torch.float64, device=x.device)
     flags = torch.empty(step, dtype=torch.bool, device=x.device)

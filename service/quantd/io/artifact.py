@@ -78,16 +78,26 @@ def quantized_meta(shape: tuple[int, ...], orig_dtype: torch.dtype, scheme: Sche
     }
 
 
+def _packed_codes(codes: torch.Tensor, qmin: int, bits: int) -> torch.Tensor:
+    """The CONTRACT §5 bitstream of ``codes − qmin``: one fused pass on CPU, else offsets then ``pack``."""
+    from quantd.engine import kernels
+    from quantd.engine.packing import pack
+
+    flat = codes.reshape(-1)
+    if flat.numel() % 8 == 0 and kernels.KERNELS.wants(flat):
+        fused = kernels.pack_codes(flat, qmin, bits)
+        if fused is not None:
+            return fused
+    return pack((flat.to(torch.int16) - qmin).to(torch.uint8), bits)
+
+
 def encode_quantized(qt: QuantizedTensor, name: str) -> dict[str, torch.Tensor]:
     """The artifact tensors of one QuantizedTensor (codes packed below 8 bits, CONTRACT §5)."""
     info = DTYPES[qt.dtype]
     if info.kind == "float":
         return {f"{name}.qdata": qt.codes}
     if info.packed:
-        from quantd.engine.packing import pack
-
-        offsets = (qt.codes.to(torch.int16) - info.qmin).to(torch.uint8)
-        qdata = pack(offsets.reshape(-1), info.bits)
+        qdata = _packed_codes(qt.codes, info.qmin, info.bits)
     elif info.kind == "int":
         qdata = qt.codes.to(torch.int8 if info.signed else torch.uint8)
     else:
