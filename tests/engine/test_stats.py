@@ -181,24 +181,30 @@ def test_chunked_sums_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
                          + [_scheme(dtype="int4", granularity="group", group_size=16, observer="percentile",
                                     observer_args={"percentile": 99.0})],
                          ids=lambda s: f"{s.dtype}-{s.granularity}-{s.observer}")
-def test_compiled_stats_equal_eager(compiled: None, scheme: Scheme, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("chunk", [100, 96])  # whole chunks and a tail; chunks that split one scale's block
+def test_compiled_stats_equal_eager(compiled: None, scheme: Scheme, chunk: int,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from quantd.engine import kernels
 
-    monkeypatch.setattr(stats, "_CHUNK", 100)  # several whole chunks for the fused pass, and a tail
+    monkeypatch.setattr(stats, "_CHUNK", chunk)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(24, 96, generator=gen) * torch.rand(24, 1, generator=gen) + 0.5
     x[3, 7], x[20, 1] = 40.0, -35.0  # outliers, clipped by the percentile observer
     qt = quantize(x, scheme)
     x_hat = dequantize(qt)
     got = error_stats(x, x_hat, qt)
+    fused = stats.quantized_error_stats(x, qt)  # x̂ decoded inside the kernel, never stored
+    assert stats._moments_from_codes(x, qt) is not None
     kernels.KERNELS.reset(available=False)
     want = error_stats(x, x_hat, qt)
+    assert stats.quantized_error_stats(x, qt) == want
     kernels.KERNELS.reset(available=True)
-    for field, value in want.model_dump().items():
-        if isinstance(value, float) and math.isfinite(value):
-            assert getattr(got, field) == pytest.approx(value, rel=1e-12, abs=1e-300), field
-        else:
-            assert getattr(got, field) == value, field
+    for result in (got, fused):
+        for field, value in want.model_dump().items():
+            if isinstance(value, float) and math.isfinite(value):
+                assert getattr(result, field) == pytest.approx(value, rel=1e-12, abs=1e-300), field
+            else:
+                assert getattr(result, field) == value, field
     assert got.outlier_rate > 0
     if scheme.observer == "percentile":
         assert got.clipped_fraction > 0

@@ -164,3 +164,22 @@ def test_pytorch_names_clash_after_flattening(tmp_path: Path) -> None:
     torch.save({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}, p)
     with pytest.raises(MalformedInputError, match="appears twice"):
         open_model(p)
+
+
+def test_safetensors_transient_loads_reuse_one_buffer(tmp_path: Path) -> None:
+    ref = _ref_tensors()
+    path = tmp_path / "m.safetensors"
+    save_file(ref, str(path))
+    with open_model(path) as r:
+        for name, t in ref.items():  # every dtype and shape, empty included, through one growing buffer
+            got = r.load_transient(name, "cpu")
+            assert got.dtype == t.dtype and torch.equal(got, t), name
+        a = r.load_transient("w32", "cpu")
+        ptr = a.data_ptr()
+        b = r.load_transient("w16", "cpu")  # smaller: the same memory, so a is no longer w32
+        assert b.data_ptr() == ptr and torch.equal(b, ref["w16"])
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-8])
+    with pytest.raises(MalformedInputError), open_model(tmp_path / "cut.safetensors") as r:
+        for name in ref:
+            r.load_transient(name, "cpu")

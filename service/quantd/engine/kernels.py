@@ -210,14 +210,17 @@ def pack_codes(codes: torch.Tensor, qmin: int, bits: int) -> torch.Tensor | None
 def _moments(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
     a = x.double()
     b = x_hat.double()
-    n_c = a.shape[1]
-    sum_x = a.sum(dim=1)
-    centred = a - (sum_x / n_c).unsqueeze(1)
+    dims = tuple(range(1, a.dim()))  # every dim but the chunks' (reducing them as they are vectorises;
+    n_c = 1  # flattening a broadcast x̂ first does not)
+    for d in dims:
+        n_c = n_c * a.shape[d]
+    sum_x = a.sum(dim=dims)
+    centred = a - (sum_x / n_c).reshape(-1, *([1] * len(dims)))
     err = (a - b).abs()
     return torch.stack([
-        torch.full_like(sum_x, n_c), sum_x, (centred * centred).sum(dim=1), (a * a).sum(dim=1),
-        (b * b).sum(dim=1), (a * b).sum(dim=1), (err * err).sum(dim=1), err.sum(dim=1), err.amax(dim=1),
-        a.abs().amax(dim=1),
+        torch.full_like(sum_x, n_c), sum_x, (centred * centred).sum(dim=dims), (a * a).sum(dim=dims),
+        (b * b).sum(dim=dims), (a * b).sum(dim=dims), (err * err).sum(dim=dims), err.sum(dim=dims),
+        err.amax(dim=dims), a.abs().amax(dim=dims),
     ], dim=1)
 
 
@@ -225,6 +228,20 @@ def moments(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor | None:
     """Per row of ``x``/``x_hat`` ``[n, chunk]`` the float64 sums of ``stats._chunk_sums`` (same order
     of columns), ``[n, 10]``, in one pass over both."""
     return KERNELS.call("moments", _moments, (x.dtype, x_hat.dtype), x, x_hat)
+
+
+def _moments_from_codes(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                        codebook: torch.Tensor, nf4: bool) -> torch.Tensor:
+    x_hat = codebook[codes.long()] * scale if nf4 else _decode(codes, scale, zero_point)
+    return _moments(x, x_hat)
+
+
+def moments_from_codes(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                       codebook: torch.Tensor, *, nf4: bool) -> torch.Tensor | None:
+    """:func:`moments` of ``x`` against its dequantized codes, decoded on the fly (never stored): ``x`` and
+    ``codes`` ``[n, rows, K]``, scale and zero point ``[n, rows, 1]``; one row of sums per chunk ``n``."""
+    return KERNELS.call("moments_codes", _moments_from_codes, (x.dtype, codes.dtype, nf4),
+                        x, codes, scale, zero_point, codebook, nf4)
 
 
 def _outliers(x: torch.Tensor, mean: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from quantd.engine import kernels
-from quantd.engine.granularity import block_view, granularity_of
+from quantd.engine.granularity import block_view, granularity_of, is_row_major
 from quantd.engine.primitives import FLOAT_TORCH_DTYPES
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError
@@ -194,7 +194,11 @@ def _moments(x: torch.Tensor, x_hat: torch.Tensor) -> _Moments:
         rows.extend(_chunk_sums(fx[i:i + step], fh[i:i + step], a[: min(step, fx.numel() - i)],
                                 b[: min(step, fx.numel() - i)]).unsqueeze(0)
                     for i in range(start, fx.numel(), step))
-    s = torch.cat(rows)
+    return _merge(torch.cat(rows))
+
+
+def _merge(s: torch.Tensor) -> _Moments:
+    """The per-chunk sums ``[chunks, 10]`` merged (one host sync)."""
     n = s[:, _N].sum()
     mean = s[:, _SUM_X].sum() / n
     m2 = s[:, _M2].sum() + (s[:, _N] * (s[:, _SUM_X] / s[:, _N] - mean) ** 2).sum()
@@ -233,15 +237,68 @@ def _cosine(m: _Moments) -> float:
     return max(-1.0, min(1.0, m.sum_xh / math.sqrt(m.sum_x2 * m.sum_h2)))
 
 
-def error_stats(x: torch.Tensor, x_hat: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
-    """CONTRACT §4 statistics of ``x_hat`` (the dequantized ``qt``) against the original ``x``."""
+def _chunk_rows(blocks: int, width: int) -> int:
+    """Block rows per chunk of the fused statistics: the largest divisor of ``blocks`` with at most
+    ``_CHUNK`` elements per chunk (at least one row)."""
+    limit = max(1, min(blocks, _CHUNK // max(1, width)))
+    return next(r for r in range(limit, 0, -1) if blocks % r == 0)
+
+
+def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None:
+    """The sums of :func:`_moments` against ``dequantize(qt)`` without materialising it: each chunk's
+    ``x̂`` is decoded in registers by the fused kernel, with dequantize's own float32 formula. None when
+    the fused path does not apply (the caller dequantizes)."""
+    info = DTYPES[qt.dtype]
+    gran = granularity_of(qt)
+    if (info.kind == "float" or qt.scale is None or not kernels.KERNELS.wants(x)
+            or not (is_row_major(x, gran) and is_row_major(qt.codes, gran))):
+        return None
+    blocks, _ = block_view(x, gran, name="x")
+    codes, _ = block_view(qt.codes, gran, name="codes")
+    scale = qt.scale.reshape(-1, 1).float()
+    zp = torch.zeros_like(scale) if qt.zero_point is None else qt.zero_point.reshape(-1, 1).float()
+    n_blocks, width = blocks.shape
+    if n_blocks == 1 and width % _CHUNK == 0:  # one scale for all: chunks of _CHUNK elements
+        shape3 = (width // _CHUNK, 1, _CHUNK)
+        scale3, zp3 = scale.reshape(1, 1, 1).expand(shape3[0], 1, 1), zp.reshape(1, 1, 1).expand(shape3[0], 1, 1)
+    else:
+        rows = _chunk_rows(n_blocks, width)
+        shape3 = (n_blocks // rows, rows, width)
+        scale3, zp3 = scale.reshape(shape3[0], rows, 1), zp.reshape(shape3[0], rows, 1)
+    codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=x.device)
+    fused = kernels.moments_from_codes(blocks.reshape(shape3), codes.reshape(shape3), scale3, zp3, codebook,
+                                       nf4=info.kind == "nf4")
+    return None if fused is None else _merge(fused)
+
+
+def quantized_error_stats(x: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
+    """``error_stats(x, dequantize(qt), qt)``: on the fused CPU path without a float32 ``x̂`` in memory
+    (one pass over ``x`` and the codes), else through ``dequantize``."""
+    _check_shapes(x, x, qt)
+    m = _moments_from_codes(x, qt)
+    if m is None:
+        from quantd.engine.primitives import dequantize
+
+        return error_stats(x, dequantize(qt), qt)
+    return _stats(x, qt, m)
+
+
+def _check_shapes(x: torch.Tensor, x_hat: torch.Tensor, qt: QuantizedTensor) -> None:
     if tuple(x.shape) != tuple(x_hat.shape) or tuple(x.shape) != tuple(qt.shape):
         raise ConfigError(f"x {list(x.shape)}, x_hat {list(x_hat.shape)} and the quantized tensor "
                           f"{list(qt.shape)} must have one shape", field="x_hat")
-    numel = x.numel()
-    if numel == 0:
+    if x.numel() == 0:
         raise ConfigError("statistics of an empty tensor are undefined", field="shape")
-    m = _moments(x, x_hat)
+
+
+def error_stats(x: torch.Tensor, x_hat: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
+    """CONTRACT §4 statistics of ``x_hat`` (the dequantized ``qt``) against the original ``x``."""
+    _check_shapes(x, x_hat, qt)
+    return _stats(x, qt, _moments(x, x_hat))
+
+
+def _stats(x: torch.Tensor, qt: QuantizedTensor, m: _Moments) -> ErrorStats:
+    numel = x.numel()
     std = math.sqrt(m.m2 / numel)
     threshold = OUTLIER_STDS * std
     outliers = _outlier_count(x, m.mean, threshold)

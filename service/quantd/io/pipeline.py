@@ -102,21 +102,23 @@ def check_finite(x: torch.Tensor, name: str) -> None:
 
 
 def _measure(x: torch.Tensor, scheme: Scheme, name: str) -> tuple[ErrorStats, QuantizedTensor]:
-    from quantd.engine.primitives import dequantize, quantize
-    from quantd.engine.stats import error_stats
+    from quantd.engine.primitives import quantize
+    from quantd.engine.stats import quantized_error_stats
 
     qt = quantize(x, scheme, name=name)
-    return error_stats(x, dequantize(qt), qt), qt
+    return quantized_error_stats(x, qt), qt
 
 
 def _process(reader: ModelReader, writer: ArtifactWriter, p: TensorPlan, device: torch.device) -> TensorReport:
     name = p.info.name
     shape, in_dtype = list(p.info.shape), p.info.dtype
+    # load_transient: x may share the reader's buffer, so nothing derived from it outlives this call
+    # (everything is written before the next tensor is read).
     if p.scheme is None:  # kept as it is: no trip through the device
-        writer.write(name, reader.load(name, "cpu"))
+        writer.write(name, reader.load_transient(name, "cpu"))
         return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=None, stats=None, skipped=True,
                             reason=p.reason)
-    x = reader.load(name, device)
+    x = reader.load_transient(name, device)
     try:  # the engine refuses NaN/Inf on its own (observing the range), without an extra pass here
         stats, qt = _measure(x, p.scheme, name)
     except NonFiniteError:

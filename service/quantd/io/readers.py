@@ -77,6 +77,11 @@ class ModelReader:
         self.info(name)
         return self._load(name).to(device)
 
+    def load_transient(self, name: str, device: str | torch.device) -> torch.Tensor:
+        """As :meth:`load`, but the tensor may live in a buffer the reader reuses: valid only until the
+        next ``load_transient`` (the one-tensor-at-a-time pipeline, spared a fresh allocation per tensor)."""
+        return self.load(name, device)
+
     def _load(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
@@ -102,6 +107,17 @@ def _read_exact(f: IO[bytes], n: int, *, what: str, tensor: str) -> bytearray:
     return buf
 
 
+def _read_into(f: IO[bytes], out: torch.Tensor, *, what: str, tensor: str) -> None:
+    """Fill the contiguous uint8 tensor ``out`` from ``f``; MalformedInputError when the file ends first."""
+    view = memoryview(out.numpy()).cast("B")
+    n, got = len(view), 0
+    while got < n:
+        k = f.readinto(view[got:])  # type: ignore[attr-defined]
+        if not k:
+            raise MalformedInputError(f"tensor {tensor!r}: {what} truncated ({got} of {n} bytes)", tensor=tensor)
+        got += k
+
+
 def _torch_from_bytes(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if len(buf) == 0:
         return torch.empty(shape, dtype=dtype)
@@ -121,6 +137,7 @@ class SafetensorsReader(ModelReader):
             raise
         for e in self.header.entries.values():
             self._add(TensorInfo(e.name, e.shape, dtype_name(ST_TO_TORCH[e.dtype]), e.nbytes))
+        self._scratch: torch.Tensor | None = None  # load_transient's buffer, grown to the largest tensor
 
     def _load(self, name: str) -> torch.Tensor:
         e = self.header.entries[name]
@@ -128,7 +145,20 @@ class SafetensorsReader(ModelReader):
         buf = _read_exact(self._f, e.nbytes, what="data", tensor=name)
         return _torch_from_bytes(buf, ST_TO_TORCH[e.dtype], e.shape)
 
+    def load_transient(self, name: str, device: str | torch.device) -> torch.Tensor:
+        e = self.header.entries[self.info(name).name]
+        if e.nbytes == 0:
+            return self.load(name, device)
+        if self._scratch is None or self._scratch.numel() < e.nbytes:
+            self._scratch = None  # the old buffer goes before the larger one is allocated
+            self._scratch = torch.empty(e.nbytes, dtype=torch.uint8)
+        raw = self._scratch[:e.nbytes]
+        self._f.seek(self.header.data_start + e.begin)
+        _read_into(self._f, raw, what="data", tensor=name)
+        return raw.view(ST_TO_TORCH[e.dtype]).reshape(e.shape).to(device)
+
     def close(self) -> None:
+        self._scratch = None
         self._f.close()
 
 
