@@ -203,13 +203,31 @@ def quantd_server(
                 proc.wait(timeout=15)
 
 
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
 def wait_job(client: Any, url: str, job_id: str, *, timeout_s: float) -> dict[str, Any]:
-    """Poll ``GET /v1/jobs/{id}`` until a terminal status or the deadline; return the Job JSON."""
+    """Follow ``GET /v1/jobs/{id}/events`` (SSE, as the SDK does) to the terminal event and return that
+    event's Job JSON; if the stream fails, poll ``GET /v1/jobs/{id}`` until a terminal status."""
+    import httpx
+
     deadline = time.monotonic() + timeout_s
+    event = None
+    try:
+        with client.stream("GET", f"{url}/v1/jobs/{job_id}/events", timeout=timeout_s) as resp:
+            resp.raise_for_status()
+            for line in resp.iter_lines():
+                if line.startswith("event:"):
+                    event = line.split(":", 1)[1].strip()
+                elif line.startswith("data:") and event in TERMINAL:
+                    job: dict[str, Any] = json.loads(line.split(":", 1)[1])
+                    return job
+    except httpx.HTTPError:
+        pass
     delay = 0.02
     while True:
-        job: dict[str, Any] = client.get(f"{url}/v1/jobs/{job_id}").raise_for_status().json()
-        if job["status"] in ("succeeded", "failed", "cancelled"):
+        job = client.get(f"{url}/v1/jobs/{job_id}").raise_for_status().json()
+        if job["status"] in TERMINAL:
             return job
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} still {job['status']} after {timeout_s}s")

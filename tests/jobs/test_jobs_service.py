@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -162,6 +164,30 @@ async def test_events_progress_then_terminal(make_service: MakeService, model_fi
     progress = [d for n, d in events if n == "progress"]
     assert all(a != b for a, b in itertools.pairwise(progress))  # only on change
     assert [p["tensors_done"] for p in progress] == sorted(p["tensors_done"] for p in progress)
+
+
+async def test_local_workers_wake_event_streams_without_polling(make_service: MakeService,
+                                                                 model_file: Path) -> None:
+    svc = make_service(events_poll_s=30.0)  # a poll would take 30 s: only the workers' signals can be seen
+    job = await svc.submit(tenant="a", upload=make_upload(svc, model_file), config=CONFIG)
+    t0 = time.monotonic()
+    names = [name async for name, _ in svc.events("a", job.id)]
+    assert names[-1] == "succeeded"
+    assert time.monotonic() - t0 < 10.0
+
+
+async def test_job_signals_wake_from_another_thread_and_time_out() -> None:
+    from quantd.jobs.signals import JobSignals
+
+    signals = JobSignals()
+    assert await signals.wait("j", 0.01) is False
+    timer = threading.Timer(0.05, signals.notify, args=("j",))
+    timer.start()
+    t0 = time.monotonic()
+    assert await signals.wait("j", 30.0) is True
+    assert time.monotonic() - t0 < 10.0
+    signals.notify("nobody-waits")  # a no-op
+    assert not signals._waiters  # waiters are dropped once woken or timed out
 
 
 async def test_tenant_isolation(make_service: MakeService, model_file: Path) -> None:

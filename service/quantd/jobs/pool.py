@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 from .config import JobsConfig, worker_devices
@@ -49,7 +50,8 @@ class WorkerPool:
     """Embedded workers (one per device by default) and the periodic reaper."""
 
     def __init__(self, config: JobsConfig, store: JobStore, storage: ArtifactStore,
-                 quantize_fn: QuantizeFn | None = None, *, workers: bool = True) -> None:
+                 quantize_fn: QuantizeFn | None = None, *, workers: bool = True,
+                 on_change: Callable[[str], None] | None = None) -> None:
         self.config, self.store, self.storage = config, store, storage
         self.stop_event = threading.Event()
         self.wake = threading.Event()
@@ -59,7 +61,8 @@ class WorkerPool:
             self.workers = [
                 Worker(i, device, store=store, storage=storage, quantize_fn=fn, lease_s=config.lease_s,
                        heartbeat_s=config.heartbeat_s, poll_s=config.poll_s,
-                       progress_write_s=config.progress_write_s, wake=self.wake, stop=self.stop_event)
+                       progress_write_s=config.progress_write_s, wake=self.wake, stop=self.stop_event,
+                       on_change=on_change)
                 for i, device in enumerate(worker_devices(config))
             ]
         self._reaper = threading.Thread(target=self._reap_loop, name="quantd-reaper", daemon=True)

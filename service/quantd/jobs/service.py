@@ -18,6 +18,7 @@ from .config import JobsConfig
 from .errors import IdempotencyConflict, InvalidListQuery, JobExpired, JobNotFound, JobNotReady
 from .pool import WorkerPool, open_backends
 from .records import STATUSES, JobRecord
+from .signals import JobSignals
 from .storage import ArtifactStore, StoredUpload, is_job_id
 from .store import JobStore
 from .worker import QuantizeFn
@@ -58,12 +59,13 @@ class JobService:
         self._store: JobStore | None = None
         self._storage: ArtifactStore | None = None
         self._pool: WorkerPool | None = None
+        self._signals = JobSignals()  # this process's workers wake the event streams of their jobs
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start_sync(self) -> None:
         self._store, self._storage = open_backends(self.config)
         self._pool = WorkerPool(self.config, self._store, self._storage, self._quantize_fn,
-                                workers=self.config.workers != 0)
+                                workers=self.config.workers != 0, on_change=self._signals.notify)
         self._pool.start()
 
     def stop_sync(self) -> None:
@@ -174,6 +176,7 @@ class JobService:
         after = self.store.request_cancel(job_id) or rec
         if after.status == "cancelled":
             self.storage.delete_job_files(job_id)
+            self._signals.notify(job_id)
         return after.to_job()
 
     def _succeeded(self, tenant: str, job_id: str) -> JobRecord:
@@ -217,7 +220,8 @@ class JobService:
             if progress != last:
                 last = progress
                 yield "progress", progress
-            await asyncio.sleep(self.config.events_poll_s)  # the poll interval of the job row
+            # A local worker's write wakes the stream at once; other processes' are seen at the next poll.
+            await self._signals.wait(job_id, self.config.events_poll_s)
             rec = await self._run(self._record, tenant, job_id)
         yield rec.status, rec.to_job().model_dump(mode="json")
 

@@ -83,9 +83,11 @@ class _Lease:
     answers ``should_cancel`` (a user cancel, a lost lease, or a shutdown)."""
 
     def __init__(self, store: JobStore, job: JobRecord, *, lease_s: float, heartbeat_s: float,
-                 progress_write_s: float, shutdown: threading.Event, on_beat: Callable[[], None]) -> None:
+                 progress_write_s: float, shutdown: threading.Event, on_beat: Callable[[], None],
+                 on_write: Callable[[], None] | None = None) -> None:
         self.store, self.job_id, self.owner = store, job.id, job.lease_owner or ""
         self.on_beat = on_beat
+        self.on_write = on_write or (lambda: None)
         self.lease_s, self.heartbeat_s, self.progress_write_s = lease_s, heartbeat_s, progress_write_s
         self.shutdown = shutdown
         self.state = "ok"
@@ -122,6 +124,7 @@ class _Lease:
         if final or now - self._last_write >= self.progress_write_s:
             self._last_write = now
             self._update(self.store.heartbeat(self.job_id, self.owner, self.lease_s, self._progress))
+            self.on_write()
 
     def should_cancel(self) -> bool:
         now = time.monotonic()
@@ -136,8 +139,10 @@ class Worker:
 
     def __init__(self, index: int, device: str, *, store: JobStore, storage: ArtifactStore,
                  quantize_fn: QuantizeFn, lease_s: float, heartbeat_s: float, poll_s: float,
-                 progress_write_s: float, wake: threading.Event, stop: threading.Event) -> None:
+                 progress_write_s: float, wake: threading.Event, stop: threading.Event,
+                 on_change: Callable[[str], None] | None = None) -> None:
         self.id = new_worker_id(index)
+        self.on_change = on_change or (lambda job_id: None)
         self.device = device
         self.store, self.storage, self.quantize_fn = store, storage, quantize_fn
         self.lease_s, self.heartbeat_s, self.poll_s = lease_s, heartbeat_s, poll_s
@@ -194,7 +199,8 @@ class Worker:
         try:
             with _Lease(self.store, job, lease_s=self.lease_s, heartbeat_s=self.heartbeat_s,
                         progress_write_s=self.progress_write_s, shutdown=self.stop,
-                        on_beat=lambda: self.store.worker_heartbeat(self.id, job.id)) as lease:
+                        on_beat=lambda: self.store.worker_heartbeat(self.id, job.id),
+                        on_write=lambda: self.on_change(job.id)) as lease:
                 outcome = self._quantize(job, tmp, lease)
             if not isinstance(outcome, Report):
                 tmp.unlink(missing_ok=True)  # no partial artifact outlives the job's end
@@ -213,6 +219,7 @@ class Worker:
                 self._end_interrupted(job, owner)
         finally:
             tmp.unlink(missing_ok=True)
+            self.on_change(job.id)  # its end (or release) is in the database: wake the streams
 
     def _quantize(self, job: JobRecord, tmp: Path, lease: _Lease) -> Report | dict[str, str] | None:
         """The pipeline's Report; an error dict when the job fails; None when interrupted."""
