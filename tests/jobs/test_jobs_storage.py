@@ -102,3 +102,39 @@ async def test_submit_refuses_an_upload_outside_the_data_dir(make_service: Calla
     assert svc.counts_by_status()["queued"] == 0
     assert list(svc.storage.uploads.iterdir()) == []
     assert model_file.is_file()  # never deleted: it is not ours
+
+
+def test_adopted_uploads_and_artifacts_are_made_durable(storage: LocalStorage,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else str(fd))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    src = storage.new_tmp_path(".upload")
+    src.write_bytes(b"weights")
+    dst = storage.adopt_upload(src, ID, "input")
+    assert dst.read_bytes() == b"weights"
+    if os.path.exists("/proc/self/fd"):  # the bytes (under their temporary name), then the directory's entry
+        assert synced == [str(src), str(storage.uploads)]
+    synced.clear()
+    tmp = storage.artifact_tmp_path(ID)
+    tmp.write_bytes(b"artifact")
+    storage.commit_artifact(tmp, ID)
+    if os.path.exists("/proc/self/fd"):
+        assert synced == [str(tmp), str(storage.artifacts)]
+
+
+def test_start_writeback_is_a_harmless_hint(tmp_path: Path) -> None:
+    from quantd.jobs.storage import start_writeback
+
+    p = tmp_path / "f"
+    with open(p, "wb") as f:
+        f.write(b"x" * 100_000)
+        f.flush()
+        start_writeback(f.fileno(), 0, 100_000)
+        start_writeback(f.fileno(), 50_000, 10**12)  # past the end: still fine
+    assert p.stat().st_size == 100_000

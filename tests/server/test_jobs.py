@@ -4,6 +4,7 @@ with pagination, idempotency, cancel, queue full → 429."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 
 import pytest
@@ -186,3 +187,26 @@ async def test_job_and_sync_quantize_run_on_cuda(make_server):
         r = await h.client.post("/v1/quantize", files={"file": ("m.safetensors", st_bytes(), "x/y")},
                                 data={"config": json.dumps(CONFIG)})
         assert r.status_code == 200 and json.loads(r.headers["quantd-summary"])["device"].startswith("cuda")
+
+
+async def test_large_upload_is_written_back_while_it_streams(server, monkeypatch: pytest.MonkeyPatch):
+    import torch
+    from safetensors.torch import save
+
+    from quantd.server import uploads
+
+    kicks: list[tuple[int, int]] = []
+    real = uploads.start_writeback
+
+    def spy(fd: int, offset: int, nbytes: int) -> None:
+        kicks.append((offset, nbytes))
+        real(fd, offset, nbytes)
+
+    monkeypatch.setattr(uploads, "WRITEBACK_BYTES", 64 * 1024)
+    monkeypatch.setattr(uploads, "start_writeback", spy)
+    data = save({"w": torch.randn(256, 1024)})  # 1 MiB
+    r = await server.submit(data)
+    assert r.status_code == 202, r.text
+    assert kicks and sum(n for _, n in kicks) <= len(data)  # one kick per ≥ 64 KiB written (per body batch)
+    assert [o for o, _ in kicks] == sorted(o for o, _ in kicks) and kicks[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(kicks))  # consecutive ranges, no gap

@@ -25,6 +25,8 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
+from quantd.jobs.storage import start_writeback
+
 from .problems import ProblemException
 
 if TYPE_CHECKING:
@@ -34,6 +36,9 @@ if TYPE_CHECKING:
 FORM_OVERHEAD_BYTES = 1024 * 1024
 MAX_FIELD_BYTES = 256 * 1024
 WRITE_BATCH_BYTES = 1024 * 1024
+# An upload's bytes are handed to the disk every this many bytes, so that the fsync that makes the job
+# durable before its 202 finds little left to write.
+WRITEBACK_BYTES = 16 * 1024 * 1024
 _UNSAFE_CHARS = re.compile(r"[^\w.\- ()+=,@]")
 
 
@@ -91,6 +96,7 @@ class _Collector:
         self._headers: dict[bytes, bytes] = {}
         self._name = ""
         self._fh: BinaryIO | None = None
+        self._flushed = 0
         self._file: UploadedFile | None = None
         self._hash: Any = None
         self._text = bytearray()
@@ -135,6 +141,7 @@ class _Collector:
             self._file = UploadedFile(self._name, path, filename, 0, "")
             self.form.files[self._name] = self._file
             self._fh = open(path, "xb")  # noqa: SIM115 - closed in _part_end / close()
+            self._flushed = 0  # bytes handed to the disk's writeback so far
             self._hash = hashlib.sha256()
         elif self._name not in self.text_fields:
             expected = sorted(self.file_fields | self.text_fields)
@@ -149,6 +156,10 @@ class _Collector:
                 raise too_large(self.max_file_bytes, self.hint)
             self._hash.update(chunk)
             self._fh.write(chunk)
+            if self._file.bytes - self._flushed >= WRITEBACK_BYTES:  # to disk while the rest arrives
+                self._fh.flush()
+                start_writeback(self._fh.fileno(), self._flushed, self._file.bytes - self._flushed)
+                self._flushed = self._file.bytes
         else:
             self._text += chunk
             if len(self._text) > MAX_FIELD_BYTES:
