@@ -355,3 +355,21 @@ def test_compiled_mse_errors_match_eager(monkeypatch: pytest.MonkeyPatch, dtype:
         kernels.KERNELS.reset()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
     assert _mse(x, scheme, got_range) <= _mse(x, scheme, ref_range) * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("dtype,symmetric", [("int4", False), ("int4", True), ("uint8", False), ("int8", True),
+                                             ("nf4", True), ("fp8_e4m3", True)])
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16", "float32"])
+def test_compiled_candidate_qparams_equal_eager(compiled: None, dtype: str, symmetric: bool,
+                                                scale_dtype: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    lo = -torch.rand(300, generator=gen) * 3
+    hi = torch.rand(300, generator=gen) * 3
+    lo[:7], hi[3:9] = 0.0, 0.0  # zero-sided and all-zero blocks
+    ratios = torch.rand(300, 5, generator=gen) * 0.8 + 0.2
+    scheme = Scheme(dtype=dtype, symmetric=symmetric, granularity="channel", scale_dtype=scale_dtype)
+    s_fused, z_fused = obs.candidate_qparams(lo, hi, ratios, scheme, fused=True)
+    s_eager, z_eager = obs.candidate_qparams(lo, hi, ratios, scheme, fused=False)
+    assert torch.equal(s_fused, s_eager)
+    assert (z_fused is None and z_eager is None) or (z_fused is not None and z_eager is not None
+                                                     and torch.equal(z_fused, z_eager))

@@ -215,12 +215,33 @@ def _fake_quant_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | N
     return err.square_() if norm == 2.0 else err.pow_(norm)
 
 
+def _candidate_qparams(lo: torch.Tensor, hi: torch.Tensor, ratios: torch.Tensor, dtype: str, symmetric: bool,
+                       scale_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    scale, zp = choose_qparams(lo.unsqueeze(1) * ratios, hi.unsqueeze(1) * ratios, dtype=dtype,
+                               symmetric=symmetric, scale_dtype=scale_dtype)
+    return scale.float(), (None if zp is None else zp.float())
+
+
+def candidate_qparams(lo: torch.Tensor, hi: torch.Tensor, ratios: torch.Tensor, scheme: Scheme,
+                      *, fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 qparams ``[B, C]`` of the ranges ``(r·lo, r·hi)``. ``fused``: all of ``choose_qparams``'s
+    float64 steps in one compiled kernel (the same values: its ops are exact or correctly rounded),
+    which for small groups is most of the mse search's cost in eager torch."""
+    args = (lo, hi, ratios, scheme.dtype, scheme.symmetric, scheme.scale_dtype)
+    if fused:
+        out = kernels.KERNELS.call("candidate_qparams", _candidate_qparams,
+                                   (lo.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype), *args)
+        if out is not None:
+            return out
+    return _candidate_qparams(*args)
+
+
 def _candidate_errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ratios: torch.Tensor,
                       scheme: Scheme, info: DTypeInfo, norm: float) -> torch.Tensor:
     """Errors ``[B, C]`` of the candidate ranges ``(r·lo, r·hi)``, ``ratios[B, C]``, chunked."""
     rows, k = x.shape
     cands = ratios.shape[1]
-    scale, zp = qparams_for(lo.unsqueeze(1) * ratios, hi.unsqueeze(1) * ratios, scheme)
+    scale, zp = candidate_qparams(lo, hi, ratios, scheme, fused=kernels.KERNELS.wants(x))
     if info.kind == "int" and kernels.KERNELS.wants(x):
         fused = kernels.fake_quant_error_int(x, scale, torch.zeros_like(scale) if zp is None else zp,
                                              info.qmin, info.qmax, norm)
