@@ -393,6 +393,12 @@ def service_section(svc: dict[str, Any]) -> str:
                     ["upload → 202 accepted (median)", fmt(lf.get("median_upload_accepted_s"), ".2f") + " s", ""],
                     ["copy + fsync of the same file on that file system", fmt(lf.get("disk_copy_s"), ".2f") + " s",
                      ""],
+                    ["the same upload to a uvicorn app that drops the body (median)",
+                     fmt(lf.get("raw_upload_floor_s"), ".2f") + " s", ""],
+                    ["ratio floor: (that upload + in-process) / in-process",
+                     fmt(lf.get("ratio_floor_sequential"), ".2f"), ""],
+                    ["ratio floor, upload and quantization fully overlapped",
+                     fmt(lf.get("ratio_floor_overlapped"), ".2f"), ""],
                     ["in-process peak RSS", f"{lf['inprocess_peak_rss_bytes'] / 1e6:.0f} MB", ""],
                 ],
             )

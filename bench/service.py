@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import Server, log, machine_info, quantd_server, wait_job, write_results
+from common import Server, free_port, log, machine_info, quantd_server, wait_job, write_results
 
 CONFIG = {
     "scheme": {"dtype": "int4", "symmetric": False, "granularity": "group", "group_size": 128},
@@ -172,6 +172,54 @@ def run_http_job(server: Server, src: Path, timeout_s: float) -> dict[str, Any]:
     }
 
 
+# The floor under any upload to a uvicorn server on this machine: an ASGI app that reads the body and
+# drops it (no multipart parsing, no hashing, no file), receiving the same request from the same client.
+DISCARD_APP = """
+async def app(scope, receive, send):
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
+"""
+
+
+def raw_upload_floor(src: Path, tmp: Path, repeats: int) -> list[float]:
+    """Seconds to POST ``src`` as the HTTP job does, to :data:`DISCARD_APP` on uvicorn."""
+    import httpx
+
+    (tmp / "discard_app.py").write_text(DISCARD_APP)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "discard_app:app", "--app-dir", str(tmp), "--port", str(port),
+         "--lifespan", "off", "--log-level", "warning"],
+    )
+    times: list[float] = []
+    try:
+        with httpx.Client(timeout=600.0) as http:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    http.post(f"http://127.0.0.1:{port}/", content=b"")
+                    break
+                except httpx.TransportError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                with open(src, "rb") as f:
+                    http.post(
+                        f"http://127.0.0.1:{port}/",
+                        data={"config": json.dumps(CONFIG)},
+                        files={"file": (src.name, f, "application/octet-stream")},
+                    ).raise_for_status()
+                times.append(time.perf_counter() - t0)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return times
+
+
 def timed_copy(src: Path, dst: Path) -> float:
     """Seconds to copy ``src`` into a new file beside it and fsync it: the floor under storing an upload
     of the same size on this file system (an HTTP job must persist its input before answering 202)."""
@@ -194,6 +242,8 @@ def large_file(repeats: int, count: int, side: int) -> dict[str, Any]:
         log(f"  {model['file_bytes'] / 1e6:.0f} MB")
         disk_copy_s = timed_copy(src, Path(tmp) / "copy.bin")  # what persisting an upload costs here
         log(f"  copying the file on this disk (fsync): {disk_copy_s:.1f} s")
+        floor = raw_upload_floor(src, Path(tmp), repeats)
+        log(f"  the same upload to a uvicorn app that drops the body: {statistics.median(floor):.2f} s")
         warm = Path(tmp) / "warm-up.safetensors"
         make_model(warm, 1, 1024)
         inproc: list[dict[str, Any]] = []
@@ -231,6 +281,13 @@ def large_file(repeats: int, count: int, side: int) -> dict[str, Any]:
             "wall_ratio_target": 1.2,
             "tmp_root": tempfile.gettempdir(),
             "disk_copy_s": disk_copy_s,
+            "raw_upload_floor_runs_s": floor,
+            "raw_upload_floor_s": statistics.median(floor),
+            # What the ratio could be at best with this client and server stack: receiving the bytes
+            # (nothing else) added to the in-process time, or, were quantization fully overlapped with
+            # the upload, the larger of the two.
+            "ratio_floor_sequential": (statistics.median(floor) + in_s) / in_s,
+            "ratio_floor_overlapped": max(statistics.median(floor), in_s) / in_s,
             "median_upload_accepted_s": statistics.median(r["upload_accepted_s"] for r in http),
             "server_peak_rss_bytes": peak,
             "server_baseline_rss_bytes": rss.baseline_rss_kb * 1024,
