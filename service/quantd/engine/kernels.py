@@ -56,6 +56,21 @@ def _encode_int(blocks: torch.Tensor, scale: torch.Tensor, zero_point: torch.Ten
     return q.clamp(qmin, qmax).to(out_dtype)
 
 
+def _quantize_rows_int(blocks: torch.Tensor, dtype: str, symmetric: bool, scale_dtype: str, qmin: torch.Tensor,
+                       qmax: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    from quantd.engine.qparams import choose_qparams
+
+    x = blocks.float()
+    lo, hi = x.amin(dim=1), x.amax(dim=1)
+    scale, zero_point = choose_qparams(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)
+    s = scale.float().unsqueeze(1)
+    z = torch.zeros_like(s) if zero_point is None else zero_point.float().unsqueeze(1)
+    codes = (torch.round(x / s) + z).clamp(qmin, qmax).to(out_dtype)
+    if zero_point is None:
+        return codes, scale, lo, hi
+    return codes, scale, lo, hi, zero_point
+
+
 def _encode_nf4(blocks: torch.Tensor, scale: torch.Tensor, mids: tuple[float, ...]) -> torch.Tensor:
     v = blocks.float() / scale
     idx = (v > mids[0]).to(torch.float32)  # counted in float32: uint8 adds do not vectorise here (8x slower)
@@ -133,6 +148,23 @@ def encode_int(blocks: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
     lo = torch.tensor(float(qmin), dtype=torch.float32)
     hi = torch.tensor(float(qmax), dtype=torch.float32)
     return KERNELS.call("int", _encode_int, (blocks.dtype, out_dtype), blocks, scale, zero_point, lo, hi, out_dtype)
+
+
+def quantize_rows_int(blocks: torch.Tensor, *, dtype: str, symmetric: bool, scale_dtype: str, qmin: int, qmax: int,
+                      out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                       torch.Tensor, torch.Tensor] | None:
+    """Min-max integer quantization of long rows in one kernel: each row's range, its qparams (the
+    ``choose_qparams`` steps) and its codes while the row is still in cache, so the weight is read from
+    memory once instead of twice. Returns codes, scale, zero point (None when symmetric) and the row
+    ranges (for the caller's NaN/Inf check). With short rows (groups) the two-kernel path is faster."""
+    lo_q = torch.tensor(float(qmin), dtype=torch.float32)
+    hi_q = torch.tensor(float(qmax), dtype=torch.float32)
+    out = KERNELS.call("rows_int", _quantize_rows_int, (blocks.dtype, dtype, symmetric, scale_dtype, out_dtype),
+                       blocks, dtype, symmetric, scale_dtype, lo_q, hi_q, out_dtype)
+    if out is None:
+        return None
+    codes, scale, lo, hi, *zp = out
+    return codes, scale, (zp[0] if zp else None), lo, hi
 
 
 def encode_nf4(blocks: torch.Tensor, scale: torch.Tensor, mids: tuple[float, ...]) -> torch.Tensor | None:

@@ -196,6 +196,12 @@ def _quantize_two_pass(enc: _Encoder, scheme: Scheme, rng: Range | None, *, name
     return enc.codes, scale, zp
 
 
+# Rows at least this long (per-channel weights) are quantized by one kernel per row (range, qparams and
+# codes while the row is in cache); shorter ones (groups) by a range kernel and an encode kernel, which
+# is faster for them.
+ROW_KERNEL_MIN_WIDTH = 512
+
+
 def _encode_compiled(blocks: torch.Tensor, info: DTypeInfo, codes_dtype: torch.dtype, scale: torch.Tensor,
                      zp: torch.Tensor | None) -> torch.Tensor | None:
     """All blocks encoded by one fused kernel (:mod:`quantd.engine.kernels`); None when not compiled."""
@@ -215,6 +221,14 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
     if rng is not None:  # given by the caller: the weights themselves are not checked by observing
         if not bool(torch.isfinite(blocks).all()):
             raise NonFiniteError("NaN or Inf in the weights", tensor=name)
+    elif scheme.observer == "minmax" and info.kind == "int" and blocks.shape[1] >= ROW_KERNEL_MIN_WIDTH:
+        whole = kernels.quantize_rows_int(blocks, dtype=scheme.dtype, symmetric=scheme.symmetric,
+                                          scale_dtype=scheme.scale_dtype, qmin=info.qmin, qmax=info.qmax,
+                                          out_dtype=codes_dtype)
+        if whole is None:
+            return None
+        _check_range(whole[3:], blocks.shape[0], name=name)  # NaN/Inf propagate into the row ranges
+        return whole[:3]
     elif scheme.observer == "minmax":  # NaN/Inf propagate into the range, which _check_range rejects
         rng = kernels.row_range(blocks)
         if rng is None:
