@@ -29,6 +29,7 @@ def live_server(root: Path, *, api_keys: str | None = None, port_from_env: bool 
     from ``QUANTD_*``)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTD_")}
+    env["QUANTD_WARMUP"] = "0"  # no background compiling competing with the tests (test_uvicorn checks it)
     if api_keys:
         env["QUANTD_API_KEYS"] = api_keys
     cmd = [sys.executable, "-m", "quantd", "serve", "--data-dir", str(root / "data"), "--workers", "1",

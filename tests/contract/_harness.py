@@ -46,7 +46,7 @@ def start_server(tmp: Path, env_extra: dict[str, str]) -> Server:
     data = tmp / "data"
     log = tmp / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTD_")}
-    env.update({"QUANTD_DEVICE": "cpu", **env_extra})
+    env.update({"QUANTD_DEVICE": "cpu", "QUANTD_WARMUP": "0", **env_extra})
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "quantd", "serve", "--host", "127.0.0.1", "--port", str(port),

@@ -298,3 +298,15 @@ def test_calibration_samples_are_observed_first(tmp_path: Path, model_file: Path
     with pytest.raises(NonFiniteError, match=r"fc\.in"):
         quantize_file(model_file, tmp_path / "bad.safetensors", config, device="cpu", calibration=calib)
     assert not (tmp_path / "bad.safetensors").exists() and not (tmp_path / "bad.safetensors.tmp").exists()
+
+
+def test_warm_up_builds_the_kernels_of_its_schemes(compiled: None) -> None:
+    from quantd.engine import kernels
+    from quantd.io.pipeline import warm_up
+
+    took = warm_up([Scheme(dtype="int4", symmetric=False, granularity="group", group_size=128)])
+    assert took is not None and took > 0
+    warm = {key[0] for key in kernels.KERNELS._warm}
+    assert {"range", "int", "pack", "moments_codes", "outliers"} <= warm  # quantize, stats, packing
+    kernels.KERNELS.reset(available=False)
+    assert warm_up() is None  # compiled kernels off: nothing to warm

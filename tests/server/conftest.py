@@ -94,7 +94,7 @@ def make_server(tmp_path: Path) -> MakeServer:
     @asynccontextmanager
     async def factory(**overrides: Any) -> AsyncIterator[Harness]:
         values: dict[str, Any] = {"data_dir": tmp_path / "data", "device": "cpu", "workers": 1,
-                                  "log_level": "WARNING"}
+                                  "log_level": "WARNING", "warmup": False}
         values.update(overrides)
         settings = Settings(**values)
         app = create_app(settings)

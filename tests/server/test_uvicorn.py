@@ -27,8 +27,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(command: str, data_dir: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "QUANTD_LEASE_S": "3", "QUANTD_LOG_LEVEL": "INFO", "QUANTD_DEVICE": "cpu"}
+def _start(command: str, data_dir: Path, log: Path, *args: str,
+           extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    extra_env = extra_env or {}
+    env = {**os.environ, "QUANTD_LEASE_S": "3", "QUANTD_LOG_LEVEL": "INFO", "QUANTD_DEVICE": "cpu",
+           "QUANTD_WARMUP": "0", **extra_env}
     env.pop("QUANTD_API_KEYS", None)
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "quantd", command, "--data-dir", str(data_dir), *args],
@@ -116,3 +119,23 @@ def test_real_server_survives_kill_9(tmp_path, procs):
     lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
     access = [x for x in lines if x.get("logger") == "quantd.access"]
     assert any(x["path"] == "/v1/info" and x["status"] == 200 and x["request_id"] for x in access)
+
+
+def test_real_server_warms_the_compiled_kernels_at_start(tmp_path, procs):
+    from quantd.engine import kernels
+
+    if not kernels.KERNELS.available():
+        pytest.skip("no C++ compiler: the compiled kernels (and their warm-up) are off")
+    data_dir, log = tmp_path / "data", tmp_path / "server.log"
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    procs.append(_start("serve", data_dir, log, "--port", str(port), "--workers", "1",
+                        extra_env={"QUANTD_WARMUP": "1"}))
+    _wait_ready(base, procs[0], log)  # serving while the kernels compile in the background
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and "compiled CPU kernels ready" not in log.read_text():
+        assert procs[0].poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)  # poll step under a deadline
+    text = log.read_text()
+    assert "compiled CPU kernels ready" in text and "warm-up failed" not in text, text[-3000:]
+    assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200

@@ -199,6 +199,32 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
     return Report(job_id=job_id, config=config, summary=summary, tensors=reports, activations=activations)
 
 
+# The schemes whose kernels a server compiles at start (quantd serve / quantd worker, QUANTD_WARMUP).
+WARMUP_SCHEMES = (
+    Scheme(dtype="int8", symmetric=True, granularity="channel"),
+    Scheme(dtype="int4", symmetric=False, granularity="group", group_size=128),
+    Scheme(dtype="int4", symmetric=True, granularity="group", group_size=128),
+)
+
+
+def warm_up(schemes: Sequence[Scheme] = WARMUP_SCHEMES) -> float | None:
+    """Run one tensor's pipeline (quantize, statistics, packing) per scheme on a small CPU tensor, so that
+    the compiled kernels those schemes need are built (or loaded from Inductor's disk cache) before the
+    first real tensor. Seconds taken, or None when the compiled kernels are off (nothing to warm)."""
+    from quantd.engine import kernels
+
+    if not kernels.KERNELS.available():
+        return None
+    t0 = time.perf_counter()
+    # Just large enough to take the compiled path, in whole groups of up to 256.
+    side = max(256, -(-(math.isqrt(max(kernels.MIN_ELEMENTS, 1) - 1) + 1) // 256) * 256)
+    x = torch.randn(side, side, generator=torch.Generator().manual_seed(0))
+    for scheme in schemes:
+        _, qt = _measure(x, scheme, "warm-up")
+        encode_quantized(qt, "warm-up")
+    return time.perf_counter() - t0
+
+
 def run_analyses(x: torch.Tensor, scheme: Scheme, names: Sequence[str], tensor: str) -> TensorAnalyses:
     """The named analyses (bit-width comparison, outlier impact, scale sensitivity) of one tensor."""
     from quantd.engine import analysis

@@ -28,8 +28,10 @@ def run_worker(settings: Settings) -> None:
     ``settings.workers`` of 0 or unset = one per device."""
     from quantd.jobs import run_worker as run_jobs_worker
 
-    from .app import jobs_config
+    from .app import jobs_config, start_warm_up
 
     configure_logging(settings.log_level)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if settings.warmup:
+        start_warm_up()
     run_jobs_worker(jobs_config(settings, workers=settings.workers or None))

@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     embedded_workers: bool = True
     sse_keepalive_s: float = Field(default=15.0, gt=0)
     sync_concurrency: int = Field(default=2, ge=1, description="sync /v1 engine calls running at once")
+    warmup: bool = Field(default=True, description=(
+        "compile the engine's CPU kernels for the common schemes in the background at start, so that the "
+        "first request does not pay for it"))
 
     @field_validator("log_level", mode="before")
     @classmethod
