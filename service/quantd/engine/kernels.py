@@ -65,7 +65,7 @@ def _quantize_rows_int(blocks: torch.Tensor, dtype: str, symmetric: bool, scale_
     scale, zero_point = choose_qparams(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)
     s = scale.float().unsqueeze(1)
     z = torch.zeros_like(s) if zero_point is None else zero_point.float().unsqueeze(1)
-    codes = (torch.round(x / s) + z).clamp(qmin, qmax).to(out_dtype)
+    codes = _encode_int(x, s, z, qmin, qmax, out_dtype)
     if zero_point is None:
         return codes, scale, lo, hi
     return codes, scale, lo, hi, zero_point
@@ -264,7 +264,7 @@ def moments(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor | None:
 
 def _moments_from_codes(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                         codebook: torch.Tensor, nf4: bool) -> torch.Tensor:
-    x_hat = codebook[codes.long()] * scale if nf4 else _decode(codes, scale, zero_point)
+    x_hat = _decode_nf4(codes, scale, codebook) if nf4 else _decode(codes, scale, zero_point)
     return _moments(x, x_hat)
 
 
