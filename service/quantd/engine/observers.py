@@ -90,13 +90,6 @@ def observe_range(blocks: torch.Tensor, scheme: Scheme, *, name: str = "tensor")
     raise MalformedInputError(f"unknown observer {obs!r}", tensor=name, field="observer")
 
 
-def qparams_for(lo: torch.Tensor, hi: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``choose_qparams`` for ``scheme``, as float32 tensors (scale, zero point or None)."""
-    scale, zp = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
-                               scale_dtype=scheme.scale_dtype)
-    return scale.float(), (None if zp is None else zp.float())
-
-
 # --------------------------------------------------------------------------------------------- percentile
 
 
@@ -241,8 +234,9 @@ def _candidate_errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ratio
     """Errors ``[B, C]`` of the candidate ranges ``(r·lo, r·hi)``, ``ratios[B, C]``, chunked."""
     rows, k = x.shape
     cands = ratios.shape[1]
-    scale, zp = candidate_qparams(lo, hi, ratios, scheme, fused=kernels.KERNELS.wants(x))
-    if info.kind == "int" and kernels.KERNELS.wants(x):
+    compiled = kernels.KERNELS.wants(x)
+    scale, zp = candidate_qparams(lo, hi, ratios, scheme, fused=compiled)
+    if info.kind == "int" and compiled:
         fused = kernels.fake_quant_error_int(x, scale, torch.zeros_like(scale) if zp is None else zp,
                                              info.qmin, info.qmax, norm)
         if fused is not None:

@@ -5,9 +5,9 @@ Integer dtypes: ``code = clamp(round(x / scale) + zero_point, qmin, qmax)``, ``x
 fp8: ``code = fp8(clamp(x / scale, ±max_finite))``, ``x̂ = code · scale``. float16/bfloat16: a saturating
 cast (values beyond the largest finite value become ±max, never inf). Inputs are taken as float32.
 
-Speed: on CPU, tensors of at least ``kernels.MIN_ELEMENTS`` elements go through two fused compiled
-kernels (:mod:`quantd.engine.kernels`: the per-block range in one pass, the encode in one more), which
-compute exactly the formulas above. Otherwise (CUDA, small tensors, no C++ compiler) the eager path
+Speed: on CPU, tensors of at least ``kernels.MIN_ELEMENTS`` elements go through fused compiled kernels
+(:mod:`quantd.engine.kernels`: the per-block range in one pass, the encode in one more; min-max integer
+rows of at least ``ROW_KERNEL_MIN_WIDTH`` in a single kernel), which compute exactly the formulas above. Otherwise (CUDA, small tensors, no C++ compiler) the eager path
 below runs: the blocks are processed in chunks of rows small enough to stay in cache across the passes,
 with in-place ops into one preallocated buffer. For the minmax observer the range of each chunk is
 observed right before it is encoded, so the input is read from memory once. Integer codes take two
@@ -55,9 +55,10 @@ FLOAT_TORCH_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat1
 
 Range = tuple[torch.Tensor, torch.Tensor]
 
-# The midpoints between consecutive nf4 levels, computed in float32 (host constants).
-_CB = torch.tensor(NF4_CODEBOOK, dtype=torch.float32)
-NF4_MIDPOINTS: tuple[float, ...] = tuple(((_CB[1:] + _CB[:-1]) / 2).tolist())
+# The nf4 levels in float32 (on the host: the compiled CPU kernels take it as an input), and the midpoints
+# between consecutive levels, computed in float32 (host constants).
+NF4_CODEBOOK_F32 = torch.tensor(NF4_CODEBOOK, dtype=torch.float32)
+NF4_MIDPOINTS: tuple[float, ...] = tuple(((NF4_CODEBOOK_F32[1:] + NF4_CODEBOOK_F32[:-1]) / 2).tolist())
 
 
 def _chunks(rows: int, cols: int) -> Iterator[tuple[slice, slice]]:
@@ -298,7 +299,7 @@ def _dequantize_compiled(blocks: torch.Tensor, scale: torch.Tensor, zero_point: 
                          info: DTypeInfo) -> torch.Tensor | None:
     """The float32 blocks of ``dequantize`` through one fused kernel; None: run eager."""
     if info.kind == "nf4":
-        return kernels.decode_nf4(blocks, scale, torch.tensor(NF4_CODEBOOK, dtype=torch.float32))
+        return kernels.decode_nf4(blocks, scale, NF4_CODEBOOK_F32)
     # (c − 0) · s is c · s exactly: symmetric codes take the same kernel with a zero column.
     zp = torch.zeros_like(scale) if zero_point is None else zero_point.reshape(-1, 1).float()
     return kernels.decode(blocks, scale, zp)

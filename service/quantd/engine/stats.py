@@ -19,7 +19,7 @@ import torch
 
 from quantd.engine import kernels
 from quantd.engine.granularity import block_view, granularity_of, is_row_major
-from quantd.engine.primitives import FLOAT_TORCH_DTYPES
+from quantd.engine.primitives import FLOAT_TORCH_DTYPES, NF4_CODEBOOK_F32, dequantize
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError
 from quantd_client import ErrorStats
@@ -265,8 +265,7 @@ def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None
         rows = _chunk_rows(n_blocks, width)
         shape3 = (n_blocks // rows, rows, width)
         scale3, zp3 = scale.reshape(shape3[0], rows, 1), zp.reshape(shape3[0], rows, 1)
-    codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=x.device)
-    fused = kernels.moments_from_codes(blocks.reshape(shape3), codes.reshape(shape3), scale3, zp3, codebook,
+    fused = kernels.moments_from_codes(blocks.reshape(shape3), codes.reshape(shape3), scale3, zp3, NF4_CODEBOOK_F32,
                                        nf4=info.kind == "nf4")
     return None if fused is None else _merge(fused)
 
@@ -277,8 +276,6 @@ def quantized_error_stats(x: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
     _check_shapes(x, x, qt)
     m = _moments_from_codes(x, qt)
     if m is None:
-        from quantd.engine.primitives import dequantize
-
         return error_stats(x, dequantize(qt), qt)
     return _stats(x, qt, m)
 

@@ -95,27 +95,20 @@ class ModelReader:
         self.close()
 
 
-def _read_exact(f: IO[bytes], n: int, *, what: str, tensor: str) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = f.readinto(view[got:])  # type: ignore[attr-defined]
-        if not k:
-            raise MalformedInputError(f"tensor {tensor!r}: {what} truncated ({got} of {n} bytes)", tensor=tensor)
-        got += k
-    return buf
-
-
-def _read_into(f: IO[bytes], out: torch.Tensor, *, what: str, tensor: str) -> None:
-    """Fill the contiguous uint8 tensor ``out`` from ``f``; MalformedInputError when the file ends first."""
-    view = memoryview(out.numpy()).cast("B")
+def _fill(f: IO[bytes], view: memoryview, *, what: str, tensor: str) -> None:
+    """Fill ``view`` from ``f``; MalformedInputError when the file ends first."""
     n, got = len(view), 0
     while got < n:
         k = f.readinto(view[got:])  # type: ignore[attr-defined]
         if not k:
             raise MalformedInputError(f"tensor {tensor!r}: {what} truncated ({got} of {n} bytes)", tensor=tensor)
         got += k
+
+
+def _read_exact(f: IO[bytes], n: int, *, what: str, tensor: str) -> bytearray:
+    buf = bytearray(n)
+    _fill(f, memoryview(buf), what=what, tensor=tensor)
+    return buf
 
 
 def _torch_from_bytes(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -154,7 +147,7 @@ class SafetensorsReader(ModelReader):
             self._scratch = torch.empty(e.nbytes, dtype=torch.uint8)
         raw = self._scratch[:e.nbytes]
         self._f.seek(self.header.data_start + e.begin)
-        _read_into(self._f, raw, what="data", tensor=name)
+        _fill(self._f, memoryview(raw.numpy()).cast("B"), what="data", tensor=name)
         return raw.view(ST_TO_TORCH[e.dtype]).reshape(e.shape).to(device)
 
     def close(self) -> None:
