@@ -73,7 +73,9 @@ def test_real_server_survives_kill_9(tmp_path, procs):
     data_dir, log = tmp_path / "data", tmp_path / "server.log"
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    procs.append(_start("serve", data_dir, log, "--port", str(port), "--workers", "1"))
+    # Quantizing during uploads on: runs in flight when the process dies are lost, their jobs are not.
+    procs.append(_start("serve", data_dir, log, "--port", str(port), "--workers", "1",
+                        extra_env={"QUANTD_QUANTIZE_DURING_UPLOAD": "on"}))
     _wait_ready(base, procs[0], log)
     with httpx.Client(base_url=base, timeout=30) as c:
         assert c.get("/healthz").json() == {"status": "ok"}

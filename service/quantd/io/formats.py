@@ -61,7 +61,8 @@ def torch_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def _is_safetensors(head: bytes) -> bool:
+def is_safetensors_head(head: bytes) -> bool:
+    """The first bytes of a file (≥ 9) look like a safetensors header."""
     # The header length is NOT bounded here: a lying length is a malformed safetensors file (422 with
     # a precise detail from the header validation), not an unknown format.
     if len(head) < 9:
@@ -104,7 +105,7 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
         return _zip_kind(p)
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
         return "pytorch"
-    if _is_safetensors(head):
+    if is_safetensors_head(head):
         return "safetensors"
     raise UnsupportedFormatError(
         "unrecognised file content: expected safetensors, a PyTorch checkpoint, .npy or .npz "

@@ -31,6 +31,7 @@ from quantd_client import (
     AnalyzeTensor,
     CalibrateResponse,
     ErrorStats,
+    LayerCalibration,
     ObserverSpec,
     Progress,
     QuantConfig,
@@ -165,38 +166,53 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
     ``calibration``: activation samples (name → ``[N, ...]``) observed with ``config.activations``;
     the ranges go into the report and the artifact's metadata (``"activations"``).
     """
-    t0 = time.perf_counter()
-    dev = torch.device(device)
+    started = time.perf_counter()
     activations = None
     if calibration is not None:  # first: a bad calibration file fails before any weight work
         spec = config.activations or ObserverSpec()
-        activations = calibrate_file(calibration, spec, device=dev).layers
+        activations = calibrate_file(calibration, spec, device=device).layers
     with open_model(src, filename) as reader:
-        plans = plan(reader.tensors, config)
-        meta = {p.info.name: quantized_meta(p.info.shape, torch_dtype(p.info.dtype), p.scheme)
-                for p in plans if p.scheme is not None}
-        progress = Progress(tensors_total=len(plans), bytes_total=sum(p.info.nbytes for p in plans))
-        if on_progress is not None:
-            on_progress(progress)
-        reports: list[TensorReport] = []
-        extra = None if activations is None else {"activations": [a.model_dump(mode="json") for a in activations]}
-        with ArtifactWriter(dst, [o for p in plans for o in p.outputs], meta, extra_meta=extra) as writer:
-            for p in plans:
-                if should_cancel is not None and should_cancel():
-                    raise JobCancelled(f"cancelled after {len(reports)} of {len(plans)} tensors")
-                reports.append(_process(reader, writer, p, dev))
-                done = progress.bytes_done + p.info.nbytes
-                progress = Progress(tensors_done=len(reports), tensors_total=len(plans), bytes_done=done,
-                                    bytes_total=progress.bytes_total,
-                                    fraction=done / progress.bytes_total if progress.bytes_total
-                                    else len(reports) / len(plans))
-                if on_progress is not None:
-                    on_progress(progress)
-            summary = summarize(plans, reports, os.path.getsize(src), writer.total_bytes,
-                                time.perf_counter() - t0, dev)
-            writer.finish(summary.model_dump(mode="json"),
-                          {r.name: r.stats.model_dump(mode="json") for r in reports if r.stats is not None})
-    return Report(job_id=job_id, config=config, summary=summary, tensors=reports, activations=activations)
+        return quantize_model(reader, dst, config, device=device, input_bytes=lambda: os.path.getsize(src),
+                              job_id=job_id, on_progress=on_progress, should_cancel=should_cancel,
+                              activations=activations, started=started)
+
+
+def quantize_model(reader: ModelReader, dst: str | os.PathLike[str], config: QuantConfig, *,
+                   device: str | torch.device, input_bytes: Callable[[], int], job_id: str | None = None,
+                   on_progress: ProgressCallback | None = None,
+                   should_cancel: Callable[[], bool] | None = None,
+                   activations: Sequence[LayerCalibration] | None = None,
+                   started: float | None = None) -> Report:
+    """:func:`quantize_file` on an open reader, tensor by tensor in the reader's order.
+    ``input_bytes()`` is asked for the input's size once every tensor is written (the summary's
+    ``input_bytes``); ``started`` is the ``perf_counter`` the summary's ``elapsed_s`` counts from."""
+    t0 = time.perf_counter() if started is None else started
+    dev = torch.device(device)
+    plans = plan(reader.tensors, config)
+    meta = {p.info.name: quantized_meta(p.info.shape, torch_dtype(p.info.dtype), p.scheme)
+            for p in plans if p.scheme is not None}
+    progress = Progress(tensors_total=len(plans), bytes_total=sum(p.info.nbytes for p in plans))
+    if on_progress is not None:
+        on_progress(progress)
+    reports: list[TensorReport] = []
+    extra = None if activations is None else {"activations": [a.model_dump(mode="json") for a in activations]}
+    with ArtifactWriter(dst, [o for p in plans for o in p.outputs], meta, extra_meta=extra) as writer:
+        for p in plans:
+            if should_cancel is not None and should_cancel():
+                raise JobCancelled(f"cancelled after {len(reports)} of {len(plans)} tensors")
+            reports.append(_process(reader, writer, p, dev))
+            done = progress.bytes_done + p.info.nbytes
+            progress = Progress(tensors_done=len(reports), tensors_total=len(plans), bytes_done=done,
+                                bytes_total=progress.bytes_total,
+                                fraction=done / progress.bytes_total if progress.bytes_total
+                                else len(reports) / len(plans))
+            if on_progress is not None:
+                on_progress(progress)
+        summary = summarize(plans, reports, input_bytes(), writer.total_bytes, time.perf_counter() - t0, dev)
+        writer.finish(summary.model_dump(mode="json"),
+                      {r.name: r.stats.model_dump(mode="json") for r in reports if r.stats is not None})
+    return Report(job_id=job_id, config=config, summary=summary, tensors=reports,
+                  activations=None if activations is None else list(activations))
 
 
 # The schemes whose kernels a server compiles at start (quantd serve / quantd worker, QUANTD_WARMUP).

@@ -30,6 +30,7 @@ import torch
 from quantd.errors import InputTooLargeError, MalformedInputError, UnsafeInputError, UnsupportedFormatError
 
 from .formats import ST_TO_TORCH, TORCH_TO_ST, Format, detect_format, dtype_name
+from .growing import GrowingFile
 from .st_header import STHeader, read_header
 
 DEFAULT_MAX_TENSOR_BYTES = 16 * 1024**3
@@ -95,7 +96,7 @@ class ModelReader:
         self.close()
 
 
-def _fill(f: IO[bytes], view: memoryview, *, what: str, tensor: str) -> None:
+def _fill(f: IO[bytes] | GrowingFile, view: memoryview, *, what: str, tensor: str) -> None:
     """Fill ``view`` from ``f``; MalformedInputError when the file ends first."""
     n, got = len(view), 0
     while got < n:
@@ -105,7 +106,7 @@ def _fill(f: IO[bytes], view: memoryview, *, what: str, tensor: str) -> None:
         got += k
 
 
-def _read_exact(f: IO[bytes], n: int, *, what: str, tensor: str) -> bytearray:
+def _read_exact(f: IO[bytes] | GrowingFile, n: int, *, what: str, tensor: str) -> bytearray:
     buf = bytearray(n)
     _fill(f, memoryview(buf), what=what, tensor=tensor)
     return buf
@@ -118,13 +119,18 @@ def _torch_from_bytes(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]
 
 
 class SafetensorsReader(ModelReader):
+    """``source``: read from this open file instead of opening ``path`` (a :class:`~.growing.GrowingFile`
+    while an upload streams in), with ``size_bound`` standing in for the file's size in the header's
+    checks; offsets past the real end then fail as a truncated read."""
+
     format: Format = "safetensors"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, source: BinaryIO | GrowingFile | None = None, *,
+                 size_bound: int | None = None) -> None:
         super().__init__(path)
-        self._f: BinaryIO = path.open("rb")
+        self._f = source if source is not None else path.open("rb")
         try:
-            self.header: STHeader = read_header(self._f)
+            self.header: STHeader = read_header(self._f, size_bound)
         except BaseException:
             self._f.close()
             raise

@@ -13,11 +13,14 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from quantd.errors import MalformedInputError
 
 from .formats import ST_ITEMSIZE
+
+if TYPE_CHECKING:
+    from .growing import GrowingFile
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_TENSORS = 1_000_000
@@ -95,8 +98,9 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def read_header(f: BinaryIO, file_size: int | None = None) -> STHeader:
-    """Read and validate the header of the open safetensors file ``f`` (positioned anywhere)."""
+def read_header(f: BinaryIO | GrowingFile, file_size: int | None = None) -> STHeader:
+    """Read and validate the header of the open safetensors file ``f`` (positioned anywhere).
+    ``file_size``: the file's size (default: ``fstat``), or a bound on it for a file still growing."""
     if file_size is None:
         file_size = os.fstat(f.fileno()).st_size
     f.seek(0)

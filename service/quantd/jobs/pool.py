@@ -10,6 +10,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from .config import JobsConfig, worker_devices
+from .prepared import PreparedRuns
 from .storage import ArtifactStore, LocalStorage
 from .store import JobStore, SQLiteJobStore
 from .worker import QuantizeFn, Worker, default_quantize_fn, owner_is_dead
@@ -51,7 +52,7 @@ class WorkerPool:
 
     def __init__(self, config: JobsConfig, store: JobStore, storage: ArtifactStore,
                  quantize_fn: QuantizeFn | None = None, *, workers: bool = True,
-                 on_change: Callable[[str], None] | None = None) -> None:
+                 on_change: Callable[[str], None] | None = None, prepared: PreparedRuns | None = None) -> None:
         self.config, self.store, self.storage = config, store, storage
         self.stop_event = threading.Event()
         self.wake = threading.Event()
@@ -62,7 +63,7 @@ class WorkerPool:
                 Worker(i, device, store=store, storage=storage, quantize_fn=fn, lease_s=config.lease_s,
                        heartbeat_s=config.heartbeat_s, poll_s=config.poll_s,
                        progress_write_s=config.progress_write_s, wake=self.wake, stop=self.stop_event,
-                       on_change=on_change)
+                       on_change=on_change, prepared=prepared)
                 for i, device in enumerate(worker_devices(config))
             ]
         self._reaper = threading.Thread(target=self._reap_loop, name="quantd-reaper", daemon=True)
@@ -95,6 +96,13 @@ class WorkerPool:
 
     def busy(self) -> int:
         return sum(w.busy_job is not None for w in self.workers)
+
+    def idle(self) -> int:
+        return sum(w.alive and w.busy_job is None for w in self.workers)
+
+    def idle_device(self) -> str:
+        """The device of an idle worker (of the first worker when none is idle)."""
+        return next((w.device for w in self.workers if w.alive and w.busy_job is None), self.workers[0].device)
 
 
 def run_worker(config: JobsConfig, *, quantize_fn: QuantizeFn | None = None,

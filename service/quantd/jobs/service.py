@@ -14,9 +14,10 @@ from typing import Any, TypeVar
 
 from quantd_client import InputInfo, Job, JobList, Progress, QuantConfig, Report
 
-from .config import JobsConfig
+from .config import JobsConfig, room_to_overlap, worker_devices
 from .errors import IdempotencyConflict, InvalidListQuery, JobExpired, JobNotFound, JobNotReady
 from .pool import WorkerPool, open_backends
+from .prepared import PreparedRun, PreparedRuns
 from .records import STATUSES, JobRecord
 from .signals import JobSignals
 from .storage import ArtifactStore, StoredUpload, is_job_id
@@ -59,13 +60,24 @@ class JobService:
         self._store: JobStore | None = None
         self._storage: ArtifactStore | None = None
         self._pool: WorkerPool | None = None
+        self._prepared: PreparedRuns | None = None
         self._signals = JobSignals()  # this process's workers wake the event streams of their jobs
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start_sync(self) -> None:
         self._store, self._storage = open_backends(self.config)
+        storage = self._storage
+        # Runs during uploads replace the embedded workers' own pipeline, so only when that is the default.
+        overlap = self.config.quantize_during_upload
+        if overlap is None:
+            overlap = room_to_overlap(worker_devices(self.config))
+        if overlap and self.config.workers != 0 and self._quantize_fn is None:
+            self._prepared = PreparedRuns(new_artifact_path=lambda: storage.new_tmp_path(".part"),
+                                          capacity=lambda: self._pool.idle() if self._pool else 0,
+                                          device=lambda: self._pool.idle_device() if self._pool else "cpu")
         self._pool = WorkerPool(self.config, self._store, self._storage, self._quantize_fn,
-                                workers=self.config.workers != 0, on_change=self._signals.notify)
+                                workers=self.config.workers != 0, on_change=self._signals.notify,
+                                prepared=self._prepared)
         self._pool.start()
 
     def stop_sync(self) -> None:
@@ -73,7 +85,7 @@ class JobService:
             self._pool.stop()
         if self._store is not None:
             self._store.close()
-        self._pool = self._store = self._storage = None
+        self._pool = self._store = self._storage = self._prepared = None
 
     async def start(self) -> None:
         await asyncio.to_thread(self.start_sync)
@@ -101,17 +113,36 @@ class JobService:
         """A fresh path under ``data_dir/tmp`` for the server to stream an upload into."""
         return self.storage.new_tmp_path(suffix)
 
+    def prepare(self, upload: Path, config: QuantConfig, *, size_bound: int) -> PreparedRun | None:
+        """Start quantizing the upload being written at ``upload`` while it streams (see
+        ``quantd.jobs.prepared``), or None when this process has no idle embedded worker for it.
+        Thread-safe. Pass the run to :meth:`submit`, or ``discard_prepared`` it if there is no submit."""
+        return None if self._prepared is None else self._prepared.start(upload, config, size_bound=size_bound)
+
+    def discard_prepared(self, run: PreparedRun) -> None:
+        if self._prepared is not None:
+            self._prepared.discard(run)
+
     async def submit(self, *, tenant: str, upload: StoredUpload, config: QuantConfig,
-                     calibration: StoredUpload | None = None, idempotency_key: str | None = None) -> Job:
+                     calibration: StoredUpload | None = None, idempotency_key: str | None = None,
+                     prepared: PreparedRun | None = None) -> Job:
         """Persist a queued job (committed before this returns) and wake a worker. Takes ownership
-        of the upload files: moved under ``uploads/`` or deleted. An upload outside ``data_dir``
-        is refused (StorageError) and left alone."""
-        return await self._run(self._submit, tenant, upload, config, calibration, idempotency_key)
+        of the upload files: moved under ``uploads/`` or deleted, and of ``prepared`` (a run of
+        :meth:`prepare` over this upload): the job's worker adopts it, or it is discarded. An upload
+        outside ``data_dir`` is refused (StorageError) and left alone."""
+        return await self._run(self._submit, tenant, upload, config, calibration, idempotency_key, prepared)
 
     def _submit(self, tenant: str, upload: StoredUpload, config: QuantConfig,
-                calibration: StoredUpload | None, idempotency_key: str | None) -> Job:
+                calibration: StoredUpload | None, idempotency_key: str | None,
+                prepared: PreparedRun | None = None) -> Job:
         job_id, storage = uuid.uuid4().hex, self.storage
         config_json = config.model_dump(mode="json", exclude_unset=True)
+        runs = self._prepared
+        if prepared is not None and runs is not None:
+            if calibration is None:  # filed before the row commits: the job cannot be claimed without it
+                runs.file(job_id, prepared)
+            else:  # the run does not observe activations: the worker's pipeline does it all
+                runs.discard(prepared)
 
         def adopt() -> None:
             storage.adopt_upload(upload.path, job_id, "input")
@@ -126,12 +157,16 @@ class JobService:
                 max_queue=self.config.max_queue, retry_after=self.config.queue_full_retry_after_s,
                 before_commit=adopt)
         except BaseException:
+            if prepared is not None and runs is not None:
+                runs.discard(prepared, job_id)
             storage.delete_job_files(job_id)
             raise
         finally:
             for u in (upload, calibration):
                 if u is not None:
                     storage.discard(u.path)
+        if not created and prepared is not None and runs is not None:  # the key's earlier job stands
+            runs.discard(prepared, job_id)
         if not created and (rec.input.get("sha256") != upload.sha256 or rec.config != config_json):
             raise IdempotencyConflict(f"idempotency key {idempotency_key!r} was used for job {rec.id} "
                                       "with a different input or config", field="idempotency_key")
@@ -235,6 +270,11 @@ class JobService:
     def _remote_workers(self) -> builtins.list[dict[str, Any]]:
         local = {w.id for w in self._pool.workers} if self._pool else set()
         return [w for w in self.store.live_workers(self.config.lease_s) if w["id"] not in local]
+
+    def upload_runs(self) -> dict[str, int]:
+        """Quantizations started during uploads, and those whose artifact became their job's."""
+        runs = self._prepared
+        return {"started": runs.started, "adopted": runs.adopted} if runs else {"started": 0, "adopted": 0}
 
     def busy_workers(self) -> int:
         """Workers running a job: this process's, plus other worker processes on the same DB."""

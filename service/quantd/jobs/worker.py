@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from quantd.errors import JobCancelled, QuantdError
 from quantd_client import Progress, QuantConfig, Report
 
+from .prepared import PreparedRuns
 from .records import JobRecord
 from .storage import ArtifactStore
 from .store import JobStore
@@ -140,8 +141,9 @@ class Worker:
     def __init__(self, index: int, device: str, *, store: JobStore, storage: ArtifactStore,
                  quantize_fn: QuantizeFn, lease_s: float, heartbeat_s: float, poll_s: float,
                  progress_write_s: float, wake: threading.Event, stop: threading.Event,
-                 on_change: Callable[[str], None] | None = None) -> None:
+                 on_change: Callable[[str], None] | None = None, prepared: PreparedRuns | None = None) -> None:
         self.id = new_worker_id(index)
+        self.prepared = prepared
         self.on_change = on_change or (lambda job_id: None)
         self.device = device
         self.store, self.storage, self.quantize_fn = store, storage, quantize_fn
@@ -231,7 +233,16 @@ class Worker:
         extra: dict[str, Any] = {}
         if job.calibration is not None:
             extra["calibration"] = self.storage.upload_path(job.id, "calibration")
+        run = self.prepared.pop(job.id) if self.prepared is not None else None
         try:
+            if run is not None:  # quantized while its upload streamed in: the rest, then its artifact
+                report = run.adopt(lease.on_progress, lease.should_cancel)
+                if report is not None and self.prepared is not None:
+                    os.replace(run.artifact, tmp)
+                    self.prepared.adopted_one()
+                    return report
+                log.info("worker %s: job %s: the run during its upload is not usable (%s); quantizing",
+                         self.id, job.id, type(run.error).__name__)
             return self.quantize_fn(src, tmp, QuantConfig.model_validate(job.config), device=self.device,
                                     filename=job.input.get("filename"), job_id=job.id,
                                     on_progress=lease.on_progress, should_cancel=lease.should_cancel, **extra)

@@ -62,7 +62,9 @@ def jobs_config(settings: Settings, *, workers: int | None) -> Any:
 
     return JobsConfig(data_dir=settings.data_dir, workers=workers, device=settings.device,
                       lease_s=settings.lease_s, heartbeat_s=min(5.0, settings.lease_s / 3),
-                      ttl_s=settings.job_ttl_s, max_queue=settings.max_queue)
+                      ttl_s=settings.job_ttl_s, max_queue=settings.max_queue,
+                      quantize_during_upload={"auto": None, "on": True, "off": False}[
+                          settings.quantize_during_upload])
 
 
 def embedded_worker_count(settings: Settings) -> int | None:
@@ -106,6 +108,9 @@ def _register_gauges(metrics: Metrics, state: AppState) -> None:
     metrics.gauge("quantd_queue_depth", "jobs queued", lambda: [((), float(state.jobs.queue_depth()))])
     metrics.gauge("quantd_workers_busy", "workers (any process) running a job",
                   lambda: [((), float(state.jobs.busy_workers()))])
+    metrics.gauge("quantd_upload_runs", "quantizations started while their upload streamed in (counter), and "
+                  "those whose artifact became their job's",
+                  lambda: [((("outcome", k),), float(v)) for k, v in state.jobs.upload_runs().items()])
     metrics.gauge("quantd_workers_live", "workers (any process) with a recent heartbeat",
                   lambda: [((), float(state.jobs.live_workers()))])
 

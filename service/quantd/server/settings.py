@@ -70,6 +70,10 @@ class Settings(BaseSettings):
     embedded_workers: bool = True
     sse_keepalive_s: float = Field(default=15.0, gt=0)
     sync_concurrency: int = Field(default=2, ge=1, description="sync /v1 engine calls running at once")
+    quantize_during_upload: Literal["auto", "on", "off"] = Field(default="auto", description=(
+        "quantize a safetensors job upload tensor by tensor while it streams in (when its config comes "
+        "first and an embedded worker is idle); auto = on when the workers have a CUDA device or the "
+        "machine has at least 4 CPU cores (on fewer, receiving the upload and quantizing fight for them)"))
     warmup: bool = Field(default=True, description=(
         "compile the engine's CPU kernels for the common schemes in the background at start, so that the "
         "first request does not pay for it"))
@@ -78,6 +82,16 @@ class Settings(BaseSettings):
     @classmethod
     def _upper(cls, v: object) -> object:
         return v.upper() if isinstance(v, str) else v
+
+    @field_validator("quantize_during_upload", mode="before")
+    @classmethod
+    def _on_off(cls, v: object) -> object:
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        if isinstance(v, str):
+            return {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(
+                v.strip().lower(), v.strip().lower())
+        return v
 
     @field_validator("device")
     @classmethod

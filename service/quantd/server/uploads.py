@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
 import anyio
 from python_multipart.exceptions import MultipartParseError
@@ -80,12 +80,26 @@ def too_large(limit: int, hint: str) -> ProblemException:
                             type_="urn:quantd:too-large")
 
 
+class FileSink(Protocol):
+    """Told how far a file part has been written while it streams (e.g. a quantization reading it)."""
+
+    def advance(self, nbytes: int) -> None: ...
+    def complete(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+# Called (on the upload's writer thread) when a file part begins, with the text fields received so far.
+OnFileStart = Callable[[UploadedFile, dict[str, str]], FileSink | None]
+
+
 class _Collector:
     """python-multipart callbacks → temp files and text fields, enforcing limits as bytes arrive."""
 
     def __init__(self, tmp_dir: Path, *, file_fields: set[str], text_fields: set[str], max_file_bytes: int,
-                 hint: str) -> None:
+                 hint: str, on_file_start: OnFileStart | None = None) -> None:
         self.tmp_dir = tmp_dir
+        self.on_file_start = on_file_start
+        self._sink: FileSink | None = None
         self.file_fields = file_fields
         self.text_fields = text_fields
         self.max_file_bytes = max_file_bytes
@@ -143,12 +157,14 @@ class _Collector:
             self._fh = open(path, "xb")  # noqa: SIM115 - closed in _part_end / close()
             self._flushed = 0  # bytes handed to the disk's writeback so far
             self._hash = hashlib.sha256()
+            if self.on_file_start is not None:
+                self._sink = self.on_file_start(self._file, dict(self.form.fields))
         elif self._name not in self.text_fields:
             expected = sorted(self.file_fields | self.text_fields)
             raise ProblemException(400, f"unexpected multipart field {self._name!r}; this endpoint takes {expected}")
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:
-        chunk = data[start:end]
+        chunk = memoryview(data)[start:end]  # no copy: hashed and written as it is
         if self._is_file:
             assert self._fh is not None and self._file is not None  # set in _headers_finished
             self._file.bytes += len(chunk)
@@ -156,6 +172,9 @@ class _Collector:
                 raise too_large(self.max_file_bytes, self.hint)
             self._hash.update(chunk)
             self._fh.write(chunk)
+            if self._sink is not None:
+                self._fh.flush()  # visible to the sink's own reads
+                self._sink.advance(self._file.bytes)
             if self._file.bytes - self._flushed >= WRITEBACK_BYTES:  # to disk while the rest arrives
                 self._fh.flush()
                 start_writeback(self._fh.fileno(), self._flushed, self._file.bytes - self._flushed)
@@ -172,6 +191,10 @@ class _Collector:
             self._fh.close()
             self._fh = None
             self._file.sha256 = self._hash.hexdigest()
+            if self._sink is not None:
+                self._sink.advance(self._file.bytes)
+                self._sink.complete()
+                self._sink = None
         else:
             try:
                 self.form.fields[self._name] = self._text.decode("utf-8")
@@ -182,6 +205,9 @@ class _Collector:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self._sink is not None:  # a file part that never ended
+            self._sink.abort()
+            self._sink = None
 
 
 class _BatchWriter:
@@ -243,9 +269,11 @@ class _BatchWriter:
 
 
 async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: int, file_fields: set[str],
-                            text_fields: set[str], required: set[str], hint: str = "") -> MultipartForm:
+                            text_fields: set[str], required: set[str], hint: str = "",
+                            on_file_start: OnFileStart | None = None) -> MultipartForm:
     """Parse a ``multipart/form-data`` body while it streams. Raises ProblemException 400/413/415;
-    on any failure the temp files written so far are deleted."""
+    on any failure the temp files written so far are deleted (and their sinks aborted).
+    ``on_file_start``: see :data:`OnFileStart`; it must not raise."""
     ctype, options = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or not options.get(b"boundary"):
         raise ProblemException(415, "expected a multipart/form-data body with a boundary",
@@ -258,7 +286,7 @@ async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: 
             raise too_large(max_file_bytes, hint)
     tmp_dir.mkdir(parents=True, exist_ok=True)
     col = _Collector(tmp_dir, file_fields=file_fields, text_fields=text_fields, max_file_bytes=max_file_bytes,
-                     hint=hint)
+                     hint=hint, on_file_start=on_file_start)
     parser = MultipartParser(options[b"boundary"], cast("MultipartCallbacks", col.callbacks()))
     writer = _BatchWriter(parser)
     total = 0

@@ -3,11 +3,11 @@ follow (SSE), report, artifact (Range/ETag), cancel."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from quantd_client import Job, JobList, QuantConfig, Report
 
@@ -18,6 +18,9 @@ from ..sse import sse_stream
 from ..uploads import UploadedFile, receive_multipart
 from ._docs import ARTIFACT_200, JOB_BODY, JOB_EXAMPLE, UPLOAD_ERRORS, json_example
 from ._forms import parse_json_field, run_engine
+
+if TYPE_CHECKING:
+    from quantd.jobs.prepared import PreparedRun
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -41,19 +44,39 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None) -> Any:
 
 
 async def _accept(request: Request, state: AppState, tenant: str, idempotency_key: str | None) -> Job:
-    form = await receive_multipart(
-        request, tmp_dir=state.settings.tmp_dir, max_file_bytes=state.settings.max_upload_bytes,
-        file_fields={"file", "calibration"}, text_fields={"config"}, required={"file", "config"})
+    runs: list[PreparedRun] = []  # at most one: quantizing the model while it streams in
+
+    def on_file_start(up: UploadedFile, fields: dict[str, str]) -> PreparedRun | None:
+        if up.field != "file" or "config" not in fields:  # a config after the file: nothing to start with
+            return None
+        try:
+            config = _CONFIG.validate_json(fields["config"])
+        except ValidationError:  # answered with a 422 once the body is in
+            return None
+        run = state.jobs.prepare(up.path, config, size_bound=state.settings.max_upload_bytes)
+        if run is not None:
+            runs.append(run)
+        return run
+
     try:
-        config = parse_json_field(form, "config", _CONFIG)
-        upload = await run_engine(state, _check_upload, form.files["file"], config)
-        calib = form.files.get("calibration")
-        calibration = await run_engine(state, _check_upload, calib, None) if calib is not None else None
-        state.metrics.inc("quantd_uploads_total", endpoint="jobs")
-        return await state.jobs.submit(tenant=tenant, upload=upload, config=config, calibration=calibration,
-                                       idempotency_key=idempotency_key)
+        form = await receive_multipart(
+            request, tmp_dir=state.settings.tmp_dir, max_file_bytes=state.settings.max_upload_bytes,
+            file_fields={"file", "calibration"}, text_fields={"config"}, required={"file", "config"},
+            on_file_start=on_file_start)
+        try:
+            config = parse_json_field(form, "config", _CONFIG)
+            upload = await run_engine(state, _check_upload, form.files["file"], config)
+            calib = form.files.get("calibration")
+            calibration = await run_engine(state, _check_upload, calib, None) if calib is not None else None
+            state.metrics.inc("quantd_uploads_total", endpoint="jobs")
+            run = runs.pop() if runs else None  # the jobs layer owns it from here
+            return await state.jobs.submit(tenant=tenant, upload=upload, config=config, calibration=calibration,
+                                           idempotency_key=idempotency_key, prepared=run)
+        finally:
+            form.cleanup()  # files the jobs layer adopted have moved; the rest go
     finally:
-        form.cleanup()  # files the jobs layer adopted have moved; the rest go
+        for run in runs:  # the upload or its checks failed: the run stops and its artifact goes
+            state.jobs.discard_prepared(run)
 
 
 @router.post("", status_code=202, response_model=Job, openapi_extra=JOB_BODY,

@@ -1,0 +1,196 @@
+"""Quantizing a job's model while its upload is still streaming in.
+
+A safetensors file lists its tensors in its header and stores their bytes one after the other, so a
+tensor can be quantized as soon as its bytes have landed on disk: by the time the upload is complete
+most of the work is done, and the upload, not the quantization, sets the job's latency.
+
+The HTTP layer asks :meth:`PreparedRuns.start` for a run when the ``file`` part of a submit begins (the
+``config`` part already received), feeds it the upload's progress (``advance``/``complete``) and hands
+it to ``JobService.submit``, which files it under the new job's id before the job row commits. The
+worker that claims the job adopts the run (:meth:`PreparedRun.adopt`): it waits for the rest, forwarding
+progress and cancellation, and stores the run's artifact as if it had written it itself.
+
+Nothing about durability changes: the upload and the job row are committed exactly as without a run;
+a run is an in-memory shortcut of this process. If the process dies, the run is gone and a worker
+quantizes the stored upload as usual. A run that cannot be used (another format, a failure, a calibration
+file that came with the job, a job claimed elsewhere) is discarded and the job quantized from scratch,
+so the outcome, errors included, is always what the worker's own pipeline gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from quantd.errors import JobCancelled, QuantdError
+from quantd_client import Progress, QuantConfig, Report
+
+log = logging.getLogger("quantd.jobs")
+
+# A finished run that no worker of this process adopted within this time (its job claimed by a worker
+# of another process, say) is dropped with its artifact.
+UNCLAIMED_MAX_AGE_S = 600.0
+
+
+class NotStreamable(Exception):
+    """The upload is not a format that can be quantized while it streams (only safetensors can)."""
+
+
+class PreparedRun:
+    """One quantization reading an upload as it grows. The upload's writer calls ``advance``,
+    ``complete`` or ``abort``; the job's worker calls ``adopt``; anyone may ``cancel``."""
+
+    def __init__(self, upload: Path, artifact: Path, config: QuantConfig, *, device: str, size_bound: int) -> None:
+        self.upload, self.artifact, self.config, self.device = upload, artifact, config, device
+        self.size_bound = size_bound
+        self.report: Report | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.finished_at: float | None = None
+        from quantd.io.growing import GrowingFile  # quantd.io imports torch: not at the API's import time
+
+        self._source = GrowingFile(upload)
+        self._cancelled = False
+        self._lock = threading.Lock()
+        self._sink: Callable[[Progress], None] | None = None
+        self._should_cancel: Callable[[], bool] | None = None
+        self._last: Progress | None = None
+        self._thread = threading.Thread(target=self._run, name="quantd-prepared", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- the upload's side ---------------------------------------------------------------------
+    def advance(self, nbytes: int) -> None:
+        self._source.advance(nbytes)
+
+    def complete(self) -> None:
+        self._source.complete()
+
+    def abort(self) -> None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Stop the run at its next tensor (or its next wait for upload bytes); its artifact is deleted."""
+        self._cancelled = True
+        self._source.abort()
+        if self.done.is_set():  # finished already: nobody will take its artifact
+            self.artifact.unlink(missing_ok=True)
+
+    # -- the run ---------------------------------------------------------------------------------
+    def _progress(self, progress: Progress) -> None:
+        with self._lock:
+            self._last, sink = progress, self._sink
+        if sink is not None:
+            sink(progress)
+
+    def _stop_asked(self) -> bool:
+        return self._cancelled or (self._should_cancel is not None and self._should_cancel())
+
+    def _run(self) -> None:
+        from quantd.io.formats import is_safetensors_head
+        from quantd.io.growing import UploadAborted
+        from quantd.io.pipeline import quantize_model
+        from quantd.io.readers import SafetensorsReader
+
+        try:
+            if not is_safetensors_head(self._source.read(16)):
+                raise NotStreamable("not a safetensors upload")
+            with SafetensorsReader(self.upload, self._source, size_bound=self.size_bound) as reader:
+                self.report = quantize_model(reader, self.artifact, self.config, device=self.device,
+                                             input_bytes=self._source.final_size, on_progress=self._progress,
+                                             should_cancel=self._stop_asked)
+        except BaseException as e:
+            self.error = e
+            self.artifact.unlink(missing_ok=True)
+            if not isinstance(e, (NotStreamable, UploadAborted, JobCancelled, QuantdError)):
+                log.warning("quantization during upload failed; the job's worker will redo it", exc_info=True)
+        finally:
+            self._source.close()
+            self.finished_at = time.monotonic()
+            self.done.set()
+            if self._cancelled:  # cancelled while it finished: cancel() may have looked before done was set
+                self.artifact.unlink(missing_ok=True)
+
+    # -- the worker's side -------------------------------------------------------------------------
+    def adopt(self, on_progress: Callable[[Progress], None], should_cancel: Callable[[], bool]) -> Report | None:
+        """Wait for the run, forwarding its progress to ``on_progress`` and polling ``should_cancel``
+        between tensors. Returns its Report (the artifact is at ``self.artifact``), or None when it cannot
+        be used and the caller must quantize on its own. Raises JobCancelled when ``should_cancel`` ended it."""
+        with self._lock:
+            self._sink, self._should_cancel, last = on_progress, should_cancel, self._last
+        if last is not None:
+            on_progress(last)
+        self.done.wait()
+        if self.report is not None and not self._cancelled:
+            return self.report
+        if isinstance(self.error, JobCancelled) and not self._cancelled:
+            raise self.error
+        self.artifact.unlink(missing_ok=True)
+        return None
+
+
+class PreparedRuns:
+    """The runs of this process: started by uploads, filed under their job's id, popped by workers.
+
+    ``capacity()`` is how many runs may compute at once (the idle local workers: a run is the work one of
+    them would do a moment later); ``device()`` is where a new run computes."""
+
+    def __init__(self, *, new_artifact_path: Callable[[], Path], capacity: Callable[[], int],
+                 device: Callable[[], str]) -> None:
+        self._new_artifact_path, self._capacity, self._device = new_artifact_path, capacity, device
+        self._lock = threading.Lock()
+        self._unfiled: set[PreparedRun] = set()
+        self._filed: dict[str, PreparedRun] = {}
+        self.started = self.adopted = 0
+
+    def _running(self) -> int:
+        runs = [*self._unfiled, *self._filed.values()]
+        return sum(not r.done.is_set() for r in runs)
+
+    def start(self, upload: Path, config: QuantConfig, *, size_bound: int) -> PreparedRun | None:
+        """A run over the upload being written at ``upload``, or None when no worker is free for one."""
+        with self._lock:
+            self._expire()
+            if self._running() >= self._capacity():
+                return None
+            run = PreparedRun(upload, self._new_artifact_path(), config, device=self._device(),
+                              size_bound=size_bound)
+            self._unfiled.add(run)
+            self.started += 1
+        run.start()
+        return run
+
+    def file(self, job_id: str, run: PreparedRun) -> None:
+        """``run`` belongs to job ``job_id`` (call before the job can be claimed)."""
+        with self._lock:
+            self._unfiled.discard(run)
+            self._filed[job_id] = run
+
+    def discard(self, run: PreparedRun, job_id: str | None = None) -> None:
+        """Cancel ``run`` and forget it (the upload failed, or its job will not use it)."""
+        with self._lock:
+            self._unfiled.discard(run)
+            if job_id is not None and self._filed.get(job_id) is run:
+                del self._filed[job_id]
+        run.cancel()
+
+    def pop(self, job_id: str) -> PreparedRun | None:
+        """The run filed under ``job_id``, taken (a worker is about to adopt it)."""
+        with self._lock:
+            return self._filed.pop(job_id, None)
+
+    def adopted_one(self) -> None:
+        """A worker stored a run's artifact as its job's (counted for tests and metrics)."""
+        with self._lock:
+            self.adopted += 1
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for job_id, run in list(self._filed.items()):
+            if run.finished_at is not None and now - run.finished_at > UNCLAIMED_MAX_AGE_S:
+                del self._filed[job_id]
+                run.artifact.unlink(missing_ok=True)
