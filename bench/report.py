@@ -349,6 +349,25 @@ def targets(peers: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return lines, headline
 
 
+def during_upload_rows(lf: dict[str, Any]) -> list[list[str]]:
+    """The rows of QUANTD_QUANTIZE_DURING_UPLOAD=on beside the default (off) runs, when measured."""
+    if "wall_ratio_during_upload" not in lf:
+        return []
+    pc = lf.get("page_cache", {})
+    return [
+        ["server CPU seconds per HTTP job (median)", fmt(lf.get("median_server_cpu_s"), ".2f") + " s", ""],
+        ["HTTP job quantized during its upload (median)", f"{lf['http_wall_s_during_upload']:.2f} s", ""],
+        ["ratio HTTP / in-process, quantized during the upload",
+         f"{lf['wall_ratio_during_upload']:.2f}", "≤ 1.2"],
+        ["… of which upload → 202 accepted (median)",
+         fmt(lf.get("median_upload_accepted_s_during_upload"), ".2f") + " s", ""],
+        ["… server CPU seconds per job (median)", fmt(lf.get("median_server_cpu_s_during_upload"), ".2f") + " s",
+         ""],
+        ["writing the file's size into a new file / over cached pages (no fsync)",
+         f"{fmt(pc.get('new_file_s'), '.2f')} s / {fmt(pc.get('cached_pages_s'), '.2f')} s", ""],
+    ]
+
+
 def service_section(svc: dict[str, Any]) -> str:
     out: list[str] = []
     lf = svc.get("large_file", {})
@@ -400,6 +419,7 @@ def service_section(svc: dict[str, Any]) -> str:
                     ["ratio floor, upload and quantization fully overlapped",
                      fmt(lf.get("ratio_floor_overlapped"), ".2f"), ""],
                     ["in-process peak RSS", f"{lf['inprocess_peak_rss_bytes'] / 1e6:.0f} MB", ""],
+                    *during_upload_rows(lf),
                 ],
             )
         )

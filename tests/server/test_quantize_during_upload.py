@@ -103,13 +103,9 @@ def test_quantize_during_upload_setting_refuses_junk(monkeypatch: pytest.MonkeyP
         Settings()
 
 
-def test_auto_overlaps_with_cuda_or_spare_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quantd.jobs import config
+def test_auto_overlaps_on_cuda_workers_only() -> None:
+    from quantd.jobs.config import room_to_overlap
 
-    monkeypatch.setattr(config.os, "cpu_count", lambda: 2)
-    assert not config.room_to_overlap(["cpu"])
-    assert config.room_to_overlap(["cuda:0"])
-    monkeypatch.setattr(config.os, "cpu_count", lambda: 16)
-    assert config.room_to_overlap(["cpu"])
-
-
+    assert not room_to_overlap(["cpu"])
+    assert room_to_overlap(["cuda:0"])
+    assert room_to_overlap(["cuda:0", "cuda:1"])

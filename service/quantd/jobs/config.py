@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,11 +74,11 @@ def worker_devices(config: JobsConfig) -> list[str]:
 
 
 def room_to_overlap(devices: list[str]) -> bool:
-    """Whether quantizing an upload while it is received can be faster than one after the other: when the
-    work goes to a CUDA device, or the CPU has cores to spare. Receiving, hashing and storing an upload
-    keeps about two cores busy (measured: ~1.5-2 core-seconds per second of an 800 MB upload); on a
-    2-core machine a CPU quantization beside it only slows the upload down by as much as it saves."""
-    return any(d.startswith("cuda") for d in devices) or (os.cpu_count() or 1) >= 4
+    """Whether ``quantize_during_upload="auto"`` turns it on: when the quantization runs on a CUDA device.
+    On CPU workers it competes with receiving the upload, which keeps about two cores busy by itself
+    (bench/service.py, 2-core machine: 3.2 CPU-seconds per 805 MB job without it, 4.0 with it, and the
+    job 18 % slower); more cores may well change that, but it has not been measured."""
+    return any(d.startswith("cuda") for d in devices)
 
 
 def _cuda_count() -> int:

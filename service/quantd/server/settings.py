@@ -72,8 +72,8 @@ class Settings(BaseSettings):
     sync_concurrency: int = Field(default=2, ge=1, description="sync /v1 engine calls running at once")
     quantize_during_upload: Literal["auto", "on", "off"] = Field(default="auto", description=(
         "quantize a safetensors job upload tensor by tensor while it streams in (when its config comes "
-        "first and an embedded worker is idle); auto = on when the workers have a CUDA device or the "
-        "machine has at least 4 CPU cores (on fewer, receiving the upload and quantizing fight for them)"))
+        "first and an embedded worker is idle); auto = on when the workers use CUDA (on CPU workers it "
+        "competes with receiving the upload for the cores)"))
     warmup: bool = Field(default=True, description=(
         "compile the engine's CPU kernels for the common schemes in the background at start, so that the "
         "first request does not pay for it"))
