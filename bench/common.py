@@ -34,6 +34,17 @@ SHARED_MACHINE_NOTE = (
 T = TypeVar("T")
 
 
+def private_inductor_cache() -> str:
+    """Give this benchmark (and the servers it starts) an Inductor cache of its own, new for the run,
+    unless TORCHINDUCTOR_CACHE_DIR is set. Inductor fixes a dynamic-shape kernel's code (vector width,
+    serial or parallel) at its first call and shares it through its disk cache: kernels the test suite
+    compiled on tiny or odd shapes (group_size 16, say) would otherwise be timed here. First calls then
+    include a cold compile, which the benchmarks report apart."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="quantd-bench-inductor-")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def timed(
     fn: Callable[[], T], *, repeats: int, warmup: int = 1, budget_s: float = float("inf")
 ) -> tuple[float, list[float], T]:

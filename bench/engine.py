@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from common import private_inductor_cache
 from quantd.engine import kernels
 from quantd.engine.primitives import quantize
 from quantd_client import Scheme
@@ -110,6 +111,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine.json")
     p.add_argument("--eager", action="store_true", help="turn the compiled kernels off")
     args = p.parse_args()
+    inductor_cache = private_inductor_cache()
     if args.eager:
         kernels.KERNELS.reset(available=False)
     default_threads = torch.get_num_threads()
@@ -117,6 +119,7 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch": torch.__version__, "loadavg_before": os.getloadavg()},
         "kernels": "compiled" if kernels.KERNELS.available() else "eager",
+        "inductor_cache": inductor_cache,
         "shape": [args.size, args.size],
         "runs": [run(args.size, args.repeats, default_threads)],
     }

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import log, machine_info, outlier_weight, write_results
+from bench.common import log, machine_info, outlier_weight, private_inductor_cache, write_results
 
 from quantd.engine.primitives import dequantize, quantize
 from quantd_client import Scheme
@@ -72,6 +72,7 @@ def run(size: int, repeats: int, observers: list[str]) -> dict[str, Any]:
 
 
 def main() -> None:
+    private_inductor_cache()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)

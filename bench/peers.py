@@ -49,6 +49,7 @@ from common import (
     log,
     machine_info,
     outlier_weight,
+    private_inductor_cache,
     quantd_server,
     timed,
     wait_job,
@@ -583,6 +584,7 @@ def _section(name: str, fn: Callable[[], Any]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    private_inductor_cache()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 1024×1024 and 2 repeats")
     ap.add_argument(

@@ -35,7 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import Server, free_port, log, machine_info, quantd_server, wait_job, write_results
+from common import (
+    Server,
+    free_port,
+    log,
+    machine_info,
+    private_inductor_cache,
+    quantd_server,
+    wait_job,
+    write_results,
+)
 
 CONFIG = {
     "scheme": {"dtype": "int4", "symmetric": False, "granularity": "group", "group_size": 128},
@@ -404,6 +413,7 @@ def sync_throughput(side: int, clients: int, duration_s: float) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
+    private_inductor_cache()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: 4 × 2048×2048, 1 repeat, 5 s of requests"

@@ -1,8 +1,18 @@
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+# The suite compiles kernels on tiny and odd shapes (the `compiled` fixture below). Inductor fixes a
+# dynamic-shape kernel's code at its first call (vector width, serial or parallel) and shares it through its
+# disk cache, so the tests keep a cache of their own (kept between runs: warm runs stay fast) instead of
+# leaving such kernels to the servers and benchmarks of this machine. Subprocesses inherit it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      str(Path(tempfile.gettempdir()) / f"quantd-tests-inductor-{os.getuid()}"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -6,6 +6,8 @@ float64 rounded UP to the scale dtype (never below the exact value), codes per e
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -405,3 +407,30 @@ def test_kernels_only_for_large_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("QUANTD_COMPILE", "0")
     fresh.reset()
     assert not fresh.available() and not fresh.wants(torch.empty(kernels.MIN_ELEMENTS))
+
+
+_SMALL_FIRST_PROBE = r"""
+import torch
+torch.set_num_threads(2)
+from quantd.engine import kernels
+tiny = torch.randn(8, 64).to(torch.bfloat16)  # a kernel's first call on a tiny tensor (tests do that)
+assert kernels.row_range(tiny) is not None
+"""
+
+
+@pytest.mark.skipif(not __import__("shutil").which("c++"), reason="needs a C++ compiler for the compiled kernels")
+def test_kernels_first_compiled_on_a_tiny_tensor_still_run_in_parallel(tmp_path: Path) -> None:
+    """Inductor decides serial vs parallel from the sizes of a kernel's first call; with dynamic shapes that
+    kernel then serves every size (and other processes, through its disk cache). The kernels are built with
+    an OpenMP loop whatever the first size, so a large tensor later runs on every thread."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "QUANTD_COMPILE": "1",
+           "TORCH_LOGS": "output_code"}
+    out = subprocess.run([sys.executable, "-c", _SMALL_FIRST_PROBE], capture_output=True, text=True, env=env,
+                         timeout=600, check=True)
+    code = out.stdout + out.stderr
+    assert 'extern "C"' in code, code[-3000:]
+    assert "omp parallel" in code, code[-3000:]
