@@ -95,12 +95,14 @@ def run(size: int, repeats: int, threads: int) -> dict[str, Any]:
         row["copy"] = {"s": min(copies), "gbps": gb / min(copies)}
         out[str(dtype).removeprefix("torch.")] = row
     x = torch.randn(size, size, generator=torch.Generator().manual_seed(1))
-    obs: dict[str, Any] = {}
-    for observer in ("minmax", "mse"):
-        scheme = Scheme(dtype="int4", granularity="group", group_size=128, observer=observer)  # type: ignore[arg-type]
-        obs[observer] = {"s": best_time(lambda scheme=scheme: quantize(x, scheme), max(1, repeats // 3))}
-    obs["mse_over_minmax"] = obs["mse"]["s"] / obs["minmax"]["s"]
-    out["observer_int4_g128_float32"] = obs
+    for group_size in (128, 64):
+        obs: dict[str, Any] = {}
+        for observer in ("minmax", "mse"):
+            scheme = Scheme(dtype="int4", granularity="group", group_size=group_size,
+                            observer=observer)  # type: ignore[arg-type]
+            obs[observer] = {"s": best_time(lambda scheme=scheme: quantize(x, scheme), max(1, repeats // 3))}
+        obs["mse_over_minmax"] = obs["mse"]["s"] / obs["minmax"]["s"]
+        out[f"observer_int4_g{group_size}_float32"] = obs
     return out
 
 
@@ -137,9 +139,10 @@ def main() -> None:
             for key in [*SCHEMES, "naive_int8_channel_chain"]:
                 v = row[key]
                 print(f"    {key:26s} {v['gbps']:7.2f} GB/s  {100 * v['fraction_of_copy']:5.1f}% of copy")
-        o = r["observer_int4_g128_float32"]
-        print(f"  observer int4 g128: minmax {o['minmax']['s'] * 1e3:.1f} ms, mse {o['mse']['s'] * 1e3:.1f} ms "
-              f"({o['mse_over_minmax']:.1f}x)")
+        for g in (128, 64):
+            o = r[f"observer_int4_g{g}_float32"]
+            print(f"  observer int4 g{g}: minmax {o['minmax']['s'] * 1e3:.1f} ms, mse {o['mse']['s'] * 1e3:.1f} ms "
+                  f"({o['mse_over_minmax']:.1f}x)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

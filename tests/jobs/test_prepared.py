@@ -246,7 +246,10 @@ def test_runs_are_limited_to_the_capacity(tmp_path: Path) -> None:
     assert runs.start(tmp_path / "u", INT4, size_bound=1 << 20) is None  # one worker idle, one run already
     runs.discard(first)
     assert first.done.wait(10)
-    assert runs.start(tmp_path / "u", INT4, size_bound=1 << 20) is not None
+    second = runs.start(tmp_path / "u", INT4, size_bound=1 << 20)
+    assert second is not None
+    runs.close()  # cancels the runs still waiting for their upload and stops the threads
+    assert second.done.wait(10)
 
 
 # -- JobService: a run filed under its job, adopted by the worker ------------------------------------------

@@ -20,6 +20,7 @@ so the outcome, errors included, is always what the worker's own pipeline gives.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -58,10 +59,13 @@ class PreparedRun:
         self._sink: Callable[[Progress], None] | None = None
         self._should_cancel: Callable[[], bool] | None = None
         self._last: Progress | None = None
-        self._thread = threading.Thread(target=self._run, name="quantd-prepared", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, pool: _Threads | None = None) -> None:
+        """Run on ``pool`` (long-lived threads keep their memory arenas warm), else on a new thread."""
+        if pool is not None:
+            pool.submit(self._run)
+        else:
+            threading.Thread(target=self._run, name="quantd-prepared", daemon=True).start()
 
     # -- the upload's side ---------------------------------------------------------------------
     def advance(self, nbytes: int) -> None:
@@ -133,6 +137,31 @@ class PreparedRun:
         return None
 
 
+class _Threads:
+    """A few daemon threads taking callables from a queue (daemon: a run waiting on an upload that will
+    never end cannot hold up the interpreter's exit, as ``ThreadPoolExecutor``'s threads would)."""
+
+    def __init__(self, count: int) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._loop, name=f"quantd-prepared-{i}", daemon=True)
+                         for i in range(max(1, count))]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self) -> None:
+        while (fn := self._queue.get()) is not None:
+            fn()  # PreparedRun._run catches everything itself
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._queue.put(fn)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+
 class PreparedRuns:
     """The runs of this process: started by uploads, filed under their job's id, popped by workers.
 
@@ -140,8 +169,10 @@ class PreparedRuns:
     them would do a moment later); ``device()`` is where a new run computes."""
 
     def __init__(self, *, new_artifact_path: Callable[[], Path], capacity: Callable[[], int],
-                 device: Callable[[], str]) -> None:
+                 device: Callable[[], str], threads: int = 1) -> None:
         self._new_artifact_path, self._capacity, self._device = new_artifact_path, capacity, device
+        # capacity() never exceeds the embedded workers: one thread each, reused from run to run.
+        self._threads = _Threads(threads)
         self._lock = threading.Lock()
         self._unfiled: set[PreparedRun] = set()
         self._filed: dict[str, PreparedRun] = {}
@@ -161,8 +192,18 @@ class PreparedRuns:
                               size_bound=size_bound)
             self._unfiled.add(run)
             self.started += 1
-        run.start()
+        run.start(self._threads)
         return run
+
+    def close(self) -> None:
+        """Cancel every run and stop the threads (the service is stopping)."""
+        with self._lock:
+            runs = [*self._unfiled, *self._filed.values()]
+            self._unfiled.clear()
+            self._filed.clear()
+        for run in runs:
+            run.cancel()
+        self._threads.shutdown()
 
     def file(self, job_id: str, run: PreparedRun) -> None:
         """``run`` belongs to job ``job_id`` (call before the job can be claimed)."""

@@ -74,13 +74,16 @@ class JobService:
         if overlap and self.config.workers != 0 and self._quantize_fn is None:
             self._prepared = PreparedRuns(new_artifact_path=lambda: storage.new_tmp_path(".part"),
                                           capacity=lambda: self._pool.idle() if self._pool else 0,
-                                          device=lambda: self._pool.idle_device() if self._pool else "cpu")
+                                          device=lambda: self._pool.idle_device() if self._pool else "cpu",
+                                          threads=len(worker_devices(self.config)))
         self._pool = WorkerPool(self.config, self._store, self._storage, self._quantize_fn,
                                 workers=self.config.workers != 0, on_change=self._signals.notify,
                                 prepared=self._prepared)
         self._pool.start()
 
     def stop_sync(self) -> None:
+        if self._prepared is not None:
+            self._prepared.close()
         if self._pool is not None:
             self._pool.stop()
         if self._store is not None:
