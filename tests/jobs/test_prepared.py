@@ -72,6 +72,21 @@ class Uploader:
         self._thread.join(10)
 
 
+def in_thread(fn: Callable[[], object], catch: type[BaseException]) -> tuple[threading.Thread, list[BaseException]]:
+    """``fn`` started on a thread; the list receives what it raises of type ``catch``."""
+    caught: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            fn()
+        except catch as e:
+            caught.append(e)
+
+    t = threading.Thread(target=body)
+    t.start()
+    return t, caught
+
+
 def _data_end(path: Path, name: str) -> int:
     with SafetensorsReader(path) as r:
         e = r.header.entries[name]
@@ -109,16 +124,7 @@ def test_growing_file_abort_ends_a_waiting_read(tmp_path: Path) -> None:
     path.write_bytes(b"xy")
     src = GrowingFile(path)
     src.advance(2)
-    errors: list[BaseException] = []
-
-    def read() -> None:
-        try:
-            src.read(5)
-        except UploadAborted as e:
-            errors.append(e)
-
-    t = threading.Thread(target=read)
-    t.start()
+    t, errors = in_thread(lambda: src.read(5), UploadAborted)
     src.abort()
     t.join(5)
     assert not t.is_alive() and len(errors) == 1
@@ -211,16 +217,7 @@ def test_should_cancel_of_the_adopting_worker_ends_the_run_as_cancelled(big_mode
     up = Uploader(big_model, upload, run)
     up.until(_data_end(big_model, "layers.0.weight"))
     wait_for(lambda: run._last is not None and run._last.tensors_done >= 1, what="a tensor quantized")
-    out: list[BaseException] = []
-
-    def adopt() -> None:
-        try:
-            run.adopt(lambda p: None, lambda: True)  # a DELETE of the job
-        except JobCancelled as e:
-            out.append(e)
-
-    t = threading.Thread(target=adopt)
-    t.start()
+    t, out = in_thread(lambda: run.adopt(lambda p: None, lambda: True), JobCancelled)  # a DELETE of the job
     up.finish()
     t.join(30)
     assert len(out) == 1 and not run.artifact.exists()
@@ -255,13 +252,19 @@ def test_runs_are_limited_to_the_capacity(tmp_path: Path) -> None:
 # -- JobService: a run filed under its job, adopted by the worker ------------------------------------------
 
 
-def test_job_adopts_the_run_of_its_upload(make_service: MakeService, big_model: Path) -> None:
+def _service_with_a_run(make_service: MakeService, model: Path) -> tuple[JobService, Path, PreparedRun]:
+    """A service running the real pipeline, and a run started over an upload of ``model`` (all written)."""
     svc = make_service(quantize_fn=None, quantize_during_upload=True)
-    config = CONFIG
     path = svc.new_upload_path()
-    path.write_bytes(big_model.read_bytes())
-    run = svc.prepare(path, config, size_bound=1 << 30)
+    path.write_bytes(model.read_bytes())
+    run = svc.prepare(path, CONFIG, size_bound=1 << 30)
     assert run is not None
+    return svc, path, run
+
+
+def test_job_adopts_the_run_of_its_upload(make_service: MakeService, big_model: Path) -> None:
+    svc, path, run = _service_with_a_run(make_service, big_model)
+    config = CONFIG
     run.advance(path.stat().st_size)
     run.complete()
     upload = make_upload(svc, path)
@@ -278,12 +281,8 @@ def test_job_adopts_the_run_of_its_upload(make_service: MakeService, big_model: 
 
 def test_a_job_with_a_calibration_file_does_not_use_the_run(make_service: MakeService, big_model: Path,
                                                             tmp_path: Path) -> None:
-    svc = make_service(quantize_fn=None, quantize_during_upload=True)
+    svc, path, run = _service_with_a_run(make_service, big_model)
     config = CONFIG
-    path = svc.new_upload_path()
-    path.write_bytes(big_model.read_bytes())
-    run = svc.prepare(path, config, size_bound=1 << 30)
-    assert run is not None
     calib_src = tmp_path / "calib.safetensors"
     save_file({"layers.0": torch.randn(8, 256)}, str(calib_src))
     job = asyncio.run(svc.submit(tenant="t", upload=make_upload(svc, path), config=config,
