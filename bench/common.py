@@ -6,11 +6,13 @@ that timings on a shared machine (other processes competing for the cores) are n
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as dt
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -41,7 +43,9 @@ def private_inductor_cache() -> str:
     compiled on tiny or odd shapes (group_size 16, say) would otherwise be timed here. First calls then
     include a cold compile, which the benchmarks report apart."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="quantd-bench-inductor-")
+        path = tempfile.mkdtemp(prefix="quantd-bench-inductor-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 

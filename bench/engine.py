@@ -18,12 +18,15 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when imported
 
 from common import private_inductor_cache
 from quantd.engine import kernels

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -276,7 +277,7 @@ def test_job_adopts_the_run_of_its_upload(make_service: MakeService, big_model: 
     ref = quantize_file(big_model, big_model.with_suffix(".ref"), config, device="cpu")
     assert [t.stats for t in report.tensors] == [t.stats for t in ref.tensors]
     assert report.job_id == job.id
-    assert not list(svc.storage.tmp.glob("*.part"))  # the run's artifact became the job's
+    assert not list(svc.storage.tmp.glob("run-*"))  # the run's artifact became the job's
 
 
 def test_a_job_with_a_calibration_file_does_not_use_the_run(make_service: MakeService, big_model: Path,
@@ -299,3 +300,30 @@ def test_no_runs_with_a_stand_in_pipeline_or_when_turned_off(make_service: MakeS
     assert make_service(data_dir=tmp_path / "a").prepare(tmp_path / "u", config, size_bound=1) is None
     off = make_service(data_dir=tmp_path / "b", quantize_fn=None, quantize_during_upload=False)
     assert off.prepare(tmp_path / "u", config, size_bound=1) is None
+
+
+def test_a_run_holds_its_workers_place_and_a_cancelled_job_stops_its_run(make_service: MakeService,
+                                                                         big_model: Path) -> None:
+    """While a run computes (its upload moving), the idle worker it stands for claims nothing: the job stays
+    queued, so a DELETE cancels it there, which stops the run and deletes its artifact."""
+    svc, path, run = _service_with_a_run(make_service, big_model)
+    run.advance(path.stat().st_size // 2)  # the upload is still coming: the run holds the worker's place
+    job = asyncio.run(svc.submit(tenant="t", upload=make_upload(svc, path), config=CONFIG, prepared=run))
+    time.sleep(0.3)  # several of the worker's poll periods (0.05 s): it must not claim meanwhile
+    assert asyncio.run(svc.get("t", job.id)).status == "queued"
+    assert asyncio.run(svc.cancel("t", job.id)).status == "cancelled"
+    assert run.done.wait(10) and run.report is None
+    assert not list(svc.storage.tmp.glob("run-*"))
+
+
+def test_a_stalled_upload_gives_its_workers_place_back(make_service: MakeService, big_model: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantd.jobs import prepared
+
+    monkeypatch.setattr(prepared, "STALL_S", 0.2)
+    svc, _, run = _service_with_a_run(make_service, big_model)
+    run.advance(100)  # then nothing more: a client that stopped sending
+    other = asyncio.run(svc.submit(tenant="t", upload=make_upload(svc, big_model), config=CONFIG))
+    wait_for(lambda: asyncio.run(svc.get("t", other.id)).status == "succeeded", what="the other job")
+    svc.discard_prepared(run)
+    assert run.done.wait(10)

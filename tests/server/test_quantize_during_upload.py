@@ -4,8 +4,10 @@ job ends exactly as one quantized after the upload (same report, same artifact t
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 import torch
@@ -44,7 +46,7 @@ async def test_a_job_quantized_during_its_upload_equals_one_quantized_after(make
     async with make_server(quantize_during_upload="on") as h:
         job, report, artifact = await finished_job(h, await h.submit(data, config=INT4))
         assert runs(h).started == 1 and runs(h).adopted == 1
-        assert not list(h.settings.tmp_dir.glob("*.part"))
+        assert not list(h.settings.tmp_dir.glob("run-*"))
         metrics = (await h.client.get("/metrics")).text
         assert 'quantd_upload_runs{outcome="adopted"} 1' in metrics, metrics
     async with make_server(quantize_during_upload="off", data_dir=h.settings.data_dir.parent / "off") as off:
@@ -82,9 +84,11 @@ async def test_a_refused_upload_leaves_no_run_behind(make_server: MakeServer, da
         r = await h.submit(data, config=config)
         assert_problem(r, 422)
         assert runs(h).started == 1
-        run_list = [*runs(h)._unfiled, *runs(h)._filed.values()]
-        assert run_list == []
-        assert not list(h.settings.tmp_dir.glob("*.part"))
+        assert [*runs(h)._unfiled, *runs(h)._filed.values()] == []  # discarded: cancelled, forgotten
+        deadline = time.monotonic() + 10
+        while list(h.settings.tmp_dir.glob("run-*")) and time.monotonic() < deadline:
+            await anyio.sleep(0.05)  # the cancelled run deletes its artifact (and its .tmp) as it stops
+        assert not list(h.settings.tmp_dir.glob("run-*"))
         # the server goes on: a good upload after it is quantized during its upload too
         await finished_job(h, await h.submit(model_bytes(), config=INT4))
         assert runs(h).adopted == 1

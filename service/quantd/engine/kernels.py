@@ -44,6 +44,12 @@ MIN_ELEMENTS = 1 << 18
 
 T = TypeVar("T")
 
+# dynamic_threads: every kernel gets an OpenMP parallel loop and the OpenMP runtime picks the threads.
+# Otherwise Inductor decides serial vs parallel once, from the sizes of a kernel's first call: one first
+# compiled on a tiny tensor stays serial for every later tensor of any size, in this process and, through
+# Inductor's disk cache, in every later one. Per compiled function (``options``), not a global config patch.
+INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.dynamic_threads": True}
+
 
 def _range(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = blocks.float()
@@ -107,24 +113,16 @@ class _Compiled:
         """``fn(*args)`` compiled, or None when compiling is off or failed (the caller runs eager)."""
         if not self.available():
             return None
-        import torch._inductor.config  # patched below (imported by torch.compile anyway)
-
-        threads = torch.get_num_threads()
-        key = (*key, threads)
+        key = (*key, torch.get_num_threads())  # Dynamo recompiles when the thread count changes
         try:
-            # dynamic_threads: every kernel gets an OpenMP parallel loop and the runtime picks the threads.
-            # Otherwise Inductor decides serial vs parallel once, from the sizes of the first call: a kernel
-            # first compiled on a small tensor (the warm-up's, a small model's) stays serial for every later
-            # tensor of any size, in this process and, through Inductor's disk cache, in every later one
-            # (measured: bf16 group ranges at 1/3 of their one-thread speed with two threads).
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
-                    torch._inductor.config.patch({"cpp.dynamic_threads": True}):
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 if (name, *key) in self._warm:
                     return self._fns[name](*args)  # type: ignore[no-any-return]
                 with self._lock:  # the first call of a variant compiles: one thread at a time
                     compiled = self._fns.get(name)
                     if compiled is None:
-                        compiled = self._fns[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+                        compiled = self._fns[name] = torch.compile(fn, dynamic=True, fullgraph=True,
+                                                                   options=INDUCTOR_OPTIONS)
                     with warnings.catch_warnings():  # the compiler's own warnings are not ours to raise
                         warnings.simplefilter("ignore")
                         out = compiled(*args)

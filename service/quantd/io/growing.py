@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -29,11 +30,13 @@ class GrowingFile:
         self._cond = threading.Condition()
         self._available = 0
         self._state: Literal["open", "complete", "aborted"] = "open"
+        self.last_advance = time.monotonic()  # when the writer last moved (or ended)
 
     # -- the writer's side --------------------------------------------------------------------
     def advance(self, nbytes: int) -> None:
         """The first ``nbytes`` of the file are written and readable."""
         with self._cond:
+            self.last_advance = time.monotonic()
             if nbytes > self._available:
                 self._available = nbytes
                 self._cond.notify_all()
@@ -41,6 +44,7 @@ class GrowingFile:
     def complete(self) -> None:
         """Nothing more will be written."""
         with self._cond:
+            self.last_advance = time.monotonic()
             if self._state == "open":
                 self._state = "complete"
             self._cond.notify_all()
@@ -55,6 +59,10 @@ class GrowingFile:
     @property
     def aborted(self) -> bool:
         return self._state == "aborted"
+
+    @property
+    def completed(self) -> bool:
+        return self._state == "complete"
 
     def _wait_for(self, end: int) -> None:
         with self._cond:

@@ -66,7 +66,17 @@ class WorkerPool:
                        on_change=on_change, prepared=prepared)
                 for i, device in enumerate(worker_devices(config))
             ]
+        self.prepared = prepared
+        for w in self.workers:
+            w.may_claim = self._may_claim
         self._reaper = threading.Thread(target=self._reap_loop, name="quantd-reaper", daemon=True)
+
+    def _may_claim(self, worker: Worker) -> bool:
+        """Not while runs during uploads take every idle worker's place on its device (they would share it)."""
+        if self.prepared is None:
+            return True
+        idle = sum(w.alive and w.busy_job is None for w in self.workers if w.device == worker.device)
+        return self.prepared.computing(worker.device) < idle
 
     def start(self) -> None:
         sweep(self.config, self.store, self.storage)  # jobs left running by a previous life, first
@@ -88,6 +98,8 @@ class WorkerPool:
         while not self.stop_event.wait(self.config.reap_interval_s):
             try:
                 sweep(self.config, self.store, self.storage)
+                if self.prepared is not None:
+                    self.prepared.expire()
             except Exception:
                 log.exception("reaper pass failed")
 

@@ -14,7 +14,10 @@ Nothing about durability changes: the upload and the job row are committed exact
 a run is an in-memory shortcut of this process. If the process dies, the run is gone and a worker
 quantizes the stored upload as usual. A run that cannot be used (another format, a failure, a calibration
 file that came with the job, a job claimed elsewhere) is discarded and the job quantized from scratch,
-so the outcome, errors included, is always what the worker's own pipeline gives.
+so the outcome, errors included, is always what the worker's own pipeline gives. A run holds the place of
+an idle worker: while it computes, that worker claims no other job (:meth:`PreparedRuns.computing`), so
+the two never share a device. Its report's ``device`` is where it computed, and its ``elapsed_s`` counts
+from the upload's first bytes (the quantization overlapped the rest of the upload).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from quantd.errors import JobCancelled, QuantdError
 from quantd_client import Progress, QuantConfig, Report
 
 log = logging.getLogger("quantd.jobs")
+
+# A run holds its worker's place while its upload moves (or has ended); an upload stalled this long
+# gives the place back, so that a client that stops sending cannot keep a worker from other jobs.
+STALL_S = 10.0
 
 # A finished run that no worker of this process adopted within this time (its job claimed by a worker
 # of another process, say) is dropped with its artifact.
@@ -59,6 +66,13 @@ class PreparedRun:
         self._sink: Callable[[Progress], None] | None = None
         self._should_cancel: Callable[[], bool] | None = None
         self._last: Progress | None = None
+        self._began = False  # a thread has taken the run up
+        self.on_done: Callable[[], None] = lambda: None
+
+    def holds_worker(self, now: float) -> bool:
+        """Computing, or about to (its upload still moving or complete): a worker of its device waits."""
+        src = self._source
+        return not self.done.is_set() and (src.completed or now - src.last_advance < STALL_S)
 
     def start(self, pool: _Threads | None = None) -> None:
         """Run on ``pool`` (long-lived threads keep their memory arenas warm), else on a new thread."""
@@ -86,10 +100,10 @@ class PreparedRun:
 
     # -- the run ---------------------------------------------------------------------------------
     def _progress(self, progress: Progress) -> None:
-        with self._lock:
-            self._last, sink = progress, self._sink
-        if sink is not None:
-            sink(progress)
+        with self._lock:  # held while forwarding, so that adopt() can never send an older one after it
+            self._last = progress
+            if self._sink is not None:
+                self._sink(progress)
 
     def _stop_asked(self) -> bool:
         return self._cancelled or (self._should_cancel is not None and self._should_cancel())
@@ -100,7 +114,11 @@ class PreparedRun:
         from quantd.io.pipeline import quantize_model
         from quantd.io.readers import SafetensorsReader
 
+        with self._lock:
+            self._began = True
         try:
+            if self._cancelled:
+                raise JobCancelled("cancelled before it started")
             if not is_safetensors_head(self._source.read(16)):
                 raise NotStreamable("not a safetensors upload")
             with SafetensorsReader(self.upload, self._source, size_bound=self.size_bound) as reader:
@@ -118,22 +136,33 @@ class PreparedRun:
             self.done.set()
             if self._cancelled:  # cancelled while it finished: cancel() may have looked before done was set
                 self.artifact.unlink(missing_ok=True)
+            self.on_done()
 
     # -- the worker's side -------------------------------------------------------------------------
     def adopt(self, on_progress: Callable[[Progress], None], should_cancel: Callable[[], bool]) -> Report | None:
         """Wait for the run, forwarding its progress to ``on_progress`` and polling ``should_cancel``
         between tensors. Returns its Report (the artifact is at ``self.artifact``), or None when it cannot
-        be used and the caller must quantize on its own. Raises JobCancelled when ``should_cancel`` ended it."""
+        be used and the caller must quantize on its own (its artifact is gone then). Raises JobCancelled
+        when ``should_cancel`` ended it. A run no thread has taken up yet is cancelled, not waited for."""
         with self._lock:
-            self._sink, self._should_cancel, last = on_progress, should_cancel, self._last
-        if last is not None:
-            on_progress(last)
-        self.done.wait()
+            if not self._began:
+                self._cancelled = True
+            else:
+                self._sink, self._should_cancel = on_progress, should_cancel
+                if self._last is not None:
+                    on_progress(self._last)
+        if self._cancelled:
+            self.cancel()
+            return None
+        while not self.done.wait(0.5):  # the run also polls should_cancel, but only between tensors
+            if should_cancel():
+                self._should_cancel = lambda: True
+                self._source.abort()  # a read waiting for bytes ends too
         if self.report is not None and not self._cancelled:
             return self.report
+        self.artifact.unlink(missing_ok=True)
         if isinstance(self.error, JobCancelled) and not self._cancelled:
             raise self.error
-        self.artifact.unlink(missing_ok=True)
         return None
 
 
@@ -169,35 +198,44 @@ class PreparedRuns:
     them would do a moment later); ``device()`` is where a new run computes."""
 
     def __init__(self, *, new_artifact_path: Callable[[], Path], capacity: Callable[[], int],
-                 device: Callable[[], str], threads: int = 1) -> None:
+                 device: Callable[[], str], threads: int = 1, on_done: Callable[[], None] = lambda: None) -> None:
         self._new_artifact_path, self._capacity, self._device = new_artifact_path, capacity, device
+        self._on_done = on_done  # a run ended: the worker whose place it held may claim again
         # capacity() never exceeds the embedded workers: one thread each, reused from run to run.
         self._threads = _Threads(threads)
+        self._closed = False
         self._lock = threading.Lock()
         self._unfiled: set[PreparedRun] = set()
         self._filed: dict[str, PreparedRun] = {}
         self.started = self.adopted = 0
 
-    def _running(self) -> int:
-        runs = [*self._unfiled, *self._filed.values()]
-        return sum(not r.done.is_set() for r in runs)
+    def _running(self) -> list[PreparedRun]:
+        return [r for r in (*self._unfiled, *self._filed.values()) if not r.done.is_set()]
+
+    def computing(self, device: str) -> int:
+        """Runs computing on ``device`` now, each holding the place of an idle worker of that device
+        (:meth:`PreparedRun.holds_worker`)."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(r.device == device and r.holds_worker(now) for r in self._running())
 
     def start(self, upload: Path, config: QuantConfig, *, size_bound: int) -> PreparedRun | None:
         """A run over the upload being written at ``upload``, or None when no worker is free for one."""
         with self._lock:
-            self._expire()
-            if self._running() >= self._capacity():
+            if self._closed or len(self._running()) >= self._capacity():
                 return None
             run = PreparedRun(upload, self._new_artifact_path(), config, device=self._device(),
                               size_bound=size_bound)
+            run.on_done = self._on_done
             self._unfiled.add(run)
             self.started += 1
         run.start(self._threads)
         return run
 
     def close(self) -> None:
-        """Cancel every run and stop the threads (the service is stopping)."""
+        """Cancel every run and stop the threads (the service is stopping, its workers stopped first)."""
         with self._lock:
+            self._closed = True
             runs = [*self._unfiled, *self._filed.values()]
             self._unfiled.clear()
             self._filed.clear()
@@ -229,9 +267,15 @@ class PreparedRuns:
         with self._lock:
             self.adopted += 1
 
-    def _expire(self) -> None:
+    def expire(self, max_age_s: float = UNCLAIMED_MAX_AGE_S) -> int:
+        """Drop finished runs no worker of this process took within ``max_age_s`` (their job was claimed by
+        another process's worker, say), with their artifacts; called by the reaper. Returns how many."""
         now = time.monotonic()
-        for job_id, run in list(self._filed.items()):
-            if run.finished_at is not None and now - run.finished_at > UNCLAIMED_MAX_AGE_S:
+        with self._lock:
+            stale = [(job_id, run) for job_id, run in self._filed.items()
+                     if run.finished_at is not None and now - run.finished_at > max_age_s]
+            for job_id, _ in stale:
                 del self._filed[job_id]
-                run.artifact.unlink(missing_ok=True)
+        for _, run in stale:
+            run.cancel()
+        return len(stale)

@@ -68,24 +68,27 @@ class JobService:
         self._store, self._storage = open_backends(self.config)
         storage = self._storage
         # Runs during uploads replace the embedded workers' own pipeline, so only when that is the default.
-        overlap = self.config.quantize_during_upload
-        if overlap is None:
-            overlap = room_to_overlap(worker_devices(self.config))
-        if overlap and self.config.workers != 0 and self._quantize_fn is None:
-            self._prepared = PreparedRuns(new_artifact_path=lambda: storage.new_tmp_path(".part"),
-                                          capacity=lambda: self._pool.idle() if self._pool else 0,
-                                          device=lambda: self._pool.idle_device() if self._pool else "cpu",
-                                          threads=len(worker_devices(self.config)))
+        if self.config.workers != 0 and self._quantize_fn is None:
+            devices = worker_devices(self.config)
+            overlap = self.config.quantize_during_upload
+            if overlap is None:
+                overlap = room_to_overlap(devices)
+            if overlap:
+                self._prepared = PreparedRuns(
+                    new_artifact_path=lambda: storage.new_tmp_path(".part", prefix="run"),
+                    capacity=lambda: self._pool.idle() if self._pool else 0,
+                    device=lambda: self._pool.idle_device() if self._pool else "cpu",
+                    threads=len(devices), on_done=lambda: self._pool.wake.set() if self._pool else None)
         self._pool = WorkerPool(self.config, self._store, self._storage, self._quantize_fn,
                                 workers=self.config.workers != 0, on_change=self._signals.notify,
                                 prepared=self._prepared)
         self._pool.start()
 
     def stop_sync(self) -> None:
+        if self._pool is not None:  # first: jobs running on adopted runs see the shutdown and stop
+            self._pool.stop()
         if self._prepared is not None:
             self._prepared.close()
-        if self._pool is not None:
-            self._pool.stop()
         if self._store is not None:
             self._store.close()
         self._pool = self._store = self._storage = self._prepared = None
@@ -213,6 +216,9 @@ class JobService:
             return rec.to_job()
         after = self.store.request_cancel(job_id) or rec
         if after.status == "cancelled":
+            run = self._prepared.pop(job_id) if self._prepared is not None else None
+            if run is not None:  # quantizing during its upload: stopped, its artifact deleted
+                run.cancel()
             self.storage.delete_job_files(job_id)
             self._signals.notify(job_id)
         return after.to_job()

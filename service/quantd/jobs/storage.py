@@ -63,7 +63,7 @@ class ArtifactStore(Protocol):
     """The file side of the job layer. An object-store backend implements the same calls."""
 
     def init(self) -> None: ...
-    def new_tmp_path(self, suffix: str = "") -> Path: ...
+    def new_tmp_path(self, suffix: str = "", *, prefix: str = "upload") -> Path: ...
     def adopt_upload(self, src: Path, job_id: str, kind: UploadKind) -> Path: ...
     def discard(self, path: Path) -> None: ...
     def upload_path(self, job_id: str, kind: UploadKind) -> Path: ...
@@ -141,11 +141,13 @@ class LocalStorage:
             raise StorageError(f"{job_id!r} is not a job id", field="job_id")
         return self.inside(folder / f"{job_id}{suffix}")
 
-    def new_tmp_path(self, suffix: str = "") -> Path:
-        """A fresh path in ``tmp/`` for the server to stream an upload into."""
+    def new_tmp_path(self, suffix: str = "", *, prefix: str = "upload") -> Path:
+        """A fresh path in ``tmp/`` for the server to stream an upload (or write a run's artifact) into."""
         if not re.fullmatch(r"(\.[A-Za-z0-9]{1,16})?", suffix):
             raise StorageError(f"suffix {suffix!r} is not an extension", field="suffix")
-        return self.inside(self.tmp / f"upload-{uuid.uuid4().hex}{suffix}")
+        if not re.fullmatch(r"[a-z]{1,16}", prefix):
+            raise StorageError(f"prefix {prefix!r} is not a short lowercase word", field="prefix")
+        return self.inside(self.tmp / f"{prefix}-{uuid.uuid4().hex}{suffix}")
 
     def adopt_upload(self, src: Path, job_id: str, kind: UploadKind) -> Path:
         """Move an upload in place, durably: its bytes and its new name are on disk when this returns

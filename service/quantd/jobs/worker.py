@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from quantd.errors import JobCancelled, QuantdError
 from quantd_client import Progress, QuantConfig, Report
 
-from .prepared import PreparedRuns
+from .prepared import PreparedRun, PreparedRuns
 from .records import JobRecord
 from .storage import ArtifactStore
 from .store import JobStore
@@ -144,6 +144,7 @@ class Worker:
                  on_change: Callable[[str], None] | None = None, prepared: PreparedRuns | None = None) -> None:
         self.id = new_worker_id(index)
         self.prepared = prepared
+        self.may_claim: Callable[[Worker], bool] = lambda worker: True  # set by the pool
         self.on_change = on_change or (lambda job_id: None)
         self.device = device
         self.store, self.storage, self.quantize_fn = store, storage, quantize_fn
@@ -171,7 +172,7 @@ class Worker:
                 if time.monotonic() - last_beat >= self.heartbeat_s:
                     self.store.worker_heartbeat(self.id, None)
                     last_beat = time.monotonic()
-                job = self.store.claim(self.id, self.device, self.lease_s)
+                job = self.store.claim(self.id, self.device, self.lease_s) if self.may_claim(self) else None
             except Exception:  # the DB briefly unavailable must not kill the worker
                 log.exception("worker %s: claim failed", self.id)
                 job = None
@@ -236,13 +237,9 @@ class Worker:
         run = self.prepared.pop(job.id) if self.prepared is not None else None
         try:
             if run is not None:  # quantized while its upload streamed in: the rest, then its artifact
-                report = run.adopt(lease.on_progress, lease.should_cancel)
-                if report is not None and self.prepared is not None:
-                    os.replace(run.artifact, tmp)
-                    self.prepared.adopted_one()
+                report = self._adopt(job, run, tmp, lease)
+                if report is not None:
                     return report
-                log.info("worker %s: job %s: the run during its upload is not usable (%s); quantizing",
-                         self.id, job.id, type(run.error).__name__)
             return self.quantize_fn(src, tmp, QuantConfig.model_validate(job.config), device=self.device,
                                     filename=job.input.get("filename"), job_id=job.id,
                                     on_progress=lease.on_progress, should_cancel=lease.should_cancel, **extra)
@@ -258,6 +255,27 @@ class Worker:
         except Exception as e:
             log.exception("worker %s: job %s crashed", self.id, job.id)
             return _error("urn:quantd:internal", "Internal error", f"{type(e).__name__}: {e}")
+
+    def _adopt(self, job: JobRecord, run: PreparedRun, tmp: Path, lease: _Lease) -> Report | None:
+        """The run's Report with its artifact moved to ``tmp``; None (the run discarded) when it cannot be
+        used, and the caller quantizes on its own. JobCancelled passes through."""
+        try:
+            report = run.adopt(lease.on_progress, lease.should_cancel)
+            if report is not None:
+                os.replace(run.artifact, tmp)
+                if self.prepared is not None:
+                    self.prepared.adopted_one()
+                return report
+            log.info("worker %s: job %s: the run during its upload is not usable (%s); quantizing",
+                     self.id, job.id, type(run.error).__name__)
+        except JobCancelled:
+            raise
+        except Exception:
+            log.exception("worker %s: job %s: adopting the run during its upload failed; quantizing", self.id,
+                          job.id)
+        run.cancel()
+        run.artifact.unlink(missing_ok=True)
+        return None
 
     def _end_interrupted(self, job: JobRecord, owner: str) -> None:
         state = self.store.lease_state(job.id, owner)
