@@ -57,10 +57,6 @@ class GrowingFile:
 
     # -- the reader's side --------------------------------------------------------------------
     @property
-    def aborted(self) -> bool:
-        return self._state == "aborted"
-
-    @property
     def completed(self) -> bool:
         return self._state == "complete"
 
