@@ -75,7 +75,7 @@ class WorkerPool:
         """Not while runs during uploads take every idle worker's place on its device (they would share it)."""
         if self.prepared is None:
             return True
-        idle = sum(w.alive and w.busy_job is None for w in self.workers if w.device == worker.device)
+        idle = sum(w.device == worker.device for w in self._idle_workers())
         return self.prepared.computing(worker.device) < idle
 
     def start(self) -> None:
@@ -109,12 +109,16 @@ class WorkerPool:
     def busy(self) -> int:
         return sum(w.busy_job is not None for w in self.workers)
 
+    def _idle_workers(self) -> list[Worker]:
+        return [w for w in self.workers if w.alive and w.busy_job is None]
+
     def idle(self) -> int:
-        return sum(w.alive and w.busy_job is None for w in self.workers)
+        return len(self._idle_workers())
 
     def idle_device(self) -> str:
         """The device of an idle worker (of the first worker when none is idle)."""
-        return next((w.device for w in self.workers if w.alive and w.busy_job is None), self.workers[0].device)
+        idle = self._idle_workers()
+        return (idle[0] if idle else self.workers[0]).device
 
 
 def run_worker(config: JobsConfig, *, quantize_fn: QuantizeFn | None = None,

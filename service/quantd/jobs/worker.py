@@ -273,8 +273,7 @@ class Worker:
         except Exception:
             log.exception("worker %s: job %s: adopting the run during its upload failed; quantizing", self.id,
                           job.id)
-        run.cancel()
-        run.artifact.unlink(missing_ok=True)
+        run.cancel()  # its artifact goes (now, or as the run ends)
         return None
 
     def _end_interrupted(self, job: JobRecord, owner: str) -> None:
