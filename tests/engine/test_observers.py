@@ -373,3 +373,12 @@ def test_compiled_candidate_qparams_equal_eager(compiled: None, dtype: str, symm
     assert torch.equal(s_fused, s_eager)
     assert (z_fused is None and z_eager is None) or (z_fused is not None and z_eager is not None
                                                      and torch.equal(z_fused, z_eager))
+
+
+@pytest.mark.parametrize("cols", [1, 2, 4, 7])
+def test_row_min_equals_torch_min_first_index_on_ties(cols: int) -> None:
+    gen = torch.Generator().manual_seed(cols)
+    values = torch.randint(0, 3, (500, cols), generator=gen).float()  # many ties
+    want_v, want_i = values.min(1)
+    got_v, got_i = obs.row_min(values)
+    assert torch.equal(got_v, want_v) and torch.equal(got_i, want_i)

@@ -301,28 +301,6 @@ def test_compiled_kernels_match_reference(compiled: None, dtype: str, symmetric:
     _check_against_reference(x, _scheme(dtype, gran, axis, gs, symmetric=symmetric))
 
 
-@pytest.mark.parametrize("dtype,symmetric", [(d, s) for d, s in DTYPE_SYMMETRIC if DTYPES[d].kind == "int"])
-@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[1], LAYOUTS[2], LAYOUTS[5]],
-                         ids=lambda t: f"{t[0]}-{t[1]}{t[2]}-g{t[3]}")
-def test_one_kernel_rows_match_reference(compiled: None, monkeypatch: pytest.MonkeyPatch, dtype: str,
-                                         symmetric: bool, layout: tuple) -> None:
-    import quantd.engine.primitives as prim
-    from quantd.engine import kernels
-
-    monkeypatch.setattr(prim, "ROW_KERNEL_MIN_WIDTH", 1)  # every row through the range+qparams+codes kernel
-    calls: list[int] = []
-    real = kernels.quantize_rows_int
-    monkeypatch.setattr(kernels, "quantize_rows_int", lambda *a, **k: calls.append(1) or real(*a, **k))
-    shape, gran, axis, gs = layout
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(17)) * 3
-    x[0] = 0.0  # an all-zero row: the smallest scale, exact zeros
-    _check_against_reference(x, _scheme(dtype, gran, axis, gs, symmetric=symmetric))
-    assert calls  # the one-kernel path ran
-    x[1, 1] = float("nan")
-    with pytest.raises(NonFiniteError):
-        quantize(x, _scheme(dtype, gran, axis, gs, symmetric=symmetric), name="w")
-
-
 @pytest.mark.parametrize("dtype,symmetric", DTYPE_SYMMETRIC)
 @pytest.mark.parametrize("layout", COMPILED_LAYOUTS, ids=lambda t: f"{t[0]}-{t[1]}{t[2]}-g{t[3]}")
 def test_compiled_dequantize_equals_eager(compiled: None, dtype: str, symmetric: bool, layout: tuple) -> None:

@@ -6,8 +6,8 @@ fp8: ``code = fp8(clamp(x / scale, ±max_finite))``, ``x̂ = code · scale``. fl
 cast (values beyond the largest finite value become ±max, never inf). Inputs are taken as float32.
 
 Speed: on CPU, tensors of at least ``kernels.MIN_ELEMENTS`` elements go through fused compiled kernels
-(:mod:`quantd.engine.kernels`: the per-block range in one pass, the encode in one more; min-max integer
-rows of at least ``ROW_KERNEL_MIN_WIDTH`` in a single kernel), which compute exactly the formulas above. Otherwise (CUDA, small tensors, no C++ compiler) the eager path
+(:mod:`quantd.engine.kernels`: the per-block range in one pass, the qparams of all blocks in one more
+over ``[B]``, the encode in one more), which compute exactly the formulas above. Otherwise (CUDA, small tensors, no C++ compiler) the eager path
 below runs: the blocks are processed in chunks of rows small enough to stay in cache across the passes,
 with in-place ops into one preallocated buffer. For the minmax observer the range of each chunk is
 observed right before it is encoded, so the input is read from memory once. Integer codes take two
@@ -140,14 +140,23 @@ class _Encoder:
         return bool((y_lo < _ROUND_MAGIC + self.info.qmin).any() | (y_hi > _ROUND_MAGIC + self.info.qmax).any())
 
 
-def _check_range(rng: Range, nblocks: int, *, name: str) -> Range:
+def _range_per_block(rng: Range, nblocks: int, *, name: str) -> Range:
+    """``rng`` as two float32 ``[nblocks]`` vectors; a ConfigError when it has another size."""
     lo, hi = rng
     if lo.numel() != nblocks or hi.numel() != nblocks:
         raise ConfigError(f"observer_range has {lo.numel()}/{hi.numel()} values; the scheme needs one per "
                           f"block ({nblocks})", tensor=name, field="observer_range")
-    lo, hi = lo.reshape(nblocks).float(), hi.reshape(nblocks).float()
+    return lo.reshape(nblocks).float(), hi.reshape(nblocks).float()
+
+
+def _non_finite_range(name: str) -> NonFiniteError:
+    return NonFiniteError("the observed range is not finite (NaN or Inf in the weights?)", tensor=name)
+
+
+def _check_range(rng: Range, nblocks: int, *, name: str) -> Range:
+    lo, hi = _range_per_block(rng, nblocks, name=name)
     if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
-        raise NonFiniteError("the observed range is not finite (NaN or Inf in the weights?)", tensor=name)
+        raise _non_finite_range(name)
     return lo, hi
 
 
@@ -197,18 +206,11 @@ def _quantize_two_pass(enc: _Encoder, scheme: Scheme, rng: Range | None, *, name
     return enc.codes, scale, zp
 
 
-# Rows at least this long (per-channel weights) are quantized by one kernel per row (range, qparams and
-# codes while the row is in cache); shorter ones (groups) by a range kernel and an encode kernel, which
-# is faster for them.
-ROW_KERNEL_MIN_WIDTH = 512
-
-
-def _encode_compiled(blocks: torch.Tensor, info: DTypeInfo, codes_dtype: torch.dtype, scale: torch.Tensor,
-                     zp: torch.Tensor | None) -> torch.Tensor | None:
-    """All blocks encoded by one fused kernel (:mod:`quantd.engine.kernels`); None when not compiled."""
-    s_col = scale.float().unsqueeze(1)
+def _encode_compiled(blocks: torch.Tensor, info: DTypeInfo, codes_dtype: torch.dtype, s_col: torch.Tensor,
+                     z_col: torch.Tensor) -> torch.Tensor | None:
+    """All blocks encoded by one fused kernel (:mod:`quantd.engine.kernels`) from float32 scale and zero
+    point columns ``[B, 1]``; None when not compiled."""
     if info.kind == "int":
-        z_col = torch.zeros_like(s_col) if zp is None else zp.float().unsqueeze(1)
         return kernels.encode_int(blocks, s_col, z_col, info.qmin, info.qmax, codes_dtype)
     if info.kind == "nf4":
         return kernels.encode_nf4(blocks, s_col, NF4_MIDPOINTS)
@@ -222,24 +224,18 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
     if rng is not None:  # given by the caller: the weights themselves are not checked by observing
         if not bool(torch.isfinite(blocks).all()):
             raise NonFiniteError("NaN or Inf in the weights", tensor=name)
-    elif scheme.observer == "minmax" and info.kind == "int" and blocks.shape[1] >= ROW_KERNEL_MIN_WIDTH:
-        whole = kernels.quantize_rows_int(blocks, dtype=scheme.dtype, symmetric=scheme.symmetric,
-                                          scale_dtype=scheme.scale_dtype, qmin=info.qmin, qmax=info.qmax,
-                                          out_dtype=codes_dtype)
-        if whole is None:
-            return None
-        _check_range(whole[3:], blocks.shape[0], name=name)  # NaN/Inf propagate into the row ranges
-        return whole[:3]
-    elif scheme.observer == "minmax":  # NaN/Inf propagate into the range, which _check_range rejects
+    elif scheme.observer == "minmax":  # NaN/Inf propagate into the range, which is checked below
         rng = kernels.row_range(blocks)
         if rng is None:
             return None
     else:
         rng = observe_range(blocks.float(), scheme, name=name)
-    lo, hi = _check_range(rng, blocks.shape[0], name=name)
-    scale, zp = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
-                               scale_dtype=scheme.scale_dtype)
-    codes = _encode_compiled(blocks, info, codes_dtype, scale, zp)
+    lo, hi = _range_per_block(rng, blocks.shape[0], name=name)
+    finite, scale, zp, s_col, z_col = kernels.qparams_columns(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
+                                                              scale_dtype=scheme.scale_dtype)
+    if not finite:
+        raise _non_finite_range(name)
+    codes = _encode_compiled(blocks, info, codes_dtype, s_col, z_col)
     return None if codes is None else (codes, scale, zp)
 
 

@@ -1,0 +1,82 @@
+"""qparams: rounding scales up to their dtype, and the compiled qparams kernel against eager torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantd.engine import kernels
+from quantd.engine.qparams import choose_qparams, round_up_to, smallest_positive
+from quantd_client._dtypes import DTYPES
+
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def reference_round_up(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The nearest value of ``dtype``, one bit pattern up where that fell below ``s``, clamped."""
+    r = s.to(dtype)
+    below = r.to(s.dtype) < s
+    r = (r.view(_BITS[dtype]) + below).view(dtype)
+    return r.clamp(min=smallest_positive(dtype), max=torch.finfo(dtype).max)
+
+
+def _hard_scales(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite non-negative value of a 16-bit ``dtype`` and its float64 neighbours just above and
+    below, halfway points, random magnitudes across the whole float64 range, and the range ends."""
+    gen = torch.Generator().manual_seed(0)
+    exact = torch.arange(0, 0x7C00 if dtype == torch.float16 else 0x7F80, dtype=torch.int32)
+    exact = exact.to(torch.int16).view(dtype).double()
+    spread = torch.rand(1 << 16, generator=gen, dtype=torch.float64) * 10.0 ** torch.empty(
+        1 << 16, dtype=torch.float64).uniform_(-50, 45, generator=gen)
+    ends = torch.tensor([0.0, 2.0**-150, 2.0**-149, 2.0**-134, 2.0**-133, 2.0**-25, 2.0**-24, 1.5 * 2.0**-24,
+                         2.0**-14 * (1 - 2.0**-30), 2.0**-14, 65504.0, 65505.0, 65520.0, 7e4, 3.3895e38, 3.4e38,
+                         1e39, 1e300], dtype=torch.float64)
+    nxt = torch.nextafter(exact, torch.tensor(float("inf"), dtype=torch.float64))
+    prv = torch.nextafter(exact, torch.tensor(0.0, dtype=torch.float64))
+    return torch.cat([exact, nxt, prv, (exact[1:] + exact[:-1]) / 2, exact * (1 + 2.0**-12), spread, ends])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("source", [torch.float64, torch.float32])
+def test_round_up_to_half_types_is_the_smallest_value_not_below(dtype: torch.dtype, source: torch.dtype) -> None:
+    s = _hard_scales(dtype).to(source)
+    got = round_up_to(s, dtype)
+    assert got.dtype == dtype
+    want = reference_round_up(s, dtype)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    fits = s <= torch.finfo(dtype).max
+    assert bool((got.double()[fits] >= s.double()[fits]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_round_up_to_compiled_equals_eager(compiled: None, dtype: torch.dtype) -> None:
+    s = _hard_scales(torch.float16 if dtype == torch.float32 else dtype)
+    got = kernels.KERNELS.call("test_round_up_to", round_up_to, (dtype,), s, dtype)
+    want = round_up_to(s, dtype)
+    assert got is not None
+    assert torch.equal(got.view(_BITS[dtype]), want.view(_BITS[dtype]))
+
+
+QPARAM_CASES = [(d, s) for d, info in DTYPES.items() if info.kind != "float" for s in (True, False)
+                if (info.kind == "int" and (info.signed or not s)) or (info.kind != "int" and s)]
+
+
+@pytest.mark.parametrize("dtype,symmetric", QPARAM_CASES)
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16", "float32"])
+def test_qparams_columns_compiled_equal_eager(compiled: None, dtype: str, symmetric: bool, scale_dtype: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    n = 4096
+    mag = 10.0 ** torch.empty(n).uniform_(-30, 30, generator=gen)
+    lo, hi = -torch.rand(n, generator=gen) * mag, torch.rand(n, generator=gen) * mag
+    lo[:10], hi[5:15], lo[20:25] = 0.0, 0.0, 1.0  # zero sides, all-zero blocks, ranges not containing 0
+    finite, scale, zp, s_col, z_col = kernels.qparams_columns(lo, hi, dtype=dtype, symmetric=symmetric,
+                                                              scale_dtype=scale_dtype)
+    want_scale, want_zp = choose_qparams(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)
+    assert finite and torch.equal(scale, want_scale)
+    assert torch.equal(s_col, want_scale.float().unsqueeze(1))
+    if want_zp is None:
+        assert zp is None and not bool(z_col.any())
+    else:
+        assert zp is not None and torch.equal(zp, want_zp) and torch.equal(z_col, want_zp.float().unsqueeze(1))
+    hi[7] = float("nan")
+    assert not kernels.qparams_columns(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)[0]
