@@ -341,14 +341,15 @@ def test_compiled_mse_errors_match_eager(monkeypatch: pytest.MonkeyPatch, dtype:
     scheme = Scheme(dtype=dtype, symmetric=symmetric, granularity="group", group_size=128, observer="mse",
                     observer_args={"norm": norm})
     lo, hi = x.amin(1), x.amax(1)
-    ratios = torch.linspace(0.3, 1.0, 6).expand(32, -1)
+    grid = torch.linspace(0.3, 1.0, 6)
+    idx = torch.randint(0, 6, (32, 6), generator=torch.Generator().manual_seed(5))
     kernels.KERNELS.reset(available=False)
-    want = obs._candidate_errors(x, lo, hi, ratios, scheme, dtype_info(dtype), norm)
+    want = obs._candidate_errors(x, lo, hi, idx, grid, scheme, dtype_info(dtype), norm)
     ref_range = observe_range(x, scheme)
     monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
     kernels.KERNELS.reset(available=True)
     try:
-        got = obs._candidate_errors(x, lo, hi, ratios, scheme, dtype_info(dtype), norm)
+        got = obs._candidate_errors(x, lo, hi, idx, grid, scheme, dtype_info(dtype), norm)
         got_range = observe_range(x, scheme)
         assert kernels.KERNELS._broken is None
     finally:

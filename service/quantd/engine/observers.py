@@ -230,18 +230,42 @@ def candidate_qparams(lo: torch.Tensor, hi: torch.Tensor, ratios: torch.Tensor, 
     return scale.view(-1, cands), (None if zp is None else zp.view(-1, cands))
 
 
-def _candidate_errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ratios: torch.Tensor,
+def _indexed_candidates(lo_rep: torch.Tensor, hi_rep: torch.Tensor, idx: torch.Tensor, grid_r: torch.Tensor,
+                        dtype: str, symmetric: bool, scale_dtype: str) -> tuple[torch.Tensor, ...]:
+    r = grid_r[idx]
+    scale, zp = choose_qparams(lo_rep * r, hi_rep * r, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)
+    s = scale.float()
+    return s, s.reciprocal(), (torch.zeros_like(s) if zp is None else zp.float())
+
+
+def _fused_candidates(lo: torch.Tensor, hi: torch.Tensor, idx: torch.Tensor, grid_r: torch.Tensor,
+                      scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Scale, its reciprocal and the zero point (zeros when symmetric), float32 ``[B, C]``, of the
+    candidates ``r = grid_r[idx]`` in one compiled kernel (the gather, the ranges and ``choose_qparams``),
+    on flat ``[B·C]`` inputs (a loop reading ``lo[i // C]`` is not vectorised); None when not compiled."""
+    cands = idx.shape[1]
+    out = kernels.KERNELS.call("candidates", _indexed_candidates,
+                               (lo.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype),
+                               lo.repeat_interleave(cands), hi.repeat_interleave(cands), idx.reshape(-1), grid_r,
+                               scheme.dtype, scheme.symmetric, scheme.scale_dtype)
+    if out is None:
+        return None
+    s, inv, z = (t.view(-1, cands) for t in out)
+    return s, inv, z
+
+
+def _candidate_errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, idx: torch.Tensor, grid_r: torch.Tensor,
                       scheme: Scheme, info: DTypeInfo, norm: float) -> torch.Tensor:
-    """Errors ``[B, C]`` of the candidate ranges ``(r·lo, r·hi)``, ``ratios[B, C]``, chunked."""
+    """Errors ``[B, C]`` of the candidate ranges ``(r·lo, r·hi)``, ``r = grid_r[idx]`` for ``idx[B, C]``."""
     rows, k = x.shape
-    cands = ratios.shape[1]
+    cands = idx.shape[1]
     compiled = kernels.KERNELS.wants(x)
-    scale, zp = candidate_qparams(lo, hi, ratios, scheme, fused=compiled)
     if info.kind == "int" and compiled:
-        fused = kernels.fake_quant_error_int(x, scale, torch.zeros_like(scale) if zp is None else zp,
-                                             info.qmin, info.qmax, norm)
+        qparams = _fused_candidates(lo, hi, idx, grid_r, scheme)
+        fused = None if qparams is None else kernels.fake_quant_error_int(x, *qparams, info.qmin, info.qmax, norm)
         if fused is not None:
             return fused
+    scale, zp = candidate_qparams(lo, hi, grid_r.take(idx), scheme, fused=compiled)
     rows_c, cand_c, cols_c = mse_chunk_plan(rows, cands, k)
     buf = torch.empty(rows_c * cand_c * cols_c, dtype=torch.float32, device=x.device)
     buf2 = torch.empty_like(buf)
@@ -284,13 +308,13 @@ def _mse_search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, grid_r: tor
     for r in range(0, x.shape[0], step):
         xs, los, his = x[r:r + step], lo[r:r + step], hi[r:r + step]
         idx = coarse_t.expand(xs.shape[0], -1)
-        err = _candidate_errors(xs, los, his, grid_r.take(idx), scheme, info, norm)
+        err = _candidate_errors(xs, los, his, idx, grid_r, scheme, info, norm)
         # min over candidates takes the first tie: the coarse grid (ascending r) comes first
         e_best, j = row_min(err)
         b = coarse_t[j]
         for offsets in stage_t:
             idx = (b.unsqueeze(1) + offsets).clamp_(0, grid - 1)
-            e_new, j = row_min(_candidate_errors(xs, los, his, grid_r.take(idx), scheme, info, norm))
+            e_new, j = row_min(_candidate_errors(xs, los, his, idx, grid_r, scheme, info, norm))
             better = e_new < e_best  # strictly: an equal error keeps the point found first
             b = b + better * (idx.gather(1, j.unsqueeze(1)).squeeze(1) - b)  # torch.where is slow on CPU
             e_best = torch.minimum(e_new, e_best)
@@ -320,7 +344,7 @@ def _mse_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Sche
     b = _mse_search(sample, lo, hi, grid_r, scheme, info, norm)
     idx = torch.cat([(b.unsqueeze(1) + torch.arange(-1, 2, device=x.device)).clamp(0, grid - 1),
                      torch.full_like(b, grid - 1).unsqueeze(1)], 1)
-    err = _candidate_errors(x, lo, hi, grid_r.take(idx), scheme, info, norm)
+    err = _candidate_errors(x, lo, hi, idx, grid_r, scheme, info, norm)
     best = idx.gather(1, row_min(err)[1].unsqueeze(1)).squeeze(1)
     ratio = grid_r[best]
     return lo * ratio, hi * ratio
