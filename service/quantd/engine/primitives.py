@@ -7,7 +7,8 @@ cast (values beyond the largest finite value become ±max, never inf). Inputs ar
 
 Speed: on CPU, tensors of at least ``kernels.MIN_ELEMENTS`` elements go through fused compiled kernels
 (:mod:`quantd.engine.kernels`: the per-block range in one pass, the qparams of all blocks in one more
-over ``[B]``, the encode in one more), which compute exactly the formulas above. Otherwise (CUDA, small tensors, no C++ compiler) the eager path
+over ``[B]``, the encode in one more; for min-max integer schemes all three in one compiled call), which
+compute exactly the formulas above. Otherwise (CUDA, small tensors, no C++ compiler) the eager path
 below runs: the blocks are processed in chunks of rows small enough to stay in cache across the passes,
 with in-place ops into one preallocated buffer. For the minmax observer the range of each chunk is
 observed right before it is encoded, so the input is read from memory once. Integer codes take two
@@ -224,6 +225,16 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
     if rng is not None:  # given by the caller: the weights themselves are not checked by observing
         if not bool(torch.isfinite(blocks).all()):
             raise NonFiniteError("NaN or Inf in the weights", tensor=name)
+    elif scheme.observer == "minmax" and info.kind == "int":  # NaN/Inf propagate into the ranges
+        whole = kernels.quantize_minmax_int(blocks, dtype=scheme.dtype, symmetric=scheme.symmetric,
+                                            scale_dtype=scheme.scale_dtype, qmin=info.qmin, qmax=info.qmax,
+                                            out_dtype=codes_dtype)
+        if whole is None:
+            return None
+        codes, finite, scale, zp = whole
+        if not finite:
+            raise _non_finite_range(name)
+        return codes, scale, zp
     elif scheme.observer == "minmax":  # NaN/Inf propagate into the range, which is checked below
         rng = kernels.row_range(blocks)
         if rng is None:
