@@ -231,10 +231,9 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
                                             out_dtype=codes_dtype)
         if whole is None:
             return None
-        codes, finite, scale, zp = whole
-        if not finite:
+        if not whole[1]:
             raise _non_finite_range(name)
-        return codes, scale, zp
+        return whole[0], whole[2], whole[3]
     elif scheme.observer == "minmax":  # NaN/Inf propagate into the range, which is checked below
         rng = kernels.row_range(blocks)
         if rng is None:
