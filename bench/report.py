@@ -480,7 +480,7 @@ def engine_section(data: Any) -> str:
     m = data.get("machine", {})
     out = [
         f"Machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}; load average before "
-        f"{data.get('loadavg_before')}, after {data.get('loadavg_after')}; shape {data.get('shape')}. "
+        f"{m.get('loadavg_before')}, after {m.get('loadavg_after')}; shape {data.get('shape')}. "
         "Best of the repeats (see bench/engine.py)."
     ]
     for run in runs:
@@ -493,13 +493,16 @@ def engine_section(data: Any) -> str:
                     fmt(v.get("s", 0.0) * 1e3, ".2f"),
                     fmt(v.get("gbps"), ".3f"),
                     fmt(v.get("fraction_of_copy"), ".3f"),
+                    fmt(v["paired_copy_s"] * 1e3 if "paired_copy_s" in v else None, ".2f"),
+                    fmt(v.get("fraction_of_median_copy"), ".3f"),
                 ]
                 for name, v in schemes.items()
                 if isinstance(v, dict) and "gbps" in v
             ]
             out.append(
                 f"\n**{dtype}, {run.get('threads')} thread(s)**\n\n"
-                + table(["scheme", "ms", "GB/s", "fraction of copy"], rows)
+                + table(["scheme", "ms", "GB/s", "fraction of copy", "copy ms (best)",
+                         "fraction of median copy"], rows)
             )
     return "\n".join(out)
 
