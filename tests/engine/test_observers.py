@@ -376,10 +376,19 @@ def test_compiled_candidate_qparams_equal_eager(compiled: None, dtype: str, symm
                                                      and torch.equal(z_fused, z_eager))
 
 
+@pytest.mark.parametrize("path", ["eager", "compiled"])
 @pytest.mark.parametrize("cols", [1, 2, 4, 7])
-def test_row_min_equals_torch_min_first_index_on_ties(cols: int) -> None:
+def test_pick_best_takes_the_first_least_error_when_strictly_better(request: pytest.FixtureRequest, path: str,
+                                                                    cols: int) -> None:
+    request.getfixturevalue(path)
     gen = torch.Generator().manual_seed(cols)
-    values = torch.randint(0, 3, (500, cols), generator=gen).float()  # many ties
-    want_v, want_i = values.min(1)
-    got_v, got_i = obs.row_min(values)
-    assert torch.equal(got_v, want_v) and torch.equal(got_i, want_i)
+    rows = 600
+    err = torch.randint(0, 4, (rows, cols), generator=gen).float()  # many ties
+    idx = torch.randint(0, 100, (rows, cols), generator=gen)
+    b = torch.randint(0, 100, (rows,), generator=gen)
+    e_best = torch.randint(0, 4, (rows,), generator=gen).float()
+    new_e, j = err.min(1)  # torch.min: the first index of the least value
+    better = new_e < e_best
+    want_b = torch.where(better, idx.gather(1, j.unsqueeze(1)).squeeze(1), b)
+    got_b, got_e = obs.pick_best(err, idx, b, e_best)
+    assert torch.equal(got_b, want_b) and torch.equal(got_e, torch.minimum(new_e, e_best))
