@@ -256,7 +256,7 @@ def test_zero_dim_tensor_per_tensor() -> None:
     assert qt.codes.shape == () and abs(float(dequantize(qt)) + 2.0) <= float(qt.scale) / 2  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("dtype", ["int4", "float16"])
 def test_non_finite_weights_raise(bad: float, dtype: str) -> None:
     x = torch.randn(4, 16)
@@ -347,12 +347,16 @@ def test_ties_round_half_even_before_an_odd_zero_point(request: pytest.FixtureRe
     _check_against_reference(x, scheme)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_compiled_path_rejects_non_finite_weights(compiled: None, bad: float) -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype,gran,observer", [("int8", "channel", "minmax"), ("int4", "group", "minmax"),
+                                                 ("nf4", "group", "minmax"), ("int4", "group", "mse"),
+                                                 ("fp8_e4m3", "channel", "percentile")])
+def test_compiled_path_rejects_non_finite_weights(compiled: None, bad: float, dtype: str, gran: str,
+                                                  observer: str) -> None:
     x = torch.randn(8, 32)
     x[3, 5] = bad
     with pytest.raises(NonFiniteError):
-        quantize(x, _scheme("int8", "channel", 0, 128), name="w")
+        quantize(x, _scheme(dtype, gran, 0, 16, observer=observer), name="w")
 
 
 def test_a_compiler_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch,
@@ -427,6 +431,8 @@ def test_minmax_integer_schemes_take_the_one_call_kernel(compiled: None, monkeyp
     for gran in ("channel", "group"):
         _check_against_reference(x, _scheme(dtype, gran, 0, 16, symmetric=symmetric))
     assert len(calls) == 2
-    x[1, 1] = float("inf")
-    with pytest.raises(NonFiniteError):
-        quantize(x, _scheme(dtype, "group", 0, 16, symmetric=symmetric), name="w")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[1, 1] = bad
+        with pytest.raises(NonFiniteError):
+            quantize(y, _scheme(dtype, "group", 0, 16, symmetric=symmetric), name="w")

@@ -48,6 +48,15 @@ def test_round_up_to_half_types_is_the_smallest_value_not_below(dtype: torch.dty
     assert bool((got.double()[fits] >= s.double()[fits]).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("source", [torch.float64, torch.float32])
+def test_round_up_to_half_types_keeps_nan(source: torch.dtype, dtype: torch.dtype) -> None:
+    bits = torch.tensor([0x7FC00000, 0x7FFFFFFF, -1, 0x7F800001], dtype=torch.int32)  # NaN payloads, all-ones too
+    s = torch.cat([bits.view(torch.float32).to(source), torch.tensor([float("nan"), 1.0], dtype=source)])
+    got = round_up_to(s, dtype)
+    assert bool(torch.isnan(got[:-1]).all()) and float(got[-1]) == 1.0
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_round_up_to_compiled_equals_eager(compiled: None, dtype: torch.dtype) -> None:
     s = _hard_scales(torch.float16 if dtype == torch.float32 else dtype)
@@ -78,5 +87,8 @@ def test_qparams_columns_compiled_equal_eager(compiled: None, dtype: str, symmet
         assert zp is None and not bool(z_col.any())
     else:
         assert zp is not None and torch.equal(zp, want_zp) and torch.equal(z_col, want_zp.float().unsqueeze(1))
-    hi[7] = float("nan")
-    assert not kernels.qparams_columns(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)[0]
+    for side, bad in ((hi, float("nan")), (lo, float("-inf")), (hi, float("inf"))):
+        keep = float(side[7])
+        side[7] = bad
+        assert not kernels.qparams_columns(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)[0]
+        side[7] = keep

@@ -185,7 +185,7 @@ def _fake_quant_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | N
     xe = x.unsqueeze(1)
     t = buf[:n].view(shape)
     if info.kind == "int":  # x · (1/s), not x / s: an estimate of the error, not the codes (see kernels)
-        inv = scale.reciprocal().unsqueeze(-1)
+        inv = _reciprocal(scale).unsqueeze(-1)
         if zp is None:
             torch.mul(xe, inv, out=t)
         else:
@@ -207,6 +207,12 @@ def _fake_quant_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | N
         t = t.clamp_(-info.max_finite, info.max_finite).to(f8).to(x.dtype).mul_(s)
     err: torch.Tensor = torch.linalg.vector_norm(t.sub_(xe), ord=norm, dim=-1)
     return err.square_() if norm == 2.0 else err.pow_(norm)
+
+
+def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale``, finite: float32 and bfloat16 scales go down to 2⁻¹⁴⁹, whose reciprocal is inf (and
+    0 · inf a NaN error for an all-zero block); the largest float32 instead gives ``x · (1/s)`` of 0."""
+    return scale.reciprocal().clamp_(max=torch.finfo(torch.float32).max)
 
 
 def _candidate_qparams(lo_r: torch.Tensor, hi_r: torch.Tensor, dtype: str, symmetric: bool,
@@ -235,7 +241,7 @@ def _indexed_candidates(lo_rep: torch.Tensor, hi_rep: torch.Tensor, idx: torch.T
     r = grid_r[idx]
     scale, zp = choose_qparams(lo_rep * r, hi_rep * r, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)
     s = scale.float()
-    return s, s.reciprocal(), (torch.zeros_like(s) if zp is None else zp.float())
+    return s, _reciprocal(s), (torch.zeros_like(s) if zp is None else zp.float())
 
 
 def _fused_candidates(lo: torch.Tensor, hi: torch.Tensor, idx: torch.Tensor, grid_r: torch.Tensor,

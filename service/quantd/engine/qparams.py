@@ -83,14 +83,15 @@ def _round_up_to_half(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     like their bit patterns, so rounding the pattern up to such a multiple rounds the value up. Below
     float16's normal range its values are the multiples of 2⁻²⁴: ``ceil(v·2²⁴)·2⁻²⁴``, exact in float32."""
     info = torch.finfo(dtype)
-    v = v.clamp(max=info.max)  # the pattern arithmetic below then cannot carry into inf or overflow int32
+    v = v.clamp(max=info.max)  # finite values then cannot carry into inf or overflow int32 below
     step = 1 << _HALF_DROPPED_BITS[dtype]
     bits = (v.view(torch.int32) + (step - 1)).bitwise_and(-step)
     up = bits.view(torch.float32)
     if dtype == torch.float16:
         sub = torch.ceil(v * 2.0**24) * 2.0**-24
         up = torch.where(v < _FLOAT16_MIN_NORMAL, sub, up)
-    return up.clamp(min=smallest_positive(dtype))
+    # NaN stays NaN (the pattern arithmetic can turn one into ±0; the plain conversion kept it)
+    return torch.where(torch.isnan(v), v, up.clamp(min=smallest_positive(dtype)))
 
 
 def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool,
