@@ -43,20 +43,21 @@ SCHEMES: dict[str, dict[str, Any]] = {
 }
 
 
-def paired_times(copy: Callable[[], object], fn: Callable[[], object], repeats: int) -> tuple[list[float], list[float]]:
-    """Times of ``copy`` and ``fn``, timed in alternation: a burst of load from other processes hits
-    both alike, so their ratio is steadier than two separate series."""
-    copy(), fn()
-    copies, fns = [], []
+def paired_times(a: Callable[[], object], b: Callable[[], object], repeats: int) -> tuple[list[float], list[float]]:
+    """Times of ``a`` and ``b`` (a copy and a scheme, or min-max and mse), timed in alternation after one
+    untimed call each: a burst of load from other processes hits both alike, so their ratio is steadier
+    than that of two separate series."""
+    a(), b()
+    times_a, times_b = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        copy()
+        a()
         t1 = time.perf_counter()
-        fn()
+        b()
         t2 = time.perf_counter()
-        copies.append(t1 - t0)
-        fns.append(t2 - t1)
-    return copies, fns
+        times_a.append(t1 - t0)
+        times_b.append(t2 - t1)
+    return times_a, times_b
 
 
 def naive_int8_channel(x: torch.Tensor) -> torch.Tensor:

@@ -239,9 +239,8 @@ def candidate_qparams(lo: torch.Tensor, hi: torch.Tensor, ratios: torch.Tensor, 
 def _indexed_candidates(lo_rep: torch.Tensor, hi_rep: torch.Tensor, idx: torch.Tensor, grid_r: torch.Tensor,
                         dtype: str, symmetric: bool, scale_dtype: str) -> tuple[torch.Tensor, ...]:
     r = grid_r[idx]
-    scale, zp = choose_qparams(lo_rep * r, hi_rep * r, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)
-    s = scale.float()
-    return s, _reciprocal(s), (torch.zeros_like(s) if zp is None else zp.float())
+    s, zp = _candidate_qparams(lo_rep * r, hi_rep * r, dtype, symmetric, scale_dtype)
+    return s, _reciprocal(s), (torch.zeros_like(s) if zp is None else zp)
 
 
 def _fused_candidates(lo: torch.Tensor, hi: torch.Tensor, idx: torch.Tensor, grid_r: torch.Tensor,
