@@ -6,6 +6,7 @@ import torch
 from quantd.engine import observers as obs
 from quantd.engine.observers import ActivationObserver, mse_chunk_plan, observe_range, percentile_range
 from quantd.engine.primitives import dequantize, quantize
+from quantd.engine.qparams import choose_qparams
 from quantd.errors import ConfigError, NonFiniteError
 from quantd_client import Scheme
 
@@ -331,49 +332,81 @@ def test_mse_search_indices_coarse_grid_and_stages() -> None:
             spacing = finer
         assert spacing == 1
 
-@pytest.mark.parametrize("dtype,symmetric,norm", [("int4", False, 2.0), ("int8", True, 2.0), ("int3", True, 2.4)])
-def test_compiled_mse_errors_match_eager(monkeypatch: pytest.MonkeyPatch, dtype: str, symmetric: bool,
-                                         norm: float) -> None:
+@pytest.mark.parametrize("dtype,symmetric,norm", [("int4", False, 2.0), ("int8", True, 2.0), ("int3", True, 2.4),
+                                                  ("nf4", True, 2.0), ("fp8_e4m3", True, 2.0)])
+def test_compiled_mse_steps_match_eager(monkeypatch: pytest.MonkeyPatch, dtype: str, symmetric: bool,
+                                        norm: float) -> None:
     from quantd.engine import kernels
     from quantd_client._dtypes import dtype_info
 
     x = _heavy(rows=32, cols=128, seed=21)
     scheme = Scheme(dtype=dtype, symmetric=symmetric, granularity="group", group_size=128, observer="mse",
                     observer_args={"norm": norm})
-    lo, hi = x.amin(1), x.amax(1)
-    grid = torch.linspace(0.3, 1.0, 6)
-    idx = torch.randint(0, 6, (32, 6), generator=torch.Generator().manual_seed(5))
+    lo, hi = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
+    grid = obs._Grid(0.3, 6, x.device)
+    b = torch.randint(0, 6, (32,), generator=torch.Generator().manual_seed(5))
+    offsets = torch.tensor([-7, -2, -1, 0, 1, 3, 6])  # clamped to the grid at both ends
+    info = dtype_info(dtype)
+
+    def step(compiled: bool) -> tuple[torch.Tensor, ...]:
+        idx, scale, inv, zp = obs.stage_candidates(lo, hi, b, offsets, grid, scheme, compiled=compiled)
+        return idx, scale, inv, zp, obs._candidate_errors(x, scale, inv, zp, scheme, info, norm, compiled=compiled)
+
     kernels.KERNELS.reset(available=False)
-    want = obs._candidate_errors(x, lo, hi, idx, grid, scheme, dtype_info(dtype), norm)
+    want = step(False)
     ref_range = observe_range(x, scheme)
     monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
     kernels.KERNELS.reset(available=True)
     try:
-        got = obs._candidate_errors(x, lo, hi, idx, grid, scheme, dtype_info(dtype), norm)
+        got = step(True)
         got_range = observe_range(x, scheme)
         assert kernels.KERNELS._broken is None
     finally:
         kernels.KERNELS.reset()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[0], (b.unsqueeze(1) + offsets).clamp(0, 5))
+    torch.testing.assert_close(got[1:4], want[1:4], rtol=2e-7, atol=0)  # one float32 rounding apart at most
+    torch.testing.assert_close(got[4], want[4], rtol=1e-5, atol=1e-9)
     assert _mse(x, scheme, got_range) <= _mse(x, scheme, ref_range) * (1 + 1e-4)
 
 
 @pytest.mark.parametrize("dtype,symmetric", [("int4", False), ("int4", True), ("uint8", False), ("int8", True),
-                                             ("nf4", True), ("fp8_e4m3", True)])
+                                             ("int2", False), ("nf4", True), ("fp8_e4m3", True), ("fp8_e5m2", True)])
 @pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16", "float32"])
-def test_compiled_candidate_qparams_equal_eager(compiled: None, dtype: str, symmetric: bool,
-                                                scale_dtype: str) -> None:
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_search_qparams_are_choose_qparams_in_float32(request: pytest.FixtureRequest, path: str, dtype: str,
+                                                      symmetric: bool, scale_dtype: str) -> None:
+    """The search ranks its candidates on float32 qparams: ``choose_qparams``' values but for the float32
+    roundings of the range and the quotient, which may move a scale by an ulp of the scale dtype (two of
+    float32); zero points follow their scale."""
+    request.getfixturevalue(path)
     gen = torch.Generator().manual_seed(4)
-    lo = -torch.rand(300, generator=gen) * 3
-    hi = torch.rand(300, generator=gen) * 3
+    lo = -torch.rand(3000, generator=gen) * 3
+    hi = torch.rand(3000, generator=gen) * 3
     lo[:7], hi[3:9] = 0.0, 0.0  # zero-sided and all-zero blocks
-    ratios = torch.rand(300, 5, generator=gen) * 0.8 + 0.2
+    hi[20:30] = torch.tensor([1e-30, 3e-8, 6e-5, 65504 * 7, 1e38, 2.0**-24, 2.0**-14, 1.0, 7.5, 1e-44])
+    grid = obs._Grid(0.2, 100, lo.device)
+    b = torch.randint(0, 100, (3000,), generator=gen)
     scheme = Scheme(dtype=dtype, symmetric=symmetric, granularity="channel", scale_dtype=scale_dtype)
-    s_fused, z_fused = obs.candidate_qparams(lo, hi, ratios, scheme, fused=True)
-    s_eager, z_eager = obs.candidate_qparams(lo, hi, ratios, scheme, fused=False)
-    assert torch.equal(s_fused, s_eager)
-    assert (z_fused is None and z_eager is None) or (z_fused is not None and z_eager is not None
-                                                     and torch.equal(z_fused, z_eager))
+    idx, scale, inv, zp = obs.stage_candidates(lo, hi, b, torch.tensor([-5, 0, 5, 100]), grid, scheme,
+                                               compiled=path == "compiled")
+    assert scale.dtype == inv.dtype == zp.dtype == torch.float32
+    assert torch.equal(idx, (b.unsqueeze(1) + torch.tensor([-5, 0, 5, 100])).clamp(0, 99))  # G clamps to r = 1
+    r = torch.where(idx == 99, 1.0, grid.start + idx.float() * grid.step)
+    want_s, want_z = choose_qparams(lo.unsqueeze(1) * r, hi.unsqueeze(1) * r, dtype=dtype, symmetric=symmetric,
+                                    scale_dtype=scale_dtype)
+    sdt = want_s.dtype
+    assert torch.equal(scale.to(sdt).float(), scale)  # a value of the scale dtype
+    int_view = torch.int32 if sdt == torch.float32 else torch.int16
+    ulps = (scale.to(sdt).view(int_view).long() - want_s.view(int_view).long()).abs()  # positive floats order as bits
+    assert int(ulps.max()) <= (2 if sdt == torch.float32 else 1)
+    same = ulps == 0
+    if sdt != torch.float32:
+        assert float(same.double().mean()) > 0.999  # the float32 roundings rarely change a float16/bfloat16 scale
+    assert bool((scale >= 2.0**-149).all())
+    want_zp = torch.zeros_like(scale) if want_z is None else want_z.float()
+    assert torch.equal(zp[same], want_zp[same])
+    assert bool(torch.isfinite(inv).all()) and torch.equal(inv, scale.reciprocal().clamp(max=3.4028234663852886e38))
 
 
 @pytest.mark.parametrize("path", ["eager", "compiled"])

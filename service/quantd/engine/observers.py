@@ -31,7 +31,7 @@ import math
 import torch
 
 from quantd.engine import kernels
-from quantd.engine.qparams import choose_qparams
+from quantd.engine.qparams import choose_qparams, round_up_in_float32, scale_torch_dtype
 from quantd.errors import ConfigError, MalformedInputError, NonFiniteError
 from quantd_client import Scheme
 from quantd_client._dtypes import NF4_CODEBOOK, DTypeInfo, dtype_info
@@ -171,13 +171,14 @@ def mse_search_indices(grid: int, points: int = 4) -> tuple[list[int], list[list
     return coarse, stages
 
 
-def _fake_quant_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, info: DTypeInfo,
+def _fake_quant_error(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, zp: torch.Tensor, info: DTypeInfo,
                       dtype: str, norm: float, buf: torch.Tensor, buf2: torch.Tensor) -> torch.Tensor:
-    """``Σ_k |x − x̂|ⁿ`` → ``[R, C]`` for ``x[R, K]`` and float32 candidate qparams ``[R, C]``.
+    """``Σ_k |x − x̂|ⁿ`` → ``[R, C]`` for ``x[R, K]`` and float32 candidate qparams ``[R, C]`` (scale, its
+    reciprocal, zero point: zeros when symmetric).
 
     ``buf``, ``buf2`` (≥ R·C·K float32 elements each) hold the ``[R, C, K]`` temporaries; ops run in place.
     Integer dtypes work in the code domain: ``x − x̂ = s·(x/s + zp − clamp(round(x/s + zp)))``, so the
-    error is ``sᵏ·Σ|t − q|ⁿ`` with ``t = x·(1/s) + zp`` and no per-candidate clamp bounds (five passes).
+    error is ``sⁿ·Σ|t − q|ⁿ`` with ``t = x·(1/s) + zp`` and no per-candidate clamp bounds (five passes).
     """
     shape = (*scale.shape, x.shape[1])
     n = scale.numel() * x.shape[1]
@@ -185,11 +186,7 @@ def _fake_quant_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | N
     xe = x.unsqueeze(1)
     t = buf[:n].view(shape)
     if info.kind == "int":  # x · (1/s), not x / s: an estimate of the error, not the codes (see kernels)
-        inv = _reciprocal(scale).unsqueeze(-1)
-        if zp is None:
-            torch.mul(xe, inv, out=t)
-        else:
-            torch.addcmul(zp.unsqueeze(-1), xe, inv, out=t)
+        torch.addcmul(zp.unsqueeze(-1), xe, inv.unsqueeze(-1), out=t)
         q = torch.round(t, out=buf2[:n].view(shape)).clamp_(info.qmin, info.qmax)
         d = t.sub_(q)
         if norm == 2.0:
@@ -215,62 +212,86 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return scale.reciprocal().clamp_(max=torch.finfo(torch.float32).max)
 
 
-def _candidate_qparams(lo_r: torch.Tensor, hi_r: torch.Tensor, dtype: str, symmetric: bool,
-                       scale_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    scale, zp = choose_qparams(lo_r, hi_r, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)
-    return scale.float(), (None if zp is None else zp.float())
+def _search_qparams(lo_r: torch.Tensor, hi_r: torch.Tensor, dtype: str, symmetric: bool,
+                    scale_dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scale, its reciprocal and zero point (zeros when symmetric or not an integer dtype) of the
+    candidate ranges ``(lo_r, hi_r)``, all float32: ``choose_qparams``' rules in float32 arithmetic.
+
+    The range and the quotient are rounded to nearest in float32 and the quotient then up to
+    ``scale_dtype`` (:func:`round_up_in_float32`), where ``choose_qparams`` rounds the exact quotient up:
+    a scale may come out an ulp of ``scale_dtype`` away (two of float32), in about 1 of 10⁴ candidates
+    for float16/bfloat16 scales. The search ranks its candidates on these, and the range it picks gets
+    ``choose_qparams``' own qparams. Float32 is what keeps a search step's qparams cheap: the float64
+    steps were 3x slower, on every candidate of every block.
+    """
+    info = dtype_info(dtype)
+    lo_r, hi_r = lo_r.clamp(max=0.0), hi_r.clamp(min=0.0)
+    absmax = torch.maximum(-lo_r, hi_r)
+    if info.kind == "nf4":
+        quotient = absmax
+    elif info.kind == "fp8":
+        quotient = absmax / info.max_finite
+    elif symmetric:
+        quotient = absmax / ((info.qmax - info.qmin) / 2.0)
+    else:
+        quotient = (hi_r - lo_r) / (info.qmax - info.qmin)
+    scale = round_up_in_float32(quotient, scale_torch_dtype(scale_dtype))
+    if info.kind == "int" and not symmetric:
+        zp = torch.round(info.qmin - lo_r / scale).clamp(info.qmin, info.qmax)
+    else:
+        zp = torch.zeros_like(scale)
+    return scale, _reciprocal(scale), zp
 
 
-def candidate_qparams(lo: torch.Tensor, hi: torch.Tensor, ratios: torch.Tensor, scheme: Scheme,
-                      *, fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """float32 qparams ``[B, C]`` of the ranges ``(r·lo, r·hi)``. ``fused``: all of ``choose_qparams``'s
-    float64 steps in one compiled kernel (the same values: its ops are exact or correctly rounded).
-    The candidate ranges go in flat and contiguous, ``[B·C]``: Inductor vectorises that loop, while one
-    that reads ``lo[i // C]`` ran as scalar code (5–10x slower)."""
-    cands = ratios.shape[1]
-    args = ((lo.unsqueeze(1) * ratios).reshape(-1), (hi.unsqueeze(1) * ratios).reshape(-1),
-            scheme.dtype, scheme.symmetric, scheme.scale_dtype)
-    out = kernels.KERNELS.call("candidate_qparams", _candidate_qparams,
-                               (lo.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype), *args) if fused else None
-    scale, zp = _candidate_qparams(*args) if out is None else out
-    return scale.view(-1, cands), (None if zp is None else zp.view(-1, cands))
+class _Grid:
+    """The mse search's ratios ``linspace(min_ratio, 1, G)`` as the search's kernels compute them:
+    ``start + i·step`` and exactly 1 at ``i = G − 1`` (within an ulp of the linspace values, which the
+    picked range uses), with the three numbers as 0-d tensors so that one compiled kernel serves every grid."""
+
+    def __init__(self, min_ratio: float, grid: int, device: torch.device) -> None:
+        self.size = grid
+        self.ratios = (torch.linspace(min_ratio, 1.0, grid, device=device) if grid > 1
+                       else torch.ones(1, device=device))
+        self.start = torch.tensor(min_ratio, dtype=torch.float32, device=device)
+        self.step = torch.tensor((1.0 - min_ratio) / max(grid - 1, 1), dtype=torch.float32, device=device)
+        self.last = torch.tensor(grid - 1, dtype=torch.long, device=device)
 
 
-def _indexed_candidates(lo_rep: torch.Tensor, hi_rep: torch.Tensor, idx: torch.Tensor, grid_r: torch.Tensor,
-                        dtype: str, symmetric: bool, scale_dtype: str) -> tuple[torch.Tensor, ...]:
-    r = grid_r[idx]
-    s, zp = _candidate_qparams(lo_rep * r, hi_rep * r, dtype, symmetric, scale_dtype)
-    return s, _reciprocal(s), (torch.zeros_like(s) if zp is None else zp)
+def _stage_candidates(lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                      start: torch.Tensor, step: torch.Tensor, last: torch.Tensor, dtype: str, symmetric: bool,
+                      scale_dtype: str) -> tuple[torch.Tensor, ...]:
+    cols = []
+    for c in range(offsets.shape[0]):  # C is static: compiled, one vectorised loop over the blocks per candidate
+        idx = (b + offsets[c]).clamp(min=0).clamp(max=last)
+        r = torch.where(idx == last, 1.0, start + idx.float() * step)
+        cols.append((idx, *_search_qparams(lo * r, hi * r, dtype, symmetric, scale_dtype)))
+    return tuple(torch.stack(col, dim=1) for col in zip(*cols, strict=True))
 
 
-def _fused_candidates(lo: torch.Tensor, hi: torch.Tensor, idx: torch.Tensor, grid_r: torch.Tensor,
-                      scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Scale, its reciprocal and the zero point (zeros when symmetric), float32 ``[B, C]``, of the
-    candidates ``r = grid_r[idx]`` in one compiled kernel (the gather, the ranges and ``choose_qparams``),
-    on flat ``[B·C]`` inputs (a loop reading ``lo[i // C]`` is not vectorised); None when not compiled."""
-    cands = idx.shape[1]
-    out = kernels.KERNELS.call("candidates", _indexed_candidates,
-                               (lo.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype),
-                               lo.repeat_interleave(cands), hi.repeat_interleave(cands), idx.reshape(-1), grid_r,
-                               scheme.dtype, scheme.symmetric, scheme.scale_dtype)
-    if out is None:
-        return None
-    s, inv, z = (t.view(-1, cands) for t in out)
-    return s, inv, z
+def stage_candidates(lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, grid: _Grid,
+                     scheme: Scheme, *, compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One search step's candidates, ``[B, C]`` each: the grid indices ``clamp(b + offsets, 0, G − 1)``
+    around each block's best ``b[B]`` (``b = 0`` with the coarse indices as offsets for the first step),
+    and the float32 scale, reciprocal and zero point of their ranges ``(r·lo, r·hi)``
+    (:func:`_search_qparams`). Compiled, one kernel that writes the ``[B, C]`` results directly: ops on
+    ``[B, C]`` views with C = 4 run as scalar code (``lo[i // C]``), and gathering ``r`` from a table
+    of ratios was slower than computing it (1.4 of 3.3 ms for 262 144 × 4 candidates)."""
+    args = (lo, hi, b, offsets, grid.start, grid.step, grid.last, scheme.dtype, scheme.symmetric, scheme.scale_dtype)
+    out = kernels.KERNELS.call("stage_candidates", _stage_candidates,
+                               (lo.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype), *args) if compiled else None
+    idx, scale, inv, zp = _stage_candidates(*args) if out is None else out
+    return idx, scale, inv, zp
 
 
-def _candidate_errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, idx: torch.Tensor, grid_r: torch.Tensor,
-                      scheme: Scheme, info: DTypeInfo, norm: float) -> torch.Tensor:
-    """Errors ``[B, C]`` of the candidate ranges ``(r·lo, r·hi)``, ``r = grid_r[idx]`` for ``idx[B, C]``."""
+def _candidate_errors(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, zp: torch.Tensor, scheme: Scheme,
+                      info: DTypeInfo, norm: float, *, compiled: bool) -> torch.Tensor:
+    """Errors ``[B, C]`` of the blocks ``x[B, K]`` under the candidate qparams ``[B, C]``."""
     rows, k = x.shape
-    cands = idx.shape[1]
-    compiled = kernels.KERNELS.wants(x)
+    cands = scale.shape[1]
     if info.kind == "int" and compiled:
-        qparams = _fused_candidates(lo, hi, idx, grid_r, scheme)
-        fused = None if qparams is None else kernels.fake_quant_error_int(x, *qparams, info.qmin, info.qmax, norm)
+        fused = kernels.fake_quant_error_int(x, scale, inv, zp, info.qmin, info.qmax, norm)
         if fused is not None:
             return fused
-    scale, zp = candidate_qparams(lo, hi, grid_r.take(idx), scheme, fused=compiled)
     rows_c, cand_c, cols_c = mse_chunk_plan(rows, cands, k)
     buf = torch.empty(rows_c * cand_c * cols_c, dtype=torch.float32, device=x.device)
     buf2 = torch.empty_like(buf)
@@ -279,11 +300,19 @@ def _candidate_errors(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, idx: 
         rs = slice(r, r + rows_c)
         for c in range(0, cands, cand_c):
             cs = slice(c, c + cand_c)
-            zc = None if zp is None else zp[rs, cs]
             for j in range(0, k, cols_c):
-                err[rs, cs] += _fake_quant_error(x[rs, j:j + cols_c], scale[rs, cs], zc, info, scheme.dtype,
-                                                 norm, buf, buf2)
+                err[rs, cs] += _fake_quant_error(x[rs, j:j + cols_c], scale[rs, cs], inv[rs, cs], zp[rs, cs], info,
+                                                 scheme.dtype, norm, buf, buf2)
     return err
+
+
+def _search_step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, e_best: torch.Tensor,
+                 offsets: torch.Tensor, grid: _Grid, scheme: Scheme, info: DTypeInfo,
+                 norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluates the candidates ``b + offsets`` of every block and keeps each block's best: the new ``(b, e_best)``."""
+    compiled = kernels.KERNELS.wants(x)
+    idx, scale, inv, zp = stage_candidates(lo, hi, b, offsets, grid, scheme, compiled=compiled)
+    return pick_best(_candidate_errors(x, scale, inv, zp, scheme, info, norm, compiled=compiled), idx, b, e_best)
 
 
 def _pick(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor,
@@ -310,62 +339,62 @@ def pick_best(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor,
     return _pick(err, idx, b, e_best)
 
 
-def _no_best(rows: int, grid: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The search's start: ratio 1 (min-max) with an infinite error, so the first candidates replace it."""
-    return (torch.full((rows,), grid - 1, dtype=torch.long, device=device),
-            torch.full((rows,), float("inf"), device=device))
+def _search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: list[tuple[torch.Tensor | None, torch.Tensor]],
+            grid: _Grid, scheme: Scheme, info: DTypeInfo, norm: float) -> torch.Tensor:
+    """Grid index ``[B]`` of the least error found for each block of ``x`` over the search ``steps``:
+    each step a base index (``[B]``, 0-d for all blocks, or None for each block's best so far) and the
+    offsets tried around it. The start is ratio 1 (min-max) with an infinite error, so the first step's
+    candidates replace it."""
+    compiled = kernels.KERNELS.wants(x)
+    b = torch.full((x.shape[0],), grid.size - 1, dtype=torch.long, device=x.device)
+    e_best = torch.full((x.shape[0],), float("inf"), device=x.device)
+    for base, offsets in steps:
+        idx, scale, inv, zp = stage_candidates(lo, hi, b if base is None else base.expand_as(b), offsets, grid,
+                                               scheme, compiled=compiled)
+        err = _candidate_errors(x, scale, inv, zp, scheme, info, norm, compiled=compiled)
+        b, e_best = pick_best(err, idx, b, e_best)  # the first of equal errors wins, as does the point found first
+    return b
 
 
-def _mse_search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, grid_r: torch.Tensor, scheme: Scheme,
+def _mse_search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, grid: _Grid, scheme: Scheme,
                 info: DTypeInfo, norm: float) -> torch.Tensor:
     """Grid index ``[B]`` of the ratio minimising the error of each row of ``x``: a coarse grid, then
     coarse-to-fine stages around each row's best (:func:`mse_search_indices`), every stage one batched
     evaluation of all rows × its candidates."""
-    grid = grid_r.numel()
-    coarse, stages = mse_search_indices(grid, 4 if info.kind == "int" else 8)
-    coarse_t = torch.tensor(coarse, device=x.device)
-    stage_t = [torch.tensor(o, device=x.device) for o in stages]
+    coarse, stages = mse_search_indices(grid.size, 4 if info.kind == "int" else 8)
+    zero = torch.zeros((), dtype=torch.long, device=x.device)
+    steps: list[tuple[torch.Tensor | None, torch.Tensor]] = [(zero, torch.tensor(coarse, device=x.device))]
+    steps += [(None, torch.tensor(o, device=x.device)) for o in stages]  # coarse first, ascending r: ties keep it
     best = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-    # Rows per search: bounds the [rows, candidates] qparams/error arrays (choose_qparams works in float64).
-    step = max(1, MSE_QPARAM_ENTRIES // max(len(coarse), *(len(o) for o in stages)))
-    for r in range(0, x.shape[0], step):
-        xs, los, his = x[r:r + step], lo[r:r + step], hi[r:r + step]
-        idx = coarse_t.expand(xs.shape[0], -1)
-        # the first of equal errors wins: the coarse grid (ascending r) comes first
-        b, e_best = pick_best(_candidate_errors(xs, los, his, idx, grid_r, scheme, info, norm), idx,
-                              *_no_best(xs.shape[0], grid, x.device))
-        for offsets in stage_t:
-            idx = (b.unsqueeze(1) + offsets).clamp_(0, grid - 1)
-            b, e_best = pick_best(_candidate_errors(xs, los, his, idx, grid_r, scheme, info, norm), idx, b, e_best)
-        best[r:r + step] = b
+    # Rows per search: bounds the [rows, candidates] qparams/error arrays.
+    rows = max(1, MSE_QPARAM_ENTRIES // max(len(coarse), *(len(o) for o in stages)))
+    for r in range(0, x.shape[0], rows):
+        best[r:r + rows] = _search(x[r:r + rows], lo[r:r + rows], hi[r:r + rows], steps, grid, scheme, info, norm)
     return best
 
 
 def _mse_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Scheme,
                info: DTypeInfo) -> tuple[torch.Tensor, torch.Tensor]:
     args = scheme.observer_args
-    grid = int(args.get("grid", 100))
-    min_ratio = float(args.get("min_ratio", 0.2))
+    grid = _Grid(float(args.get("min_ratio", 0.2)), int(args.get("grid", 100)), x.device)
     norm = float(args.get("norm", 2.0))
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
     if scheme.symmetric:
         amax = torch.maximum(-lo, hi)
         lo, hi = -amax, amax
-    grid_r = torch.linspace(min_ratio, 1.0, grid, device=x.device) if grid > 1 else torch.ones(1, device=x.device)
     k = x.shape[1]
     if k < 2 * MSE_SAMPLE:
-        best = _mse_search(x, lo, hi, grid_r, scheme, info, norm)
-        return lo * grid_r[best], hi * grid_r[best]
-    # Large blocks: search on a strided sample (every MSE_SAMPLE_STRIDE-th value, ≥ MSE_SAMPLE; an
-    # unbiased estimate of the error, candidates still scaled from the full block's range), then rank
-    # the sample's best ratio, its neighbours and r = 1 on the full blocks: never worse than min-max.
-    sample = x[:, :: min(MSE_SAMPLE_STRIDE, k // MSE_SAMPLE)].contiguous()  # read ~15 times: unit stride pays
-    b = _mse_search(sample, lo, hi, grid_r, scheme, info, norm)
-    idx = torch.cat([(b.unsqueeze(1) + torch.arange(-1, 2, device=x.device)).clamp(0, grid - 1),
-                     torch.full_like(b, grid - 1).unsqueeze(1)], 1)
-    err = _candidate_errors(x, lo, hi, idx, grid_r, scheme, info, norm)
-    best = pick_best(err, idx, *_no_best(x.shape[0], grid, x.device))[0]
-    ratio = grid_r[best]
+        best = _mse_search(x, lo, hi, grid, scheme, info, norm)
+    else:
+        # Large blocks: search on a strided sample (every MSE_SAMPLE_STRIDE-th value, ≥ MSE_SAMPLE; an
+        # unbiased estimate of the error, candidates still scaled from the full block's range), then rank
+        # the sample's best ratio, its neighbours and r = 1 (the offset G clamps to G − 1) on the full
+        # blocks: never worse than min-max.
+        sample = x[:, :: min(MSE_SAMPLE_STRIDE, k // MSE_SAMPLE)].contiguous()  # read ~15 times: unit stride pays
+        b = _mse_search(sample, lo, hi, grid, scheme, info, norm)
+        final = torch.tensor([-1, 0, 1, grid.size], device=x.device)
+        best = _search(x, lo, hi, [(b, final)], grid, scheme, info, norm)
+    ratio = grid.ratios[best]
     return lo * ratio, hi * ratio
 
 

@@ -71,6 +71,14 @@ def round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return r.clamp(min=smallest_positive(dtype), max=info.max)
 
 
+def round_up_in_float32(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 ``v ≥ 0`` rounded up to ``dtype`` and clamped to its positive finite range, kept as float32:
+    :func:`round_up_to` for a float32 source without the conversion (float32 ``v`` is its own value)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return _round_up_to_half(v, dtype)
+    return v.clamp(min=smallest_positive(torch.float32), max=torch.finfo(torch.float32).max)
+
+
 # Bits below float16's 10 and bfloat16's 7 mantissa bits in a float32, and float16's normal range.
 _HALF_DROPPED_BITS: dict[torch.dtype, int] = {torch.float16: 13, torch.bfloat16: 16}
 _FLOAT16_MIN_NORMAL = 2.0**-14
