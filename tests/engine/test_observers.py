@@ -423,5 +423,26 @@ def test_pick_best_takes_the_first_least_error_when_strictly_better(request: pyt
     new_e, j = err.min(1)  # torch.min: the first index of the least value
     better = new_e < e_best
     want_b = torch.where(better, idx.gather(1, j.unsqueeze(1)).squeeze(1), b)
-    got_b, got_e = obs.pick_best(err, idx, b, e_best)
+    got_b, got_e = obs.pick_best(err, idx, b, e_best, compiled=path == "compiled")
     assert torch.equal(got_b, want_b) and torch.equal(got_e, torch.minimum(new_e, e_best))
+
+
+def test_mse_search_is_compiled_from_search_min_elements(monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantd.engine import kernels
+
+    calls: list[str] = []
+    real = kernels.KERNELS.call
+    monkeypatch.setattr(kernels.KERNELS, "call", lambda name, *a: calls.append(name) or real(name, *a))
+    scheme = Scheme(dtype="int4", granularity="group", group_size=64, observer="mse")
+    x = _heavy(rows=256, cols=64, seed=3)
+    assert x.numel() == kernels.SEARCH_MIN_ELEMENTS < kernels.MIN_ELEMENTS
+    kernels.KERNELS.reset(available=True)
+    try:
+        observe_range(x, scheme)
+        assert {"stage_candidates", "fq_error_int", "pick_best"} <= set(calls)
+        calls.clear()
+        observe_range(x[:255], scheme)  # one block fewer: eager
+        assert calls == []
+        assert kernels.KERNELS._broken is None
+    finally:
+        kernels.KERNELS.reset()

@@ -54,7 +54,7 @@ MSE_CHUNK_ELEMENTS = 1 << 18
 # min(MSE_SAMPLE_STRIDE, K // MSE_SAMPLE)-th value (≥ MSE_SAMPLE values; sparser samples missed the best clip of heavy tails).
 MSE_SAMPLE = 256
 MSE_SAMPLE_STRIDE = 4
-# Entries of the [rows, candidates] qparams and error arrays of one mse search step (float64: 8 MiB).
+# Entries of the [rows, candidates] arrays of one mse search step (qparams and errors float32, 4 MiB each; indices 8 MiB).
 # Fewer, larger steps: each costs a fixed ~0.4 ms per compiled call.
 MSE_QPARAM_ENTRIES = 1 << 20
 
@@ -306,15 +306,6 @@ def _candidate_errors(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, z
     return err
 
 
-def _search_step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, e_best: torch.Tensor,
-                 offsets: torch.Tensor, grid: _Grid, scheme: Scheme, info: DTypeInfo,
-                 norm: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Evaluates the candidates ``b + offsets`` of every block and keeps each block's best: the new ``(b, e_best)``."""
-    compiled = kernels.KERNELS.wants(x)
-    idx, scale, inv, zp = stage_candidates(lo, hi, b, offsets, grid, scheme, compiled=compiled)
-    return pick_best(_candidate_errors(x, scale, inv, zp, scheme, info, norm, compiled=compiled), idx, b, e_best)
-
-
 def _pick(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor,
           e_best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     best, pos = err[:, 0], idx[:, 0]
@@ -326,13 +317,13 @@ def _pick(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor,
     return torch.where(better, pos, b), torch.minimum(best, e_best)
 
 
-def pick_best(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor,
-              e_best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_best(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor, e_best: torch.Tensor, *,
+              compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of the mse search: per row, the first candidate of least error in ``err[B, C]`` (grid
     indices ``idx[B, C]``) replaces the best so far ``b``/``e_best`` ``[B]`` where it is strictly better;
-    returns the new ``(b, e_best)``. A scan over the C columns, compiled into one kernel for large
-    searches (eager, and with ``min(1)`` reducing each row of 4 on its own, 3x slower at [262 144, 4])."""
-    if kernels.KERNELS.wants(err):
+    returns the new ``(b, e_best)``. A scan over the C columns, one kernel when ``compiled`` (eager, and
+    with ``min(1)`` reducing each row of 4 on its own, 3x slower at [262 144, 4])."""
+    if compiled:
         out = kernels.KERNELS.call("pick_best", _pick, (err.dtype, idx.dtype), err, idx, b, e_best)
         if out is not None:
             return out
@@ -345,14 +336,14 @@ def _search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: list[tup
     each step a base index (``[B]``, 0-d for all blocks, or None for each block's best so far) and the
     offsets tried around it. The start is ratio 1 (min-max) with an infinite error, so the first step's
     candidates replace it."""
-    compiled = kernels.KERNELS.wants(x)
+    compiled = kernels.KERNELS.wants(x, search=True)
     b = torch.full((x.shape[0],), grid.size - 1, dtype=torch.long, device=x.device)
     e_best = torch.full((x.shape[0],), float("inf"), device=x.device)
     for base, offsets in steps:
         idx, scale, inv, zp = stage_candidates(lo, hi, b if base is None else base.expand_as(b), offsets, grid,
                                                scheme, compiled=compiled)
         err = _candidate_errors(x, scale, inv, zp, scheme, info, norm, compiled=compiled)
-        b, e_best = pick_best(err, idx, b, e_best)  # the first of equal errors wins, as does the point found first
+        b, e_best = pick_best(err, idx, b, e_best, compiled=compiled)  # the first of equal errors wins, as does the point found first
     return b
 
 
