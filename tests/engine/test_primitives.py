@@ -332,6 +332,19 @@ def test_compiled_kernels_low_precision_inputs_and_observers(compiled: None, in_
         assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
 
 
+def test_compiled_nf4_codes_count_the_midpoints_below(compiled: None) -> None:
+    """The compiled nf4 encode (a binary search) gives #{midpoints < v} at and next to every midpoint."""
+    from quantd.engine import kernels
+    from quantd.engine.primitives import NF4_CODEBOOK_F32, NF4_MIDPOINTS
+
+    m = torch.tensor(NF4_MIDPOINTS)
+    v = torch.cat([m, torch.nextafter(m, torch.tensor(2.0)), torch.nextafter(m, torch.tensor(-2.0)), NF4_CODEBOOK_F32,
+                   torch.tensor([-5.0, -1.0, -0.0, 0.0, 1.0, 5.0, float("nan")]), torch.linspace(-1.1, 1.1, 4001)])
+    got = kernels.encode_nf4(v.reshape(1, -1), torch.ones(1, 1), NF4_MIDPOINTS)
+    assert got is not None and got.dtype == torch.uint8
+    assert torch.equal(got.reshape(-1), (v.unsqueeze(1) > m).sum(1).to(torch.uint8))
+
+
 @pytest.mark.parametrize("path", ["eager", "compiled"])
 def test_ties_round_half_even_before_an_odd_zero_point(request: pytest.FixtureRequest, path: str) -> None:
     # uint8 affine over [-15, 240]: scale 1.0 exactly, zero point 15 (odd). round(x / s) + zp rounds the
