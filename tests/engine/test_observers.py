@@ -427,21 +427,21 @@ def test_pick_best_takes_the_first_least_error_when_strictly_better(request: pyt
     assert torch.equal(got_b, want_b) and torch.equal(got_e, torch.minimum(new_e, e_best))
 
 
-def test_mse_search_is_compiled_from_search_min_elements(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mse_search_is_compiled_from_small_min_elements(monkeypatch: pytest.MonkeyPatch) -> None:
     from quantd.engine import kernels
 
     calls: list[str] = []
     real = kernels.KERNELS.call
     monkeypatch.setattr(kernels.KERNELS, "call", lambda name, *a: calls.append(name) or real(name, *a))
     scheme = Scheme(dtype="int4", granularity="group", group_size=64, observer="mse")
-    x = _heavy(rows=256, cols=64, seed=3)
-    assert x.numel() == kernels.SEARCH_MIN_ELEMENTS < kernels.MIN_ELEMENTS
+    x = _heavy(rows=64, cols=64, seed=3)
+    assert x.numel() == kernels.SMALL_MIN_ELEMENTS < kernels.MIN_ELEMENTS
     kernels.KERNELS.reset(available=True)
     try:
         observe_range(x, scheme)
         assert {"stage_candidates", "fq_error_int", "pick_best"} <= set(calls)
         calls.clear()
-        observe_range(x[:255], scheme)  # one block fewer: eager
+        observe_range(x[:63], scheme)  # one block fewer: eager
         assert calls == []
         assert kernels.KERNELS._broken is None
     finally:

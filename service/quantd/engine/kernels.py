@@ -36,6 +36,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from quantd_client._dtypes import NF4_CODEBOOK, DTypeInfo
+
 log = logging.getLogger(__name__)
 
 # Compiled variants kept per kernel (input dtype × output dtype × layout); past Dynamo's default of 8 a
@@ -44,9 +46,18 @@ RECOMPILE_LIMIT = 64
 
 # Below this many elements the eager path's per-call cost is small, and a cold compile is not worth it.
 MIN_ELEMENTS = 1 << 18
-# The mse search runs a dozen kernels per tensor (each eager step some 20 ops): compiled, it pays off on much
-# smaller tensors (3x faster on a 384×384 weight at g64, 1.7x at 128×128).
-SEARCH_MIN_ELEMENTS = 1 << 14
+# Kernels that beat eager torch on small tensors too take them from this size: the one-call min-max
+# integer kernel and the nf4 encode (1.7–2x faster than eager at 64×64 to 256×256), and the mse search,
+# which runs a dozen kernels per tensor (3.6x faster at 384×384 at g64).
+SMALL_MIN_ELEMENTS = 1 << 12
+
+# The nf4 levels rounded to float32, and the midpoints between consecutive levels computed in float32: the
+# host constants of the nf4 kernels (and of the eager encode, ``primitives``).
+NF4_LEVELS: tuple[float, ...] = tuple(torch.tensor(NF4_CODEBOOK, dtype=torch.float32).tolist())
+NF4_MIDPOINTS: tuple[float, ...] = tuple(((torch.tensor(NF4_LEVELS[1:]) + torch.tensor(NF4_LEVELS[:-1])) / 2).tolist())
+# Half the gap between the levels 2p and 2p + 1 (p = 0..7), rounded to float32 (the nf4 error kernel).
+NF4_HALF_GAPS: tuple[float, ...] = tuple(float(torch.tensor((NF4_LEVELS[2 * p + 1] - NF4_LEVELS[2 * p]) / 2,
+                                                            dtype=torch.float32)) for p in range(8))
 
 T = TypeVar("T")
 
@@ -76,22 +87,26 @@ def _select(bits: list[torch.Tensor], values: list[float]) -> torch.Tensor | flo
     return torch.where(bits[0], _select(bits[1:], values[half:]), _select(bits[1:], values[:half]))
 
 
-def _encode_nf4(blocks: torch.Tensor, scale: torch.Tensor, mids: tuple[float, ...]) -> torch.Tensor:
-    """The number of the 15 sorted midpoints below ``v = x / scale``, by binary search: 4 comparisons,
-    each against the midpoint its predecessors select (11 selects in all), instead of 15 compare-and-add
-    passes (3.7 against 6.7 ms on a 4096² weight). The same count: each step halves the midpoints that
-    ``v`` may still exceed. NaN compares false everywhere: 0, as in the count."""
-    v = blocks.float() / scale
+def _nf4_bits(v: torch.Tensor, mids: tuple[float, ...], steps: int = 4) -> list[torch.Tensor]:
+    """The nf4 code of ``v`` (the number of the 15 sorted midpoints below it) as 4 bits, most significant
+    first (its first ``steps`` bits), by binary search: each comparison against the midpoint the bits
+    before it select (11 selects in all). Each step halves the midpoints that ``v`` may still exceed;
+    NaN compares false: code 0."""
     bits: list[torch.Tensor] = []
-    idx: torch.Tensor | None = None
     half = (len(mids) + 1) // 2
-    while half >= 1:  # this step's threshold for each prefix p of bits: mids[p·2·half + half − 1]
-        bit = v > _select(bits, [mids[p * 2 * half + half - 1] for p in range(len(mids) // (2 * half) + 1)])
-        term = torch.where(bit, float(half), 0.0)  # summed in float32: uint8 adds do not vectorise here (8x slower)
-        idx = term if idx is None else idx + term
-        bits.append(bit)
+    while len(bits) < steps:  # this step's threshold for each prefix p of bits: mids[p·2·half + half − 1]
+        bits.append(v > _select(bits, [mids[p * 2 * half + half - 1] for p in range(len(mids) // (2 * half) + 1)]))
         half //= 2
-    assert idx is not None
+    return bits
+
+
+def _encode_nf4(blocks: torch.Tensor, scale: torch.Tensor, mids: tuple[float, ...]) -> torch.Tensor:
+    """The nf4 codes of ``x / scale`` from :func:`_nf4_bits`: 4 comparisons instead of 15 compare-and-add
+    passes (3.7 against 6.7 ms on a 4096² weight)."""
+    bits = _nf4_bits(blocks.float() / scale, mids)
+    idx = torch.where(bits[0], 8.0, 0.0)  # summed in float32: uint8 adds do not vectorise here (8x slower)
+    for weight, bit in zip((4.0, 2.0, 1.0), bits[1:], strict=True):
+        idx = idx + torch.where(bit, weight, 0.0)
     return idx.to(torch.uint8)
 
 
@@ -116,14 +131,16 @@ class _Compiled:
             self._available = setting not in ("0", "false", "off", "no") and shutil.which(compiler) is not None
         return self._available and self._broken is None
 
-    def wants(self, x: torch.Tensor, *, search: bool = False) -> bool:
+    def wants(self, x: torch.Tensor, *, small: bool = False) -> bool:
         """Whether ``x`` takes the compiled kernels: a CPU tensor of at least ``MIN_ELEMENTS`` elements
-        (``SEARCH_MIN_ELEMENTS`` for the mse search's), when compiling is on."""
-        least = min(MIN_ELEMENTS, SEARCH_MIN_ELEMENTS) if search else MIN_ELEMENTS
+        (``SMALL_MIN_ELEMENTS`` for the kernels that pay off on ``small`` ones), when compiling is on."""
+        least = min(MIN_ELEMENTS, SMALL_MIN_ELEMENTS) if small else MIN_ELEMENTS
         return x.device.type == "cpu" and x.numel() >= least and self.available()
 
-    def call(self, name: str, fn: Callable[..., T], key: tuple[Any, ...], *args: Any) -> T | None:
-        """``fn(*args)`` compiled, or None when compiling is off or failed (the caller runs eager)."""
+    def call(self, name: str, fn: Callable[..., T], key: tuple[Any, ...], *args: Any,
+             options: dict[str, Any] | None = None) -> T | None:
+        """``fn(*args)`` compiled (with Inductor ``options`` on top of :data:`INDUCTOR_OPTIONS`), or None when
+        compiling is off or failed (the caller runs eager)."""
         if not self.available():
             return None
         key = (*key, torch.get_num_threads())  # Dynamo recompiles when the thread count changes
@@ -135,7 +152,7 @@ class _Compiled:
                     compiled = self._fns.get(name)
                     if compiled is None:
                         compiled = self._fns[name] = torch.compile(fn, dynamic=True, fullgraph=True,
-                                                                   options=INDUCTOR_OPTIONS)
+                                                                   options={**INDUCTOR_OPTIONS, **(options or {})})
                     with warnings.catch_warnings():  # the compiler's own warnings are not ours to raise
                         warnings.simplefilter("ignore")
                         out = compiled(*args)
@@ -238,24 +255,61 @@ def encode_fp8(blocks: torch.Tensor, scale: torch.Tensor, max_finite: float,
     return KERNELS.call("fp8", _encode_fp8, (blocks.dtype, out_dtype), blocks, scale, max_finite, out_dtype)
 
 
-def _fake_quant_error_int(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor, zero_point: torch.Tensor,
-                          qmin: torch.Tensor, qmax: torch.Tensor, norm: float) -> torch.Tensor:
-    t = x.unsqueeze(1) * inv_scale.unsqueeze(-1) + zero_point.unsqueeze(-1)
-    d = t - torch.round(t).clamp(qmin, qmax)
+def _code_error(t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, norm: float) -> torch.Tensor:
+    """``sⁿ · Σ_k |t − q|ⁿ``: the error ``x − x̂ = s·(t − q)`` summed in the code domain."""
+    d = t - q
     e = (d * d).sum(-1) if norm == 2.0 else d.abs().pow(norm).sum(-1)
     return e * scale.pow(norm)
 
 
-def fake_quant_error_int(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor, zero_point: torch.Tensor,
-                         qmin: int, qmax: int, norm: float) -> torch.Tensor | None:
+def _fake_quant_error_int(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor, zero_point: torch.Tensor,
+                          qmin: torch.Tensor, qmax: torch.Tensor, norm: float) -> torch.Tensor:
+    t = x.unsqueeze(1) * inv_scale.unsqueeze(-1) + zero_point.unsqueeze(-1)
+    return _code_error(t, torch.round(t).clamp(qmin, qmax), scale, norm)
+
+
+def _fake_quant_error_nf4(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor, mids: tuple[float, ...],
+                          half_gaps: tuple[float, ...], norm: float) -> torch.Tensor:
+    # The first 3 bits of the code leave two levels a < b with midpoint m = mids[2p], half gap h = (b − a)/2:
+    # the nearer one is m ± h, so |t − level| = ||t − m| − h| (m ± h is a or b to within an ulp), 7 selects
+    # for h instead of 15 for the level.
+    t = x.unsqueeze(1) * inv_scale.unsqueeze(-1)
+    prefix = _nf4_bits(t, mids, steps=3)
+    m = _select(prefix, [mids[2 * p] for p in range(8)])
+    h = _select(prefix, list(half_gaps))
+    return _code_error((t - m).abs(), h, scale, norm)
+
+
+def _fake_quant_error_fp8(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor, max_finite: float,
+                          f8: torch.dtype, norm: float) -> torch.Tensor:
+    t = x.unsqueeze(1) * inv_scale.unsqueeze(-1)
+    return _code_error(t, t.clamp(-max_finite, max_finite).to(f8).float(), scale, norm)
+
+
+# Inductor stores a pointwise result of more than 50 ops that a reduction reads as a temporary (on CPU): the
+# nf4 error's selects are more, and a [B, C, K] temporary made that kernel 4x slower. It stays in the loop.
+_NO_REALIZE: dict[str, Any] = {"realize_cpu_opcount_threshold": 1000}
+
+
+def fake_quant_error(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor, zero_point: torch.Tensor,
+                     info: DTypeInfo, dtype: str, norm: float) -> torch.Tensor | None:
     """``Σ_k |x − x̂|ⁿ`` ``[R, C]`` of rows ``x[R, K]`` under candidate qparams ``scale``/``zero_point``
-    ``[R, C]`` (float32; ``inv_scale = 1 / scale``), one fused pass per candidate with no ``[R, C, K]``
-    temporary: the mse observer's inner loop. The same formula as the eager ``observers._fake_quant_error``,
-    which takes ``x · (1/s)`` for ``x / s`` as well: a multiply per element and candidate instead of a divide (23 %
-    faster here). It estimates the error of each candidate (within ~1e-6 relative), it does not make codes:
-    those come from ``quantize``, which divides."""
-    lo = torch.tensor(float(qmin), dtype=torch.float32)
-    hi = torch.tensor(float(qmax), dtype=torch.float32)
+    ``[R, C]`` (float32; ``inv_scale = 1 / scale``; zero points only for integer dtypes), one fused pass
+    per candidate with no ``[R, C, K]`` temporary: the mse observer's inner loop, for integer, nf4 (its
+    code by :func:`_nf4_bits` and its level by the same selects, no gather) and fp8 dtypes. The same
+    formulas as the eager ``observers._fake_quant_error``, in the code domain (``x − x̂ = s·(t − q(t))``)
+    and with ``t = x · (1/s)`` for ``x / s``: a multiply per element and candidate instead of a divide
+    (23 % faster here). It estimates the error of each candidate (within ~1e-6 relative), it does not make
+    codes: those come from ``quantize``, which divides."""
+    if info.kind == "nf4":
+        return KERNELS.call("fq_error_nf4", _fake_quant_error_nf4, (x.dtype, float(norm)),
+                            x, scale, inv_scale, NF4_MIDPOINTS, NF4_HALF_GAPS, float(norm), options=_NO_REALIZE)
+    if info.kind == "fp8":
+        f8 = torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.float8_e5m2
+        return KERNELS.call("fq_error_fp8", _fake_quant_error_fp8, (x.dtype, dtype, float(norm)),
+                            x, scale, inv_scale, info.max_finite, f8, float(norm))
+    lo = torch.tensor(float(info.qmin), dtype=torch.float32)
+    hi = torch.tensor(float(info.qmax), dtype=torch.float32)
     return KERNELS.call("fq_error_int", _fake_quant_error_int, (x.dtype, float(norm)),
                         x, scale, inv_scale, zero_point, lo, hi, float(norm))
 

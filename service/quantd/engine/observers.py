@@ -17,8 +17,9 @@ Observers (``scheme.observer``, arguments in ``scheme.observer_args``):
 - ``mse`` (``grid`` = G, default 100; ``min_ratio``, default 0.2; ``norm`` = n, default 2): clip ratios
   ``r ∈ linspace(min_ratio, 1, G)``; candidate range ``(r·lo, r·hi)`` (affine) or ``±r·absmax``
   (symmetric, nf4, fp8); pick per block the ``r`` minimising ``Σ|x − x̂_r|ⁿ`` where ``x̂_r`` is the
-  fake quantization with that range (same qparams rules as ``choose_qparams``). ``r = 1`` (min-max) is
-  always a candidate, so the result is never worse than min-max. Large grids are searched coarse to fine
+  fake quantization with that range (``choose_qparams``' rules, computed in float32 while searching: see
+  :func:`_search_qparams`). ``r = 1`` (min-max) is always a candidate, so the result is never worse than
+  min-max. Large grids are searched coarse to fine
   (see :func:`mse_search_indices`).
 - ``entropy`` (``bins``, default 2048; ``quant_bins``): the KL-divergence calibration of TensorRT /
   ONNX Runtime, see :func:`entropy_range`.
@@ -157,9 +158,10 @@ def mse_search_indices(grid: int, points: int = 4) -> tuple[list[int], list[list
     about 3 and tries every multiple of the new spacing strictly inside ``±`` the old one (25 → 9 → 3 → 1
     for G = 100: ±9, ±18; ±3, ±6; ±1, ±2). For an error unimodal in ``r`` the minimum lies within
     the old spacing of the best point, so the last stage ends on adjacent grid points: 16 evaluations
-    in 4 batched calls instead of G. nf4/fp8 errors are more jagged in ``r`` (non-uniform levels):
-    their search uses 8 coarse points. The best ratio evaluated anywhere wins, so the result is never
-    worse than min-max.
+    in 4 batched calls instead of G, for every dtype: nf4 and fp8 errors are more jagged in ``r``
+    (non-uniform levels), but 8 coarse points found no better ranges for them: over 14 weights (synthetic
+    and all-MiniLM-L6-v2's) their MSE came out 0.02–0.14 % higher than with 4, in 6–22 % more time. The best ratio
+    evaluated anywhere wins, so the result is never worse than min-max.
     """
     coarse, spacing = coarse_grid(grid, points)
     stages: list[list[int]] = []
@@ -288,8 +290,8 @@ def _candidate_errors(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, z
     """Errors ``[B, C]`` of the blocks ``x[B, K]`` under the candidate qparams ``[B, C]``."""
     rows, k = x.shape
     cands = scale.shape[1]
-    if info.kind == "int" and compiled:
-        fused = kernels.fake_quant_error_int(x, scale, inv, zp, info.qmin, info.qmax, norm)
+    if compiled:
+        fused = kernels.fake_quant_error(x, scale, inv, zp, info, scheme.dtype, norm)
         if fused is not None:
             return fused
     rows_c, cand_c, cols_c = mse_chunk_plan(rows, cands, k)
@@ -336,7 +338,7 @@ def _search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: list[tup
     each step a base index (``[B]``, 0-d for all blocks, or None for each block's best so far) and the
     offsets tried around it. The start is ratio 1 (min-max) with an infinite error, so the first step's
     candidates replace it."""
-    compiled = kernels.KERNELS.wants(x, search=True)
+    compiled = kernels.KERNELS.wants(x, small=True)
     b = torch.full((x.shape[0],), grid.size - 1, dtype=torch.long, device=x.device)
     e_best = torch.full((x.shape[0],), float("inf"), device=x.device)
     for base, offsets in steps:
@@ -352,7 +354,7 @@ def _mse_search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, grid: _Grid
     """Grid index ``[B]`` of the ratio minimising the error of each row of ``x``: a coarse grid, then
     coarse-to-fine stages around each row's best (:func:`mse_search_indices`), every stage one batched
     evaluation of all rows × its candidates."""
-    coarse, stages = mse_search_indices(grid.size, 4 if info.kind == "int" else 8)
+    coarse, stages = mse_search_indices(grid.size)
     zero = torch.zeros((), dtype=torch.long, device=x.device)
     steps: list[tuple[torch.Tensor | None, torch.Tensor]] = [(zero, torch.tensor(coarse, device=x.device))]
     steps += [(None, torch.tensor(o, device=x.device)) for o in stages]  # coarse first, ascending r: ties keep it

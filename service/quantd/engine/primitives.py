@@ -58,8 +58,8 @@ Range = tuple[torch.Tensor, torch.Tensor]
 
 # The nf4 levels in float32 (on the host: the compiled CPU kernels take it as an input), and the midpoints
 # between consecutive levels, computed in float32 (host constants).
-NF4_CODEBOOK_F32 = torch.tensor(NF4_CODEBOOK, dtype=torch.float32)
-NF4_MIDPOINTS: tuple[float, ...] = tuple(((NF4_CODEBOOK_F32[1:] + NF4_CODEBOOK_F32[:-1]) / 2).tolist())
+NF4_CODEBOOK_F32 = torch.tensor(kernels.NF4_LEVELS, dtype=torch.float32)
+NF4_MIDPOINTS: tuple[float, ...] = kernels.NF4_MIDPOINTS
 
 
 def _chunks(rows: int, cols: int) -> Iterator[tuple[slice, slice]]:
@@ -283,7 +283,8 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor",
     blocks, sshape = block_view(x, gran, name=name)
     codes_dtype = FP8_TORCH_DTYPES[scheme.dtype] if info.kind == "fp8" else code_dtype(scheme.dtype)
     done = None
-    if kernels.KERNELS.wants(blocks):
+    small = observer_range is None and scheme.observer == "minmax" and info.kind in ("int", "nf4")
+    if kernels.KERNELS.wants(blocks, small=small):
         done = _quantize_compiled(blocks, scheme, info, codes_dtype, observer_range, name=name)
     if done is None:
         enc = _Encoder(info, blocks, codes_dtype)
