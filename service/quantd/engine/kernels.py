@@ -255,7 +255,7 @@ def encode_fp8(blocks: torch.Tensor, scale: torch.Tensor, max_finite: float,
     return KERNELS.call("fp8", _encode_fp8, (blocks.dtype, out_dtype), blocks, scale, max_finite, out_dtype)
 
 
-def _code_error(t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, norm: float) -> torch.Tensor:
+def _code_error(t: torch.Tensor, q: torch.Tensor | float, scale: torch.Tensor, norm: float) -> torch.Tensor:
     """``sⁿ · Σ_k |t − q|ⁿ``: the error ``x − x̂ = s·(t − q)`` summed in the code domain."""
     d = t - q
     e = (d * d).sum(-1) if norm == 2.0 else d.abs().pow(norm).sum(-1)
