@@ -5,7 +5,8 @@ Integer dtypes: ``code = clamp(round(x / scale) + zero_point, qmin, qmax)``, ``x
 fp8: ``code = fp8(clamp(x / scale, ±max_finite))``, ``x̂ = code · scale``. float16/bfloat16: a saturating
 cast (values beyond the largest finite value become ±max, never inf). Inputs are taken as float32.
 
-Speed: on CPU, tensors of at least ``kernels.MIN_ELEMENTS`` elements go through fused compiled kernels
+Speed: on CPU, tensors of at least ``kernels.MIN_ELEMENTS`` elements (``kernels.SMALL_MIN_ELEMENTS`` for
+min-max integer and nf4 schemes) go through fused compiled kernels
 (:mod:`quantd.engine.kernels`: the per-block range in one pass, the qparams of all blocks in one more
 over ``[B]``, the encode in one more; for min-max integer schemes all three in one compiled call), which
 compute exactly the formulas above. Otherwise (CUDA, small tensors, no C++ compiler) the eager path
