@@ -230,7 +230,8 @@ def quantize_minmax_int(blocks: torch.Tensor, *, dtype: str, symmetric: bool, sc
                         out_dtype: torch.dtype) -> tuple[torch.Tensor, bool, torch.Tensor, torch.Tensor | None] | None:
     """Min-max integer quantization of all blocks ``[B, K]`` in one compiled call: the blocks' ranges
     (one loop over the weight; symmetric schemes reduce ``|x|`` only, one reduction instead of two: 9 %
-    faster at g64), their qparams (one over ``[B]``) and the codes (one more over the weight). The same loops as :func:`row_range`, :func:`qparams_columns` and :func:`encode_int` called
+    faster at g64), their qparams (one over ``[B]``) and the codes (one more over the weight). The same
+    loops as :func:`row_range`, :func:`qparams_columns` and :func:`encode_int` called
     one after the other, without the three calls' overheads and temporaries (11–17 % faster on a
     4096² weight). Returns codes, whether every range is finite, scale and zero point (None when
     symmetric); None when not compiled."""
@@ -296,10 +297,10 @@ def fake_quant_error(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tens
     """``Σ_k |x − x̂|ⁿ`` ``[R, C]`` of rows ``x[R, K]`` under candidate qparams ``scale``/``zero_point``
     ``[R, C]`` (float32; ``inv_scale = 1 / scale``; zero points only for integer dtypes), one fused pass
     per candidate with no ``[R, C, K]`` temporary: the mse observer's inner loop, for integer, nf4 (its
-    code by :func:`_nf4_bits` and its level by the same selects, no gather) and fp8 dtypes. The same
-    formulas as the eager ``observers._fake_quant_error``, in the code domain (``x − x̂ = s·(t − q(t))``)
-    and with ``t = x · (1/s)`` for ``x / s``: a multiply per element and candidate instead of a divide
-    (23 % faster here). It estimates the error of each candidate (within ~1e-6 relative), it does not make
+    code's first 3 bits by :func:`_nf4_bits`, its level as midpoint ± half gap, no gather) and fp8
+    dtypes. The same formulas as the eager ``observers._fake_quant_error``, in the code domain
+    (``x − x̂ = s·(t − q(t))``) and with ``t = x · (1/s)`` for ``x / s``: a multiply per element and
+    candidate instead of a divide (23 % faster here). It estimates the error of each candidate (within ~1e-6 relative), it does not make
     codes: those come from ``quantize``, which divides."""
     if info.kind == "nf4":
         return KERNELS.call("fq_error_nf4", _fake_quant_error_nf4, (x.dtype, float(norm)),
