@@ -32,7 +32,7 @@ import math
 import torch
 
 from quantd.engine import kernels
-from quantd.engine.qparams import choose_qparams, round_up_in_float32, scale_torch_dtype
+from quantd.engine.qparams import choose_qparams
 from quantd.errors import ConfigError, MalformedInputError, NonFiniteError
 from quantd_client import Scheme
 from quantd_client._dtypes import NF4_CODEBOOK, DTypeInfo, dtype_info
@@ -217,32 +217,15 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
 def _search_qparams(lo_r: torch.Tensor, hi_r: torch.Tensor, dtype: str, symmetric: bool,
                     scale_dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scale, its reciprocal and zero point (zeros when symmetric or not an integer dtype) of the
-    candidate ranges ``(lo_r, hi_r)``, all float32: ``choose_qparams``' rules in float32 arithmetic.
-
-    The range and the quotient are rounded to nearest in float32 and the quotient then up to
-    ``scale_dtype`` (:func:`round_up_in_float32`), where ``choose_qparams`` rounds the exact quotient up:
-    a scale may come out an ulp of ``scale_dtype`` away (two of float32), in about 1 of 10⁴ candidates
-    for float16/bfloat16 scales. The search ranks its candidates on these, and the range it picks gets
-    ``choose_qparams``' own qparams. Float32 is what keeps a search step's qparams cheap: the float64
-    steps were 3x slower, on every candidate of every block.
-    """
-    info = dtype_info(dtype)
-    lo_r, hi_r = lo_r.clamp(max=0.0), hi_r.clamp(min=0.0)
-    absmax = torch.maximum(-lo_r, hi_r)
-    if info.kind == "nf4":
-        quotient = absmax
-    elif info.kind == "fp8":
-        quotient = absmax / info.max_finite
-    elif symmetric:
-        quotient = absmax / ((info.qmax - info.qmin) / 2.0)
-    else:
-        quotient = (hi_r - lo_r) / (info.qmax - info.qmin)
-    scale = round_up_in_float32(quotient, scale_torch_dtype(scale_dtype))
-    if info.kind == "int" and not symmetric:
-        zp = torch.round(info.qmin - lo_r / scale).clamp(info.qmin, info.qmax)
-    else:
-        zp = torch.zeros_like(scale)
-    return scale, _reciprocal(scale), zp
+    candidate ranges ``(lo_r, hi_r)``, all float32: ``choose_qparams`` working in float32, whose scales
+    may be an ulp of ``scale_dtype`` away from float64's (about 1 in 10⁴ candidates for float16/bfloat16
+    scales). The search ranks its candidates on these, and the range it picks gets ``choose_qparams``'
+    own qparams. Float32 is what keeps a search step's qparams cheap: the float64 steps were 3x slower,
+    on every candidate of every block."""
+    scale, zp = choose_qparams(lo_r, hi_r, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype,
+                               work_dtype=torch.float32)
+    s = scale.float()
+    return s, _reciprocal(s), (torch.zeros_like(s) if zp is None else zp.float())
 
 
 class _Grid:
@@ -281,7 +264,7 @@ def stage_candidates(lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offset
     args = (lo, hi, b, offsets, grid.start, grid.step, grid.last, scheme.dtype, scheme.symmetric, scheme.scale_dtype)
     out = kernels.KERNELS.call("stage_candidates", _stage_candidates,
                                (lo.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype), *args) if compiled else None
-    idx, scale, inv, zp = _stage_candidates(*args) if out is None else out
+    idx, scale, inv, zp = _stage_candidates(*args) if out is None else out  # unpacked: typed as four tensors
     return idx, scale, inv, zp
 
 

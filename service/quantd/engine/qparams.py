@@ -71,14 +71,6 @@ def round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return r.clamp(min=smallest_positive(dtype), max=info.max)
 
 
-def round_up_in_float32(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Float32 ``v ≥ 0`` rounded up to ``dtype`` and clamped to its positive finite range, kept as float32:
-    :func:`round_up_to` for a float32 source without the conversion (float32 ``v`` is its own value)."""
-    if dtype in (torch.float16, torch.bfloat16):
-        return _round_up_to_half(v, dtype)
-    return v.clamp(min=smallest_positive(torch.float32), max=torch.finfo(torch.float32).max)
-
-
 # Bits below float16's 10 and bfloat16's 7 mantissa bits in a float32, and float16's normal range.
 _HALF_DROPPED_BITS: dict[torch.dtype, int] = {torch.float16: 13, torch.bfloat16: 16}
 _FLOAT16_MIN_NORMAL = 2.0**-14
@@ -102,19 +94,21 @@ def _round_up_to_half(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(torch.isnan(v), v, up.clamp(min=smallest_positive(dtype)))
 
 
-def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool,
-                   scale_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool, scale_dtype: str,
+                   work_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (in ``scale_dtype``) and zero point (int8 for signed, uint8 for unsigned dtypes, or
     None when symmetric / not an integer dtype) for blocks whose ranges are ``lo``, ``hi``.
 
-    ``lo``/``hi`` may have any (equal) shape; the results have that shape.
+    ``lo``/``hi`` may have any (equal) shape; the results have that shape. ``work_dtype`` float32 (the mse
+    search's candidates) rounds the range and the quotient to nearest before rounding up to
+    ``scale_dtype``: a scale may then be an ulp of ``scale_dtype`` away from float64's (two of float32).
     """
     info = dtype_info(dtype)
     sdt = scale_torch_dtype(scale_dtype)
     if info.kind == "float":
         raise ValueError(f"{dtype} is a plain cast and has no quantization parameters")
-    lo64 = lo.to(torch.float64).clamp(max=0.0)
-    hi64 = hi.to(torch.float64).clamp(min=0.0)
+    lo64 = lo.to(work_dtype).clamp(max=0.0)
+    hi64 = hi.to(work_dtype).clamp(min=0.0)
     absmax = torch.maximum(-lo64, hi64)
     if info.kind == "nf4":
         return round_up_to(absmax, sdt), None
@@ -123,7 +117,7 @@ def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric:
     if symmetric:
         return round_up_to(absmax / ((info.qmax - info.qmin) / 2.0), sdt), None
     scale = round_up_to((hi64 - lo64) / (info.qmax - info.qmin), sdt)
-    zp = torch.round(info.qmin - lo64 / scale.to(torch.float64)).clamp_(info.qmin, info.qmax)
+    zp = torch.round(info.qmin - lo64 / scale.to(work_dtype)).clamp_(info.qmin, info.qmax)
     return scale, zp.to(zero_point_dtype(dtype))
 
 
