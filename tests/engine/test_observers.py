@@ -333,7 +333,8 @@ def test_mse_search_indices_coarse_grid_and_stages() -> None:
         assert spacing == 1
 
 @pytest.mark.parametrize("dtype,symmetric,norm", [("int4", False, 2.0), ("int8", True, 2.0), ("int3", True, 2.4),
-                                                  ("nf4", True, 2.0), ("fp8_e4m3", True, 2.0)])
+                                                  ("nf4", True, 2.0), ("fp8_e4m3", True, 2.0),
+                                                  ("fp8_e5m2", True, 3.0)])
 def test_compiled_mse_steps_match_eager(monkeypatch: pytest.MonkeyPatch, dtype: str, symmetric: bool,
                                         norm: float) -> None:
     from quantd.engine import kernels

@@ -6,6 +6,8 @@ float64 rounded UP to the scale dtype (never below the exact value), codes per e
 
 from __future__ import annotations
 
+import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -343,6 +345,36 @@ def test_compiled_nf4_codes_count_the_midpoints_below(compiled: None) -> None:
     got = kernels.encode_nf4(v.reshape(1, -1), torch.ones(1, 1), NF4_MIDPOINTS)
     assert got is not None and got.dtype == torch.uint8
     assert torch.equal(got.reshape(-1), (v.unsqueeze(1) > m).sum(1).to(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("compile_it", [False, True])
+def test_fp8_rounding_in_arithmetic_is_the_float8_cast(dtype: str, compile_it: bool) -> None:
+    """The mse search's fp8 rounding (exponent bits → step, ``round(v / step) · step``) gives the float8
+    cast's value at every fp8 value, at every midpoint between two (ties to even), next to them, among
+    the subnormals and at ±0, eager and compiled."""
+    from quantd.engine import kernels
+
+    f8 = kernels.FP8_TORCH_DTYPES[dtype]
+    mant, emin = kernels.fp8_format(dtype)
+    top = torch.finfo(f8).max
+    values = torch.arange(256, dtype=torch.uint8).view(f8).float()
+    values = values[torch.isfinite(values)].sort().values
+    mids = (values[1:] + values[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    v = torch.cat([values, mids, torch.nextafter(mids, up), torch.nextafter(mids, down),
+                   torch.nextafter(values, up), torch.nextafter(values, down), torch.tensor([0.0, -0.0]),
+                   torch.randn(20_000) * torch.logspace(emin - mant - 4, math.log2(top), 20_000, base=2)])
+    v = v.clamp(-top, top)
+    fn = kernels._round_fp8
+    if compile_it:
+        fn = torch.compile(fn, dynamic=True, fullgraph=True, options=kernels.INDUCTOR_OPTIONS)
+    with warnings.catch_warnings():  # the compiler's own deprecation warnings
+        warnings.simplefilter("ignore")
+        got = fn(v, mant, emin)
+    want = v.to(f8).float()
+    assert torch.equal(got, want), v[got != want][:8]
+    assert torch.equal(torch.signbit(got[want == 0]), torch.signbit(v[want == 0]))
 
 
 @pytest.mark.parametrize("path", ["eager", "compiled"])

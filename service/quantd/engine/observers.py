@@ -202,8 +202,7 @@ def _fake_quant_error(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, z
         idx = torch.bucketize(t, (cb[1:] + cb[:-1]) / 2)
         t = cb[idx].mul_(s)
     else:  # fp8: saturate, then cast (the float8 cast of an out-of-range value is NaN)
-        f8 = torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.float8_e5m2
-        t = t.clamp_(-info.max_finite, info.max_finite).to(f8).to(x.dtype).mul_(s)
+        t = t.clamp_(-info.max_finite, info.max_finite).to(kernels.FP8_TORCH_DTYPES[dtype]).to(x.dtype).mul_(s)
     err: torch.Tensor = torch.linalg.vector_norm(t.sub_(xe), ord=norm, dim=-1)
     return err.square_() if norm == 2.0 else err.pow_(norm)
 

@@ -49,10 +49,6 @@ CHUNK_ELEMENTS = 1 << 20
 # float32 x + 1.5·2²³ rounds x (|x| < 2²²) to an integer, half to even, leaving it in the low mantissa bits.
 _ROUND_MAGIC = 12582912.0
 
-FP8_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
 FLOAT_TORCH_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 Range = tuple[torch.Tensor, torch.Tensor]
@@ -282,7 +278,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor",
     gran = granularity_of(scheme)
     axis = check_applicable(tuple(x.shape), gran, name=name)
     blocks, sshape = block_view(x, gran, name=name)
-    codes_dtype = FP8_TORCH_DTYPES[scheme.dtype] if info.kind == "fp8" else code_dtype(scheme.dtype)
+    codes_dtype = kernels.FP8_TORCH_DTYPES[scheme.dtype] if info.kind == "fp8" else code_dtype(scheme.dtype)
     done = None
     small = observer_range is None and scheme.observer == "minmax" and info.kind in ("int", "nf4")
     if kernels.KERNELS.wants(blocks, small=small):
