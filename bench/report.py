@@ -485,7 +485,7 @@ def engine_section(data: Any) -> str:
     ]
     for run in runs:
         for dtype, schemes in run.items():
-            if not isinstance(schemes, dict):
+            if not isinstance(schemes, dict) or dtype.startswith("observer_"):
                 continue
             rows = [
                 [
@@ -503,6 +503,16 @@ def engine_section(data: Any) -> str:
                 f"\n**{dtype}, {run.get('threads')} thread(s)**\n\n"
                 + table(["scheme", "ms", "GB/s", "fraction of copy", "copy ms (best)",
                          "fraction of median copy"], rows)
+            )
+        observed = [
+            [key.removeprefix("observer_"), fmt(v["minmax"]["s"] * 1e3, ".1f"), fmt(v["mse"]["s"] * 1e3, ".1f"),
+             fmt(v.get("mse_over_minmax"), ".1f"), fmt(v.get("mse_over_minmax_medians"), ".1f")]
+            for key, v in run.items() if key.startswith("observer_") and isinstance(v, dict)
+        ]
+        if observed:
+            out.append(
+                f"\n**mse against min-max, {run.get('threads')} thread(s)**\n\n"
+                + table(["scheme", "minmax ms", "mse ms", "mse / minmax (best)", "mse / minmax (medians)"], observed)
             )
     return "\n".join(out)
 
