@@ -69,6 +69,47 @@ def test_integer_bound_is_half_the_largest_scale() -> None:
     assert st.theoretical_sqnr_db == pytest.approx(6.02 * 4 + 1.76)
 
 
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+@pytest.mark.parametrize("scheme", [
+    _scheme(dtype="int8", granularity="tensor", symmetric=True, scale_dtype="float32"),
+    _scheme(dtype="int8", granularity="channel", symmetric=True, scale_dtype="float32"),
+    _scheme(dtype="uint8", granularity="tensor", scale_dtype="float32"),
+    _scheme(dtype="int4", granularity="group", group_size=16, scale_dtype="float32"),
+], ids=lambda s: f"{s.dtype}-{s.granularity}-{'sym' if s.symmetric else 'affine'}")
+def test_no_element_that_is_not_clipped_exceeds_the_bound(request: pytest.FixtureRequest, path: str,
+                                                          scheme: Scheme) -> None:
+    """CONTRACT §4: elements not clipped never exceed ``theoretical_max_error``, exactly (no tolerance).
+    With float32 scales, float32's ``c · s`` rounds past ``s/2`` for the largest element of a third of
+    these tensors; the statistics' ``x̂`` is exact (float64)."""
+    request.getfixturevalue(path)
+    for seed in range(40):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(seed)) * 10.0 ** (seed % 7 - 3)
+        qt = quantize(x, scheme)
+        st = stats.quantized_error_stats(x, qt)
+        assert st.clipped_fraction == 0.0
+        assert st.theoretical_max_error is not None and st.max_abs_error <= st.theoretical_max_error, seed
+        want = (x.double() - dequantize(qt, dtype=torch.float64)).abs().max()
+        assert st.max_abs_error == float(want)
+
+
+def test_float64_dequantize_is_exact() -> None:
+    """``dequantize(dtype=float64)`` is the exact ``(c − zp) · s``; float32's is that rounded once."""
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    for scheme in (_scheme(dtype="int8", granularity="channel", scale_dtype="float32"),
+                   _scheme(dtype="nf4", granularity="group", group_size=16, scale_dtype="float32")):
+        qt = quantize(x, scheme)
+        assert qt.scale is not None
+        exact = dequantize(qt, dtype=torch.float64)
+        if scheme.dtype == "nf4":
+            levels = torch.tensor(stats.NF4_CODEBOOK, dtype=torch.float32).double()[qt.codes.long()]
+            want = levels * qt.scale.double().repeat_interleave(16, dim=1)
+        else:
+            assert qt.zero_point is not None
+            want = (qt.codes.double() - qt.zero_point.double().reshape(-1, 1)) * qt.scale.double().reshape(-1, 1)
+        assert torch.equal(exact, want)
+        assert torch.equal(dequantize(qt), exact.float())
+
+
 def test_fp8_nf4_float_bounds() -> None:
     x = torch.randn(2, 64)
     for dtype, factor in (("fp8_e4m3", 16.0), ("fp8_e5m2", 4096.0), ("nf4", (1 - 0.6961928009986877) / 2)):
@@ -191,7 +232,7 @@ def test_compiled_stats_equal_eager(compiled: None, scheme: Scheme, chunk: int,
     x = torch.randn(24, 96, generator=gen) * torch.rand(24, 1, generator=gen) + 0.5
     x[3, 7], x[20, 1] = 40.0, -35.0  # outliers, clipped by the percentile observer
     qt = quantize(x, scheme)
-    x_hat = dequantize(qt)
+    x_hat = dequantize(qt, dtype=torch.float64)  # exact: the statistics' x̂
     got = error_stats(x, x_hat, qt)
     fused = stats.quantized_error_stats(x, qt)  # x̂ decoded inside the kernel, never stored
     assert stats._moments_from_codes(x, qt) is not None

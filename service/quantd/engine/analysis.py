@@ -19,7 +19,7 @@ import torch
 from quantd.engine.granularity import block_view, granularity_of
 from quantd.engine.observers import observe_range, percentile_range
 from quantd.engine.primitives import dequantize, quantize
-from quantd.engine.stats import OUTLIER_STDS, error_stats, theoretical_sqnr_db
+from quantd.engine.stats import OUTLIER_STDS, quantized_error_stats, theoretical_sqnr_db
 from quantd.errors import ConfigError
 from quantd_client import BitWidthResult, OutlierImpactResult, ScaleSensitivityResult, Scheme
 from quantd_client._dtypes import dtype_info
@@ -54,7 +54,7 @@ def compare_bit_widths(x: torch.Tensor, scheme_base: Scheme,
             raise ConfigError(f"compare_bit_widths takes integer dtypes, not {d}", tensor=name, field="dtypes")
         scheme = _with_dtype(scheme_base, d)
         qt = quantize(x, scheme, name=name)
-        stats = error_stats(x, dequantize(qt, dtype=torch.float32), qt)
+        stats = quantized_error_stats(x, qt)
         out.append(BitWidthResult(dtype=d, bits=info.bits, stats=stats,
                                   theoretical_sqnr_db=theoretical_sqnr_db(info.bits), sqnr_db=stats.sqnr_db))
     return out
@@ -80,7 +80,7 @@ def outlier_impact(x: torch.Tensor, scheme: Scheme, percentiles: Sequence[float]
         lo, hi = percentile_range(blocks, float(p), symmetric=scheme.symmetric)
         qt = quantize(x, scheme, name=name, observer_range=(lo, hi))
         err2 = (dequantize(qt, dtype=torch.float64) - xf.double()).square()
-        stats = error_stats(x, dequantize(qt, dtype=torch.float32), qt)
+        stats = quantized_error_stats(x, qt)
         out.append(OutlierImpactResult(
             percentile=float(p), mse=stats.mse, sqnr_db=stats.sqnr_db, clipped_fraction=stats.clipped_fraction,
             outlier_fraction=n_out / x.numel(),

@@ -404,13 +404,17 @@ def moments(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor | None:
 
 def _moments_from_codes(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                         codebook: torch.Tensor, nf4: bool) -> torch.Tensor:
-    x_hat = _decode_nf4(codes, scale, codebook) if nf4 else _decode(codes, scale, zero_point)
+    # x̂ in float64: a code (or a float32 nf4 level) times a float32 scale is exact there (≤ 48 bits).
+    if nf4:
+        x_hat = codebook[codes.long()].double() * scale.double()
+    else:
+        x_hat = (codes.double() - zero_point.double()) * scale.double()
     return _moments(x, x_hat)
 
 
 def moments_from_codes(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                        codebook: torch.Tensor, *, nf4: bool) -> torch.Tensor | None:
-    """:func:`moments` of ``x`` against its dequantized codes, decoded on the fly (never stored): ``x`` and
+    """:func:`moments` of ``x`` against its codes dequantized exactly (in float64) on the fly, never stored: ``x`` and
     ``codes`` ``[n, rows, K]``, scale and zero point ``[n, rows, 1]``; one row of sums per chunk ``n``."""
     return KERNELS.call("moments_codes", _moments_from_codes, (x.dtype, codes.dtype, nf4),
                         x, codes, scale, zero_point, codebook, nf4)

@@ -40,7 +40,7 @@ from quantd.engine.qparams import choose_qparams, code_dtype, scale_torch_dtype
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError, NonFiniteError
 from quantd_client import Scheme
-from quantd_client._dtypes import NF4_CODEBOOK, DTypeInfo, dtype_info
+from quantd_client._dtypes import DTypeInfo, dtype_info
 
 # 4 MiB of float32 per chunk: split over two cores it stays in their L2 (2 MiB each), on one core in
 # L3, across all its passes; larger chunks fall out of cache, smaller ones pay more per-chunk overhead.
@@ -310,7 +310,9 @@ def _dequantize_compiled(blocks: torch.Tensor, scale: torch.Tensor, zero_point: 
 
 
 def dequantize(qt: QuantizedTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x̂`` in ``dtype`` (computed in float32), on the device of ``qt.codes``."""
+    """``x̂`` in ``dtype``, on the device of ``qt.codes``: computed in float32 (what the SDK's NumPy
+    dequantizer computes), or in float64 when ``dtype`` is float64, where it is exact (a code, or a
+    float32 nf4 level, times a float32 scale needs at most 48 bits): the statistics' ``x̂``."""
     info = dtype_info(qt.dtype)
     if info.kind == "float":
         return qt.codes.to(dtype)
@@ -318,18 +320,19 @@ def dequantize(qt: QuantizedTensor, *, dtype: torch.dtype = torch.float32) -> to
         raise ConfigError(f"{qt.dtype} codes need a scale", field="scale")
     gran = granularity_of(qt)
     blocks, _ = block_view(qt.codes, gran, name="codes")
-    scale = qt.scale.reshape(-1, 1).float()
-    if kernels.KERNELS.wants(blocks):
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    scale = qt.scale.reshape(-1, 1).to(work)
+    if work == torch.float32 and kernels.KERNELS.wants(blocks):
         values = _dequantize_compiled(blocks, scale, qt.zero_point, info)
         if values is not None:
             return unblock(values, qt.shape, gran).to(dtype)
     if info.kind == "nf4":
-        cb = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=qt.codes.device)
+        cb = NF4_CODEBOOK_F32.to(device=qt.codes.device, dtype=work)
         values = cb[blocks.long()] * scale
     else:
-        values = blocks.float()
+        values = blocks.to(work)
         if qt.zero_point is not None:
-            values = values - qt.zero_point.reshape(-1, 1).float()
+            values = values - qt.zero_point.reshape(-1, 1).to(work)
         values = values * scale
     return unblock(values, qt.shape, gran).to(dtype)
 

@@ -115,10 +115,24 @@ def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric:
     if info.kind == "fp8":
         return round_up_to(absmax / info.max_finite, sdt), None
     if symmetric:
-        return round_up_to(absmax / ((info.qmax - info.qmin) / 2.0), sdt), None
+        half = (info.qmax - info.qmin) / 2.0
+        return _clear_of_ties(absmax, round_up_to(absmax / half, sdt), half), None
     scale = round_up_to((hi64 - lo64) / (info.qmax - info.qmin), sdt)
     zp = torch.round(info.qmin - lo64 / scale.to(work_dtype)).clamp_(info.qmin, info.qmax)
     return scale, zp.to(zero_point_dtype(dtype))
+
+
+def _clear_of_ties(absmax: torch.Tensor, scale: torch.Tensor, half: float) -> torch.Tensor:
+    """``scale`` one ulp up where the encode's float32 ``−absmax / scale`` would be exactly ``−half``
+    (``qmin − ½``) while the exact quotient is inside: rounded half to even it would give ``qmin``, whose
+    error is more than ``scale/2`` (CONTRACT §4: elements not clipped never exceed it). A scale rounded up
+    puts the extreme at or inside ``±half``; float32 division can round it onto the tie."""
+    a32 = absmax.float()
+    s32 = scale.float()
+    onto_tie = (a32 / s32 == half) & (a32.double() < half * s32.double())  # half · s is exact in float64
+    info = torch.finfo(scale.dtype)
+    up = (scale.view(_INT_VIEW[scale.dtype]) + onto_tie).view(scale.dtype)  # + 1 on the bit pattern: one ulp
+    return up.clamp(max=info.max)
 
 
 def zero_point_dtype(dtype: str) -> torch.dtype:

@@ -245,8 +245,8 @@ def _chunk_rows(blocks: int, width: int) -> int:
 
 
 def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None:
-    """The sums of :func:`_moments` against ``dequantize(qt)`` without materialising it: each chunk's
-    ``x̂`` is decoded in registers by the fused kernel, with dequantize's own float32 formula. None when
+    """The sums of :func:`_moments` against ``dequantize(qt, dtype=float64)`` without materialising it:
+    each chunk's ``x̂`` is decoded in registers by the fused kernel, with dequantize's float64 formula. None when
     the fused path does not apply (the caller dequantizes)."""
     info = DTYPES[qt.dtype]
     gran = granularity_of(qt)
@@ -271,12 +271,15 @@ def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None
 
 
 def quantized_error_stats(x: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
-    """``error_stats(x, dequantize(qt), qt)``: on the fused CPU path without a float32 ``x̂`` in memory
-    (one pass over ``x`` and the codes), else through ``dequantize``."""
+    """``error_stats(x, dequantize(qt, dtype=float64), qt)``: the error of the quantization itself, with
+    ``x̂`` exact (float64), so that no element that is not clipped exceeds ``theoretical_max_error``
+    (float32's ``c · s`` may round past ``s/2``; with float32 scales it did on a third of random
+    symmetric tensors). On the fused CPU path ``x̂`` is decoded on the fly (one pass over ``x`` and the
+    codes), else through ``dequantize``."""
     _check_shapes(x, x, qt)
     m = _moments_from_codes(x, qt)
     if m is None:
-        return error_stats(x, dequantize(qt), qt)
+        return error_stats(x, dequantize(qt, dtype=torch.float64), qt)
     return _stats(x, qt, m)
 
 
