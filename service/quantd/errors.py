@@ -11,6 +11,7 @@ class QuantdError(Exception):
     status: int = 400
     title: str = "Bad request"
     type_: str = "about:blank"
+    location: str = "body"  # where a 422's field is: "body" (the multipart form) or "query"
 
     def __init__(self, detail: str, *, tensor: str | None = None, field: str | None = None) -> None:
         super().__init__(detail)

@@ -135,6 +135,31 @@ async def test_openapi_documents_multipart_bodies_and_problem_responses(server):
     for name in ("QuantConfig", "Scheme", "ObserverSpec", "Job", "Report"):
         assert name in spec["components"]["schemas"], name
     assert "HTTPValidationError" not in str(spec)
+    assert spec["components"]["securitySchemes"]["apiKey"] == {
+        "type": "http", "scheme": "bearer", "description": spec["components"]["securitySchemes"]["apiKey"]["description"]}
+    assert paths["/v1/jobs"]["get"]["security"] == [{"apiKey": []}] and "security" not in paths["/healthz"]["get"]
+
+
+async def test_openapi_json_responses_have_examples_that_are_valid(server):
+    """Every 2xx JSON response of every operation has an example, and it validates against the response's
+    own schema (its quantd_client model)."""
+    import quantd_client
+
+    spec = (await server.client.get("/openapi.json")).json()
+    checked = 0
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            for code, resp in op["responses"].items():
+                media = resp.get("content", {}).get("application/json")
+                if not code.startswith("2") or media is None or path in ("/healthz", "/readyz"):
+                    continue
+                assert "example" in media, (method, path, code)
+                ref = media.get("schema", {}).get("$ref")
+                if ref:
+                    model = getattr(quantd_client, ref.rsplit("/", 1)[-1])
+                    model.model_validate(media["example"])
+                    checked += 1
+    assert checked >= 8
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/metrics", "/readyz"])

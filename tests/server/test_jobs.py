@@ -23,6 +23,8 @@ async def test_submit_follow_and_download(server):
     assert job["input"] == {"filename": "model.safetensors", "bytes": len(data),
                             "sha256": hashlib.sha256(data).hexdigest(), "format": "safetensors", "tensors": 2}
     assert job["config"]["scheme"]["dtype"] == "int8"
+    # Queued, it already shows the device an embedded worker will run it on and how many tensors it has.
+    assert job["device"] == "cpu" and job["progress"]["tensors_total"] == 2
 
     async with server.client.stream("GET", f"/v1/jobs/{job['id']}/events") as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
@@ -35,6 +37,8 @@ async def test_submit_follow_and_download(server):
 
     done = (await server.client.get(f"/v1/jobs/{job['id']}")).json()
     assert done["status"] == "succeeded" and done["result"]["summary"]["tensors_quantized"] == 1
+    metrics = (await server.client.get("/metrics")).text.splitlines()
+    assert f"quantd_quantized_bytes_total {len(data)}" in metrics  # jobs count as bytes quantized too
 
     rep = (await server.client.get(f"/v1/jobs/{job['id']}/report")).json()
     assert rep["job_id"] == job["id"]
@@ -121,7 +125,10 @@ async def test_list_pagination_and_status_filter(make_server):
         assert seen == ids[::-1]  # newest first, each once
         queued = (await h.client.get("/v1/jobs", params={"status": "queued"})).json()["items"]
         assert [j["id"] for j in queued] == ids[:0:-1]
-        assert_problem(await h.client.get("/v1/jobs", params={"cursor": "garbage"}), 422)
+        bad = assert_problem(await h.client.get("/v1/jobs", params={"cursor": "garbage"}), 422)
+        assert bad["errors"][0]["loc"] == ["query", "cursor"]
+        bad = assert_problem(await h.client.get("/v1/jobs", params={"status": "done"}), 422)
+        assert bad["errors"][0]["loc"] == ["query", "status"]
 
 
 async def test_queue_full_is_429_with_retry_after(make_server):

@@ -55,6 +55,7 @@ class InvalidListQuery(QuantdError):
     status = 422
     title = "Invalid query"
     type_ = "urn:quantd:invalid-query"
+    location = "query"
 
 
 class StorageError(QuantdError):

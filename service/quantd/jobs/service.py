@@ -62,11 +62,15 @@ class JobService:
         self._pool: WorkerPool | None = None
         self._prepared: PreparedRuns | None = None
         self._signals = JobSignals()  # this process's workers wake the event streams of their jobs
+        # The device a queued job shows until a worker claims it (and writes its own): this process's first
+        # embedded worker's; None when the workers are other processes.
+        self._planned_device: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start_sync(self) -> None:
         self._store, self._storage = open_backends(self.config)
         storage = self._storage
+        self._planned_device = worker_devices(self.config)[0] if self.config.workers != 0 else None
         # Runs during uploads replace the embedded workers' own pipeline, so only when that is the default.
         if self.config.workers != 0 and self._quantize_fn is None:
             devices = worker_devices(self.config)
@@ -161,7 +165,8 @@ class JobService:
                 calibration=None if calibration is None else _input_info(calibration),
                 idempotency_key=idempotency_key, max_attempts=self.config.max_attempts,
                 max_queue=self.config.max_queue, retry_after=self.config.queue_full_retry_after_s,
-                before_commit=adopt)
+                before_commit=adopt, device=self._planned_device,
+                progress={"tensors_total": upload.tensors})
         except BaseException:
             if prepared is not None and runs is not None:
                 runs.discard(prepared, job_id)
@@ -275,6 +280,10 @@ class JobService:
 
     def counts_by_status(self) -> dict[str, int]:
         return self.store.counts_by_status()
+
+    def succeeded_input_bytes(self) -> int:
+        """Input bytes of the jobs that succeeded, on any worker (the store's count)."""
+        return self.store.succeeded_input_bytes()
 
     def _remote_workers(self) -> builtins.list[dict[str, Any]]:
         local = {w.id for w in self._pool.workers} if self._pool else set()

@@ -70,7 +70,8 @@ class JobStore(Protocol):
     def insert(self, *, job_id: str, tenant: str, config: dict[str, Any], input: dict[str, Any],
                calibration: dict[str, Any] | None, idempotency_key: str | None, max_attempts: int,
                max_queue: int, retry_after: int,
-               before_commit: Callable[[], None]) -> tuple[JobRecord, bool]: ...
+               before_commit: Callable[[], None], device: str | None = None,
+               progress: dict[str, Any] | None = None) -> tuple[JobRecord, bool]: ...
     def get(self, job_id: str) -> JobRecord | None: ...
     def list_jobs(self, tenant: str, *, status: str | None, limit: int,
              after: tuple[float, str] | None) -> list[JobRecord]: ...
@@ -89,6 +90,7 @@ class JobStore(Protocol):
     def known_ids(self, ids: list[str]) -> set[str]: ...
     def queue_depth(self) -> int: ...
     def counts_by_status(self) -> dict[str, int]: ...
+    def succeeded_input_bytes(self) -> int: ...
     def register_worker(self, worker_id: str, device: str) -> None: ...
     def worker_heartbeat(self, worker_id: str, busy_job: str | None) -> None: ...
     def unregister_worker(self, worker_id: str) -> None: ...
@@ -154,7 +156,8 @@ class SQLiteJobStore:
     def insert(self, *, job_id: str, tenant: str, config: dict[str, Any], input: dict[str, Any],
                calibration: dict[str, Any] | None, idempotency_key: str | None, max_attempts: int,
                max_queue: int, retry_after: int,
-               before_commit: Callable[[], None]) -> tuple[JobRecord, bool]:
+               before_commit: Callable[[], None], device: str | None = None,
+               progress: dict[str, Any] | None = None) -> tuple[JobRecord, bool]:
         """Insert a queued job, or return the tenant's job with the same idempotency key
         (``created`` False). ``before_commit`` (moving the upload in place) runs inside the
         transaction: if it fails, nothing is inserted."""
@@ -170,9 +173,9 @@ class SQLiteJobStore:
                                 retry_after=retry_after)
             row = db.execute(
                 "INSERT INTO jobs (id, tenant, status, config, input, calibration, max_attempts, created_at,"
-                " idempotency_key) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?) RETURNING *",
+                " idempotency_key, device, progress) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?) RETURNING *",
                 (job_id, tenant, _js(config), _js(input), _js(calibration), max_attempts, self.clock(),
-                 idempotency_key)).fetchone()
+                 idempotency_key, device, _js(progress or {}))).fetchone()
             before_commit()
             return JobRecord.from_row(row), True
 
@@ -207,6 +210,11 @@ class SQLiteJobStore:
         for row in self._read("SELECT status, COUNT(*) FROM jobs GROUP BY status"):
             counts[row[0]] = row[1]
         return counts
+
+    def succeeded_input_bytes(self) -> int:
+        """Input bytes of every job that succeeded (rows are never deleted: this only grows)."""
+        rows = self._read("SELECT COALESCE(SUM(json_extract(input, '$.bytes')), 0) FROM jobs WHERE status = 'succeeded'")
+        return int(rows[0][0])
 
     # -- the worker side -------------------------------------------------------------------
     def claim(self, worker_id: str, device: str, lease_s: float) -> JobRecord | None:

@@ -105,6 +105,7 @@ def _register_gauges(metrics: Metrics, state: AppState) -> None:
         return [((("status", s),), float(counts.get(s, 0))) for s in get_args(JobStatus)]
 
     metrics.gauge("quantd_jobs", "jobs by status", jobs_by_status)
+    metrics.counter_source("quantd_quantized_bytes_total", lambda: float(state.jobs.succeeded_input_bytes()))
     metrics.gauge("quantd_queue_depth", "jobs queued", lambda: [((), float(state.jobs.queue_depth()))])
     metrics.gauge("quantd_workers_busy", "workers (any process) running a job",
                   lambda: [((), float(state.jobs.busy_workers()))])

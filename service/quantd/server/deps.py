@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import anyio
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from quantd_client import DeviceInfo
 
@@ -64,7 +65,15 @@ def tenant_for_key(state: AppState, key: str) -> str | None:
     return found
 
 
-def get_tenant(request: Request, state: StateDep) -> str:
+# Declares the Bearer scheme in the OpenAPI schema (``securitySchemes``, and ``security`` on every /v1
+# operation); the header itself is checked below, with problem+json answers.
+BEARER = HTTPBearer(auto_error=False, scheme_name="apiKey",
+                    description="An API key from QUANTD_API_KEYS / QUANTD_API_KEYS_FILE, as "
+                                "`Authorization: Bearer <key>`; not needed when the server runs without keys.")
+
+
+def get_tenant(request: Request, state: StateDep,
+               _declared: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)] = None) -> str:
     """The caller's tenant: from ``Authorization: Bearer <key>``, or ``default`` in open mode."""
     if not state.auth_enabled:
         tenant = OPEN_TENANT

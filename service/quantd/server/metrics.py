@@ -5,6 +5,7 @@ Thread-safe (sync endpoints update counters from worker threads). Gauges are rea
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import defaultdict
@@ -43,12 +44,14 @@ class Metrics:
         self._help: dict[str, tuple[str, str]] = {}
         self._hist: dict[Labels, list[float]] = {}  # per label set: bucket counts + [sum, count]
         self._gauges: list[tuple[str, str, Callable[[], Iterable[tuple[Labels, float]]]]] = []
+        self._counter_sources: dict[str, Callable[[], float]] = {}
         self._declare("quantd_http_requests_total", "counter", "HTTP requests by method, route and status")
         self._declare("quantd_http_request_duration_seconds", "histogram", "HTTP request latency")
         self._declare("quantd_http_request_bytes_total", "counter", "request body bytes received")
         self._declare("quantd_http_response_bytes_total", "counter", "response body bytes sent")
         self._declare("quantd_quantized_bytes_total", "counter",
-                      "input bytes quantized by this API process (sync /v1/quantize)")
+                      "input bytes quantized: sync /v1/quantize calls of this API process plus every job that "
+                      "succeeded (on any worker)")
         self._declare("quantd_uploads_total", "counter", "uploads stored, by endpoint")
 
     def _declare(self, name: str, kind: str, help_: str) -> None:
@@ -72,6 +75,11 @@ class Metrics:
             h[-2] += seconds
             h[-1] += 1
 
+    def counter_source(self, name: str, read: Callable[[], float]) -> None:
+        """Add ``read()`` (a count that only grows, read at scrape time: e.g. from the job store, which
+        every process writes) to the unlabelled sample of counter ``name``."""
+        self._counter_sources[name] = read
+
     def gauge(self, name: str, help_: str, read: Callable[[], Iterable[tuple[Labels, float]]]) -> None:
         """Register a gauge whose samples are read at scrape time (errors in ``read`` skip it)."""
         self._gauges.append((name, help_, read))
@@ -91,7 +99,12 @@ class Metrics:
                     lines.append(f"{name}_sum{_fmt_labels(key)} {_fmt_value(h[-2])}")
                     lines.append(f"{name}_count{_fmt_labels(key)} {_fmt_value(h[-1])}")
             else:
-                for key, v in sorted(counters.get(name, {}).items()):
+                samples = counters.get(name, {})
+                source = self._counter_sources.get(name)
+                if source is not None:
+                    with contextlib.suppress(Exception):  # a broken source leaves this process's own count
+                        samples[()] = samples.get((), 0.0) + source()
+                for key, v in sorted(samples.items()):
                     lines.append(f"{name}{_fmt_labels(key)} {_fmt_value(v)}")
         for name, help_, read in self._gauges:
             try:

@@ -83,7 +83,7 @@ def _quantd_error(request: Request, exc: QuantdError) -> JSONResponse:
                                 title=exc.title, type_=exc.type_, request_id=request_id_of(request))
     errors = None
     if exc.status == 422:
-        loc: list[str | int] = ["body"]
+        loc: list[str | int] = [exc.location]
         if exc.tensor:
             loc += ["tensors", exc.tensor]
         if exc.field:

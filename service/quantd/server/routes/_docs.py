@@ -99,8 +99,55 @@ JOB_EXAMPLE: dict[str, Any] = {
     "config": CONFIG_EXAMPLE,
     "progress": {"tensors_done": 0, "tensors_total": 291, "bytes_done": 0, "bytes_total": 268435456,
                  "fraction": 0.0},
-    "device": None, "result": None, "error": None, "attempts": 0,
+    "device": "cpu", "result": None, "error": None, "attempts": 0,
 }
+
+STATS_EXAMPLE: dict[str, Any] = {
+    "numel": 589824, "mse": 1.02e-06, "mae": 8.1e-04, "max_abs_error": 2.29e-03, "sqnr_db": 33.4,
+    "cosine": 0.99977, "outlier_rate": 0.0031, "outlier_threshold": 0.119, "clipped_fraction": 0.0,
+    "theoretical_max_error": 2.29e-03, "bits_per_weight": 8.0625, "compression_ratio": 3.969,
+    "theoretical_sqnr_db": 49.92,
+}
+
+SUMMARY_EXAMPLE: dict[str, Any] = {
+    "tensors_quantized": 36, "tensors_skipped": 65, "input_bytes": 90868376, "output_bytes": 23289936,
+    "compression_ratio": 3.902, "bits_per_weight": 8.0625, "mean_sqnr_db": 33.9, "min_sqnr_db": 31.2,
+    "worst_tensor": "encoder.layer.5.output.dense.weight", "elapsed_s": 1.84, "device": "cpu",
+}
+
+INFO_EXAMPLE: dict[str, Any] = {
+    "version": "1.0.0", "devices": [{"name": "cpu", "type": "cpu", "memory_bytes": 25769803776}],
+    "dtypes": ["int8", "int4", "int3", "int2", "uint8", "uint4", "nf4", "fp8_e4m3", "fp8_e5m2", "float16",
+               "bfloat16"],
+    "observers": ["minmax", "percentile", "meanstd", "ema", "mse", "entropy"], "methods": ["rtn"],
+    "granularities": ["tensor", "channel", "group"],
+    "input_formats": ["safetensors", "pytorch", "npy", "npz"], "output_formats": ["safetensors"],
+    "limits": {"max_upload_bytes": 10737418240, "max_sync_bytes": 268435456, "max_analyze_configs": 16,
+               "max_queue": 1000},
+    "auth": True,
+}
+
+ANALYZE_EXAMPLE: dict[str, Any] = {"tensors": [{
+    "name": "encoder.layer.0.attention.self.query.weight", "shape": [384, 384],
+    "results": [{"scheme": {"dtype": "int8", "granularity": "channel"}, "stats": STATS_EXAMPLE}],
+}]}
+
+REPORT_EXAMPLE: dict[str, Any] = {
+    "job_id": "3f2c9b7e0a4d4c1e9f6b2a8d7c5e4f10", "config": {"scheme": {"dtype": "int8", "granularity": "channel"}},
+    "summary": SUMMARY_EXAMPLE,
+    "tensors": [
+        {"name": "encoder.layer.0.attention.self.query.weight", "shape": [384, 384], "in_dtype": "float32",
+         "scheme": {"dtype": "int8", "granularity": "channel"}, "stats": STATS_EXAMPLE, "skipped": False,
+         "reason": None},
+    ],  # (a skipped tensor has "skipped": true, a "reason", and null scheme and stats)
+}
+
+CALIBRATE_EXAMPLE: dict[str, Any] = {"layers": [{
+    "name": "encoder.layer.0.attention.self.query", "min": -3.91, "max": 4.27, "scale": 0.0320784,
+    "zero_point": -6, "observer": "percentile", "num_samples": 512,
+}]}
+
+CANCELLED_EXAMPLE: dict[str, Any] = {**JOB_EXAMPLE, "status": "cancelled", "finished_at": "2026-01-01T12:00:09Z"}
 
 
 def json_example(description: str, example: Any) -> dict[str, Any]:

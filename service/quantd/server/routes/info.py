@@ -12,12 +12,13 @@ from quantd_client._schemas import GranularityName, InputFormat, MethodName, Obs
 
 from ..deps import StateDep, TenantDep
 from ..problems import problem_responses
+from ._docs import INFO_EXAMPLE, json_example
 
 router = APIRouter(prefix="/v1", tags=["info"])
 
 
 @router.get("/info", response_model=Info, summary="Version, devices, supported dtypes and limits",
-            responses=problem_responses(401))
+            responses={200: json_example("What this server offers", INFO_EXAMPLE), **problem_responses(401)})
 async def info(state: StateDep, _tenant: TenantDep) -> Info:
     s = state.settings
     return Info(

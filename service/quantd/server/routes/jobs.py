@@ -11,13 +11,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from quantd_client import Job, JobList, QuantConfig, Report
+from quantd_client._schemas import JobStatus
 
 from ..deps import AppState, StateDep, TenantDep
 from ..files import file_response
 from ..problems import ProblemException, problem_responses
 from ..sse import sse_stream
 from ..uploads import UploadedFile, receive_multipart
-from ._docs import ARTIFACT_200, JOB_BODY, JOB_EXAMPLE, UPLOAD_ERRORS, json_example
+from ._docs import (
+    ARTIFACT_200,
+    CANCELLED_EXAMPLE,
+    JOB_BODY,
+    JOB_EXAMPLE,
+    REPORT_EXAMPLE,
+    UPLOAD_ERRORS,
+    json_example,
+)
 from ._forms import parse_json_field, run_engine
 
 if TYPE_CHECKING:
@@ -105,7 +114,7 @@ async def submit_job(
                        **problem_responses(401, 422)})
 async def list_jobs(
     state: StateDep, tenant: TenantDep,
-    status: Annotated[str | None, Query(description="queued|running|succeeded|failed|cancelled")] = None,
+    status: Annotated[JobStatus | None, Query(description="only jobs with this status")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page")] = None,
 ) -> JobList:
@@ -133,7 +142,9 @@ async def job_events(job_id: str, state: StateDep, tenant: TenantDep) -> Streami
 
 
 @router.get("/{job_id}/report", response_model=Report, summary="Per-tensor statistics (409 until succeeded)",
-            responses={**_JOB_ERRORS, **problem_responses(409)})
+            responses={200: json_example("Per-tensor statistics; a skipped tensor has \"skipped\": true, a \"reason\" "
+                                         "and null scheme and stats", REPORT_EXAMPLE), **_JOB_ERRORS,
+                       **problem_responses(409)})
 async def job_report(job_id: str, state: StateDep, tenant: TenantDep) -> Report:
     return await state.jobs.report(tenant, job_id)
 
@@ -157,6 +168,7 @@ async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: T
 
 
 @router.delete("/{job_id}", response_model=Job, summary="Cancel a queued or running job and delete its files",
-               responses=_JOB_ERRORS)
+               responses={200: json_example("The job, cancelled (or still running until its worker sees the "
+                                            "request: cancel_requested)", CANCELLED_EXAMPLE), **_JOB_ERRORS})
 async def cancel_job(job_id: str, state: StateDep, tenant: TenantDep) -> Job:
     return await state.jobs.cancel(tenant, job_id)

@@ -21,11 +21,14 @@ from ..files import file_response
 from ..uploads import MultipartForm, receive_multipart, remove_quietly
 from ._docs import (
     ANALYZE_BODY,
+    ANALYZE_EXAMPLE,
     ARTIFACT_200,
     CALIBRATE_BODY,
+    CALIBRATE_EXAMPLE,
     QUANTIZE_BODY,
     SUMMARY_HEADER,
     UPLOAD_ERRORS,
+    json_example,
 )
 from ._forms import parse_json_field, run_engine
 
@@ -52,7 +55,8 @@ async def _receive(request: Request, state: AppState, text_field: str, *optional
     return form
 
 
-@router.post("/analyze", response_model=AnalyzeResponse, openapi_extra=ANALYZE_BODY, responses=UPLOAD_ERRORS,
+@router.post("/analyze", response_model=AnalyzeResponse, openapi_extra=ANALYZE_BODY,
+             responses={200: json_example("Statistics per tensor and scheme", ANALYZE_EXAMPLE), **UPLOAD_ERRORS},
              summary="Error statistics of up to 16 schemes per tensor; no artifact")
 async def analyze(request: Request, state: StateDep, _tenant: TenantDep) -> AnalyzeResponse:
     from quantd import io
@@ -100,7 +104,8 @@ async def quantize(request: Request, state: StateDep, _tenant: TenantDep) -> Res
 
 
 @router.post("/calibrate", response_model=CalibrateResponse, openapi_extra=CALIBRATE_BODY,
-             responses=UPLOAD_ERRORS, summary="Activation ranges and qparams for static activation quantization")
+             responses={200: json_example("Ranges and qparams per layer", CALIBRATE_EXAMPLE), **UPLOAD_ERRORS},
+             summary="Activation ranges and qparams for static activation quantization")
 async def calibrate(request: Request, state: StateDep, _tenant: TenantDep) -> CalibrateResponse:
     from quantd import io
 
