@@ -165,6 +165,10 @@ def test_all_readers_agree(tmp_path: Path, dtype: str, gran: str, axis: int, sym
     assert meta["format_version"] == 1 and meta["summary"] == {"note": "test"}
     assert set(meta["tensors"]) == {"w", "conv"}
     assert meta["tensors"]["conv"]["orig_dtype"] == "float64"
+    if dtype == "nf4":  # the table nf4 codes index, so that a reader need not know it
+        assert meta["tensors"]["w"]["codebook"] == torch.tensor(NF4_CODEBOOK, dtype=torch.float32).tolist()
+    else:
+        assert "codebook" not in meta["tensors"]["w"]
     assert {"w.qdata", "conv.qdata", "ids", "norm"} <= keys
     assert ("w.zero_point" in keys) == (not qts["w"].symmetric and dtype not in ("float16", "bfloat16"))
 

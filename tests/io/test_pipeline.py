@@ -219,6 +219,19 @@ def test_analyze_file(model_file: Path) -> None:
         analyze_file(model_file, [Scheme(dtype="int4", group_size=7)], device="cpu")
 
 
+def test_analyze_file_of_vectors_only_analyzes_them(tmp_path: Path) -> None:
+    """A file with no float tensor of ≥ 2 dims (a lone ``.npy`` vector) gets statistics for its 1-D
+    tensors, not an empty answer; with a matrix beside them, they are left out."""
+    v = np.random.default_rng(0).standard_normal(256).astype(np.float32)
+    np.save(tmp_path / "v.npy", v)
+    resp = analyze_file(tmp_path / "v.npy", [Scheme(dtype="int8", granularity="tensor")], device="cpu")
+    assert [(t.name, t.shape) for t in resp.tensors] == [("v", [256])]
+    assert resp.tensors[0].results[0].stats.numel == 256
+    save_file({"b": torch.from_numpy(v), "w": torch.randn(4, 64)}, str(tmp_path / "m.safetensors"))
+    resp = analyze_file(tmp_path / "m.safetensors", [Scheme(dtype="int8", granularity="tensor")], device="cpu")
+    assert [t.name for t in resp.tensors] == ["w"]
+
+
 def test_load_into_model(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
@@ -304,9 +317,11 @@ def test_warm_up_builds_the_kernels_of_its_schemes(compiled: None) -> None:
     from quantd.engine import kernels
     from quantd.io.pipeline import warm_up
 
+    kernels.KERNELS._warm.clear()  # what earlier tests warmed does not count
     took = warm_up([Scheme(dtype="int4", symmetric=False, granularity="group", group_size=128)])
     assert took is not None and took > 0
     warm = {key[0] for key in kernels.KERNELS._warm}
-    assert {"range", "int", "pack", "moments_codes", "outliers"} <= warm  # quantize, stats, packing
+    # quantize (min-max in one kernel), stats (clipping reads the ranges), packing
+    assert {"minmax_int", "range", "pack", "moments_codes", "outliers"} <= warm, warm
     kernels.KERNELS.reset(available=False)
     assert warm_up() is None  # compiled kernels off: nothing to warm

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from quantd.engine.granularity import check_applicable, granularity_of, scale_shape
+from quantd.engine.kernels import NF4_LEVELS
 from quantd.engine.packing import packed_nbytes
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import MalformedInputError
@@ -75,6 +76,9 @@ def quantized_meta(shape: tuple[int, ...], orig_dtype: torch.dtype, scheme: Sche
         "group_size": scheme.group_size, "method": scheme.method, "observer": scheme.observer,
         "observer_args": dict(scheme.observer_args), "scale_dtype": scheme.scale_dtype,
         "packed_bits": info.bits if info.packed else None,
+        # nf4 codes are indices into this table (QLoRA's, as float32): x̂ = codebook[code] · scale. Written
+        # out so that a reader need not know it.
+        **({"codebook": list(NF4_LEVELS)} if info.kind == "nf4" else {}),
     }
 
 

@@ -255,20 +255,23 @@ def run_analyses(x: torch.Tensor, scheme: Scheme, names: Sequence[str], tensor: 
     return out
 
 
-def _analyzable(t: TensorInfo) -> bool:
-    return torch_dtype(t.dtype) in QUANTIZABLE and len(t.shape) >= 2 and math.prod(t.shape) > 0
+def _analyzable(t: TensorInfo, min_dims: int) -> bool:
+    return torch_dtype(t.dtype) in QUANTIZABLE and len(t.shape) >= min_dims and math.prod(t.shape) > 0
 
 
 def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: str | torch.device,
                  filename: str | None = None, analyses: Sequence[str] = ()) -> AnalyzeResponse:
     """Error statistics of every scheme (in order) on every float tensor with ≥ 2 dims; no artifact.
 
-    1-D tensors (biases, norms) and integer tensors are left out, as ``skip_1d`` does by default.
-    Every scheme is checked against every tensor first (ConfigError naming both)."""
+    1-D tensors (biases, norms) and integer tensors are left out, as ``skip_1d`` does by default, unless
+    the file has no float tensor of ≥ 2 dims: then its 1-D ones are analyzed (a lone vector gets its
+    statistics, not an empty answer). Every scheme is checked against every tensor first (ConfigError
+    naming both)."""
     dev = torch.device(device)
     out: list[AnalyzeTensor] = []
     with open_model(src, filename) as reader:
-        targets = [t for t in reader.tensors if _analyzable(t)]
+        targets = ([t for t in reader.tensors if _analyzable(t, 2)]
+                   or [t for t in reader.tensors if _analyzable(t, 1)])
         for t in targets:
             for s in schemes:
                 quantized_layout(t.name, t.shape, s)
