@@ -100,8 +100,12 @@ async def test_malformed_multipart_bodies(server):
     body = assert_problem(r, 400)
     assert "other" in body["detail"]
     r = await server.client.post("/v1/jobs", files={"file": ("m.safetensors", st_bytes(), "x/y")})
-    body = assert_problem(r, 400)
-    assert "config" in body["detail"]
+    body = assert_problem(r, 422)  # a required field missing: as FastAPI answers it
+    assert "config" in body["detail"] and body["errors"] == [{"loc": ["body", "config"], "msg": "Field required"}]
+    r = await server.client.post("/v1/quantize", data={"config": json.dumps(CONFIG)}, files={"x": ("a", b"", "x/y")})
+    assert_problem(r, 400)  # an unknown part
+    r = await server.client.post("/v1/analyze", files={"configs": (None, "[]", "application/json")})
+    assert assert_problem(r, 422)["errors"] == [{"loc": ["body", "file"], "msg": "Field required"}]
     r = await server.client.post("/v1/jobs", content=b"--b\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nab",
                                  headers={"Content-Type": "multipart/form-data; boundary=b"})
     assert_problem(r, 400)  # the body ends inside a part

@@ -326,7 +326,12 @@ async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: 
     if missing or any(f.sha256 == "" for f in col.form.files.values()):
         col.close()
         col.form.cleanup()
-        raise ProblemException(400, f"multipart body is missing field(s) {missing or 'end'}")
+        if any(f.sha256 == "" for f in col.form.files.values()):
+            raise ProblemException(400, "multipart body ended inside a file part")
+        # A complete body without a required field: 422 located in the body, as FastAPI answers it.
+        raise ProblemException(422, f"multipart body is missing required field(s) {missing}",
+                               title="Validation failed", type_="urn:quantd:validation-error",
+                               errors=[{"loc": ["body", name], "msg": "Field required"} for name in missing])
     return col.form
 
 
