@@ -15,7 +15,7 @@ import torch
 from jobs_support import CONFIG, GatedPipeline, cast_pipeline, make_upload, wait_for
 from safetensors.torch import load_file
 
-from quantd.errors import MalformedInputError
+from quantd.errors import JobCancelled, MalformedInputError
 from quantd.jobs import (
     IdempotencyConflict,
     InvalidListQuery,
@@ -26,7 +26,7 @@ from quantd.jobs import (
     QueueFull,
 )
 from quantd.jobs.storage import sha256_file
-from quantd_client import Job, QuantConfig, Scheme
+from quantd_client import Job, QuantConfig, Report, Scheme
 
 MakeService = Callable[..., JobService]
 
@@ -141,12 +141,32 @@ async def test_cancel_running(make_service: MakeService, model_file: Path) -> No
     job = await svc.submit(tenant="a", upload=make_upload(svc, model_file), config=CONFIG)
     await asyncio.to_thread(wait_for, gate.started.is_set, what="the pipeline to start")
     asked = await svc.cancel("a", job.id)
-    assert asked.status == "running"  # asked; the worker ends it
+    assert asked.status == "cancelled"  # the worker saw the request within cancel_wait_s
     done = await finished(svc, "a", job.id)
     assert done.status == "cancelled"
     assert not svc.storage.upload_path(job.id, "input").exists()
     assert not svc.storage.artifact_path(job.id).exists()
     assert not any(svc.storage.tmp.iterdir())  # no partial artifact left behind
+
+
+async def test_cancel_of_a_job_stuck_in_a_tensor_returns_it_running(make_service: MakeService,
+                                                                     model_file: Path) -> None:
+    """A running job whose worker does not look at the request within ``cancel_wait_s`` comes back
+    ``running``, its cancel asked: DELETE does not hang on it."""
+    started, release = threading.Event(), threading.Event()
+
+    def stuck(*args: Any, **kwargs: Any) -> Report:
+        started.set()
+        release.wait(10)
+        raise JobCancelled("let go")
+
+    svc = make_service(quantize_fn=stuck, cancel_wait_s=0.3)
+    job = await svc.submit(tenant="a", upload=make_upload(svc, model_file), config=CONFIG)
+    await asyncio.to_thread(wait_for, started.is_set, what="the pipeline to start")
+    asked = await svc.cancel("a", job.id)
+    assert asked.status == "running"
+    release.set()
+    assert (await finished(svc, "a", job.id)).status == "cancelled"
 
 
 async def test_events_progress_then_terminal(make_service: MakeService, model_file: Path) -> None:

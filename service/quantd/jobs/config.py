@@ -32,6 +32,7 @@ class JobsConfig:
     events_poll_s: float = 0.2
     progress_write_s: float = 0.1  # progress is written to the DB at most this often
     queue_full_retry_after_s: int = 5
+    cancel_wait_s: float = 2.0  # DELETE of a running job waits this long for its worker to end it cancelled
     quantize_during_upload: bool | None = None
 
     def __post_init__(self) -> None:

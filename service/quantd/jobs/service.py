@@ -208,10 +208,17 @@ class JobService:
         return JobList(items=[r.to_job() for r in page], next_cursor=next_cursor)
 
     async def cancel(self, tenant: str, job_id: str) -> Job:
-        """queued → cancelled, files deleted; running → cancel asked (the job is returned still
-        ``running``; the worker ends it ``cancelled`` at its next tensor and deletes the files);
+        """queued → cancelled, files deleted; running → cancel asked: its worker ends it ``cancelled`` at
+        its next tensor and deletes the files, and this waits up to ``cancel_wait_s`` for that (the job
+        is returned still ``running``, with ``cancel_requested``, when its tensor takes longer);
         finished → its files are deleted (report/artifact then raise JobExpired)."""
-        return await self._run(self._cancel, tenant, job_id)
+        job = await self._run(self._cancel, tenant, job_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.cancel_wait_s
+        while job.status == "running" and (left := deadline - loop.time()) > 0:
+            await self._signals.wait(job_id, min(left, self.config.events_poll_s))  # woken by local workers
+            job = await self.get(tenant, job_id)
+        return job
 
     def _cancel(self, tenant: str, job_id: str) -> Job:
         rec = self._record(tenant, job_id)
