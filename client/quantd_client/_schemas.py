@@ -9,7 +9,7 @@ import fnmatch
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ._dtypes import DTYPES
 
@@ -171,8 +171,9 @@ class QuantConfig(_Strict):
             if rule.scheme is not None:
                 try:
                     self._merge(rule.scheme)
-                except ValueError as e:
-                    raise ValueError(f"rules[{i}] ({rule.match!r}): {e}") from None
+                except ValidationError as e:  # its own messages, not pydantic's multi-line summary
+                    why = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+                    raise ValueError(f"rules[{i}] (the tensors matching {rule.match!r}): {why}") from None
         return self
 
     def _merge(self, override: SchemeOverride) -> Scheme:

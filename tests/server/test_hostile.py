@@ -82,6 +82,8 @@ async def test_non_finite_weights(server):
     (json.dumps({"scheme": {"dtype": "int4", "group_size": 0}}), ["body", "config", "scheme", "group_size"]),
     (json.dumps({"scheme": {"dtype": "uint4", "symmetric": True}}), ["body", "config", "scheme"]),
     (json.dumps([1, 2]), ["body", "config"]),
+    (json.dumps({"scheme": {"dtype": "int8"}, "rules": [{"match": "x*", "scheme": {"dtype": "uint8", "symmetric": True}}]}),
+     ["body", "config"]),
 ])
 async def test_bad_config_is_a_422_naming_the_field(server, config, loc):
     for endpoint in ("/v1/quantize", "/v1/jobs"):
@@ -89,6 +91,9 @@ async def test_bad_config_is_a_422_naming_the_field(server, config, loc):
                                      data={"config": config})
         body = assert_problem(r, 422)
         assert body["errors"][0]["loc"][:len(loc)] == loc, body
+        assert "Value error" not in r.text and "pydantic.dev" not in r.text  # our messages, not pydantic's dressing
+        if "symmetric" in config:  # a scheme-level error says which tensors it concerns
+            assert "every tensor that no rule matches" in body["detail"] or "tensors matching 'x*'" in body["detail"]
 
 
 async def test_malformed_multipart_bodies(server):

@@ -61,8 +61,10 @@ def _loc(loc: Sequence[Any]) -> list[str | int]:
 
 
 def validation_errors(errors: Sequence[Mapping[str, Any]], *, prefix: Sequence[str | int] = ()) -> list[dict[str, Any]]:
-    """Pydantic error dicts → ``[{"loc", "msg"}]`` (input values are left out: they may be large or secret)."""
-    return [{"loc": [*prefix, *_loc(e.get("loc", ()))], "msg": str(e.get("msg", ""))} for e in errors]
+    """Pydantic error dicts → ``[{"loc", "msg"}]`` (input values are left out: they may be large or secret;
+    our validators' messages lose pydantic's "Value error, " prefix)."""
+    return [{"loc": [*prefix, *_loc(e.get("loc", ()))], "msg": str(e.get("msg", "")).removeprefix("Value error, ")}
+            for e in errors]
 
 
 def form_validation_problem(field: str, exc: ValidationError) -> ProblemException:
@@ -70,6 +72,8 @@ def form_validation_problem(field: str, exc: ValidationError) -> ProblemExceptio
     errs = validation_errors(exc.errors(include_url=False), prefix=("body", field))
     first = errs[0] if errs else {"loc": ["body", field], "msg": "invalid"}
     detail = f"{'.'.join(str(p) for p in first['loc'][1:])}: {first['msg']}"
+    if first["loc"][1:3] == ["config", "scheme"]:  # the tensors it concerns (CONTRACT §1: name the tensor)
+        detail += " (the default scheme: every tensor that no rule matches)"
     if len(errs) > 1:
         detail += f" (and {len(errs) - 1} more)"
     return ProblemException(422, detail, title="Validation failed", type_="urn:quantd:validation-error",

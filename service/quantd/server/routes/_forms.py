@@ -18,8 +18,10 @@ T = TypeVar("T")
 def parse_json_field(form: MultipartForm, field: str, adapter: TypeAdapter[T]) -> T:
     """The JSON text of form field ``field`` validated by ``adapter``; 422 naming the field otherwise."""
     raw = form.fields.get(field)
-    if raw is None:
-        raise ProblemException(400, f"multipart body has no {field!r} field")
+    if raw is None:  # as FastAPI answers a missing form field
+        raise ProblemException(422, f"multipart body has no {field!r} field", title="Validation failed",
+                               type_="urn:quantd:validation-error",
+                               errors=[{"loc": ["body", field], "msg": "Field required"}])
     try:
         return adapter.validate_json(raw)
     except ValidationError as e:
