@@ -127,13 +127,16 @@ def _clear_of_ties(absmax: torch.Tensor, scale: torch.Tensor, half: float) -> to
     (``qmin − ½``): when the exact quotient is inside, rounded half to even it gives ``qmin``, whose error
     is more than ``scale/2`` (CONTRACT §4: elements not clipped never exceed it). A scale rounded up puts
     the extreme at or inside ``±half``, within float32's relative 2⁻²³ of it: the division rounded it onto
-    the tie for about a quarter of blocks. (Also when exactly on it: a larger scale is harmless.) float16
+    the tie for about a quarter of blocks. A quotient exactly on it keeps its scale: its error is exactly
+``scale/2`` either way. float16
     and bfloat16 scales are left alone: rounded up, they put the extreme 2⁻¹¹ or 2⁻⁸ inside at random, and
     the division lands on the tie for ~3·10⁻⁵ of blocks, as rarely as for any other element; the check
     cost their min-max kernel 8 % at g64."""
     if scale.dtype != torch.float32:
         return scale
-    onto_tie = absmax.float() / scale == half
+    a32 = absmax.float()
+    # half · s is exact in float64: only a quotient the division rounded onto the tie, not one exactly on it
+    onto_tie = (a32 / scale == half) & (a32.double() < half * scale.double())
     return torch.where(onto_tie, scale * (1.0 + 2.0**-23), scale)  # s·(1 + 2⁻²³) rounds to s + 1 or 2 ulps
 
 
