@@ -128,10 +128,9 @@ def _clear_of_ties(absmax: torch.Tensor, scale: torch.Tensor, half: float) -> to
     is more than ``scale/2`` (CONTRACT §4: elements not clipped never exceed it). A scale rounded up puts
     the extreme at or inside ``±half``, within float32's relative 2⁻²³ of it: the division rounded it onto
     the tie for about a quarter of blocks. A quotient exactly on it keeps its scale: its error is exactly
-``scale/2`` either way. float16
-    and bfloat16 scales are left alone: rounded up, they put the extreme 2⁻¹¹ or 2⁻⁸ inside at random, and
-    the division lands on the tie for ~3·10⁻⁵ of blocks, as rarely as for any other element; the check
-    cost their min-max kernel 8 % at g64."""
+    ``scale/2`` either way. float16 and bfloat16 scales are left alone: rounded up, they put the extreme
+    2⁻¹¹ or 2⁻⁸ inside at random, and the division lands on the tie for ~3·10⁻⁵ of blocks, as rarely as
+    for any other element; the check cost their min-max kernel 8 % at g64."""
     if scale.dtype != torch.float32:
         return scale
     a32 = absmax.float()

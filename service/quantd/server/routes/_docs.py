@@ -103,7 +103,7 @@ JOB_EXAMPLE: dict[str, Any] = {
 }
 
 STATS_EXAMPLE: dict[str, Any] = {
-    "numel": 589824, "mse": 1.02e-06, "mae": 8.1e-04, "max_abs_error": 2.29e-03, "sqnr_db": 33.4,
+    "numel": 147456, "mse": 1.02e-06, "mae": 8.1e-04, "max_abs_error": 2.29e-03, "sqnr_db": 33.4,
     "cosine": 0.99977, "outlier_rate": 0.0031, "outlier_threshold": 0.119, "clipped_fraction": 0.0,
     "theoretical_max_error": 2.29e-03, "bits_per_weight": 8.0625, "compression_ratio": 3.969,
     "theoretical_sqnr_db": 49.92,
