@@ -155,19 +155,22 @@ def mse_search_indices(grid: int, points: int = 4) -> tuple[list[int], list[list
 
     Grids up to 16 are searched exhaustively (no stages). Larger grids evaluate ``points`` ratios
     spaced ``S = ⌈(G − 1) / points⌉`` apart, ending at ``r = 1``; each stage then divides the spacing by
-    about 3 and tries every multiple of the new spacing strictly inside ``±`` the old one (25 → 9 → 3 → 1
-    for G = 100: ±9, ±18; ±3, ±6; ±1, ±2). For an error unimodal in ``r`` the minimum lies within
-    the old spacing of the best point, so the last stage ends on adjacent grid points: 16 evaluations
-    in 4 batched calls instead of G, for every dtype: nf4 and fp8 errors are more jagged in ``r``
-    (non-uniform levels), but 8 coarse points found no better ranges for them: over 14 weights (synthetic
-    and all-MiniLM-L6-v2's) their MSE came out 0.02–0.14 % higher than with 4, in 6–22 % more time. The best ratio
+    about 3 and tries every multiple of the new spacing strictly inside ``±`` the old one (25 → 9 → 3
+    for G = 100: ±9, ±18; ±3, ±6), but the last, which tries the two neighbours ``±1`` only: 14
+    evaluations in 4 batched calls instead of G, for every dtype. For an error unimodal in ``r`` the
+    minimum lies within the old spacing of the best point; ``±2`` as well found it rarely: on exhaustive
+    100-ratio error tables of g64 blocks (Gaussian, Student-t(3), all-MiniLM-L6-v2), the total MSE of
+    this plan is 0.02–0.07 % (nf4) and 0.01–0.05 % (int4) above the exhaustive optimum, against
+    0.02–0.06 % and 0.01–0.04 % with ``±1, ±2`` (16 evaluations, 14 % more time). nf4 and fp8 errors are
+    more jagged in ``r`` (non-uniform levels), but 8 coarse points found no better ranges for them: over
+    14 weights their MSE came out 0.02–0.14 % higher than with 4, in 6–22 % more time. The best ratio
     evaluated anywhere wins, so the result is never worse than min-max.
     """
     coarse, spacing = coarse_grid(grid, points)
     stages: list[list[int]] = []
     while spacing > 1:
         finer = math.ceil(spacing / 3)
-        reach = (spacing - 1) // finer
+        reach = 1 if finer == 1 else (spacing - 1) // finer  # the last stage: the neighbours
         stages.append([k * finer for k in range(-reach, reach + 1) if k])
         spacing = finer
     return coarse, stages
@@ -175,17 +178,17 @@ def mse_search_indices(grid: int, points: int = 4) -> tuple[list[int], list[list
 
 def _fake_quant_error(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, zp: torch.Tensor, info: DTypeInfo,
                       dtype: str, norm: float, buf: torch.Tensor, buf2: torch.Tensor) -> torch.Tensor:
-    """``Σ_k |x − x̂|ⁿ`` → ``[R, C]`` for ``x[R, K]`` and float32 candidate qparams ``[R, C]`` (scale, its
+    """``Σ_k |x − x̂|ⁿ`` → ``[C, R]`` for ``x[R, K]`` and float32 candidate qparams ``[C, R]`` (scale, its
     reciprocal, zero point: zeros when symmetric).
 
-    ``buf``, ``buf2`` (≥ R·C·K float32 elements each) hold the ``[R, C, K]`` temporaries; ops run in place.
+    ``buf``, ``buf2`` (≥ C·R·K float32 elements each) hold the ``[C, R, K]`` temporaries; ops run in place.
     Integer dtypes work in the code domain: ``x − x̂ = s·(x/s + zp − clamp(round(x/s + zp)))``, so the
     error is ``sⁿ·Σ|t − q|ⁿ`` with ``t = x·(1/s) + zp`` and no per-candidate clamp bounds (five passes).
     """
     shape = (*scale.shape, x.shape[1])
     n = scale.numel() * x.shape[1]
     s = scale.unsqueeze(-1)
-    xe = x.unsqueeze(1)
+    xe = x.unsqueeze(0)
     t = buf[:n].view(shape)
     if info.kind == "int":  # x · (1/s), not x / s: an estimate of the error, not the codes (see kernels)
         torch.addcmul(zp.unsqueeze(-1), xe, inv.unsqueeze(-1), out=t)
@@ -249,17 +252,18 @@ def _stage_candidates(lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offse
         idx = (b + offsets[c]).clamp(min=0).clamp(max=last)
         r = torch.where(idx == last, 1.0, start + idx.float() * step)
         cols.append((idx, *_search_qparams(lo * r, hi * r, dtype, symmetric, scale_dtype)))
-    return tuple(torch.stack(col, dim=1) for col in zip(*cols, strict=True))
+    return tuple(torch.stack(col) for col in zip(*cols, strict=True))
 
 
 def stage_candidates(lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, grid: _Grid,
                      scheme: Scheme, *, compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One search step's candidates, ``[B, C]`` each: the grid indices ``clamp(b + offsets, 0, G − 1)``
+    """One search step's candidates, ``[C, B]`` each: the grid indices ``clamp(b + offsets, 0, G − 1)``
     around each block's best ``b[B]`` (``b = 0`` with the coarse indices as offsets for the first step),
     and the float32 scale, reciprocal and zero point of their ranges ``(r·lo, r·hi)``
-    (:func:`_search_qparams`). Compiled, one kernel that writes the ``[B, C]`` results directly: ops on
-    ``[B, C]`` views with C = 4 run as scalar code (``lo[i // C]``), and gathering ``r`` from a table
-    of ratios was slower than computing it (1.4 of 3.3 ms for 262 144 × 4 candidates)."""
+    (:func:`_search_qparams`). Candidate-major: each candidate's values are one contiguous row, which
+    this kernel, the error kernel and :func:`pick_best` read and write as whole vectors (a ``[B, C]``
+    layout with C = 4 made the first and last scalar code, 3.6x slower at B = 262 144). Compiled, one
+    kernel; gathering ``r`` from a table of ratios was slower than computing it."""
     args = (lo, hi, b, offsets, grid.start, grid.step, grid.last, scheme.dtype, scheme.symmetric, scheme.scale_dtype)
     out = kernels.KERNELS.call("stage_candidates", _stage_candidates,
                                (lo.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype), *args) if compiled else None
@@ -269,9 +273,9 @@ def stage_candidates(lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offset
 
 def _candidate_errors(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, zp: torch.Tensor, scheme: Scheme,
                       info: DTypeInfo, norm: float, *, compiled: bool) -> torch.Tensor:
-    """Errors ``[B, C]`` of the blocks ``x[B, K]`` under the candidate qparams ``[B, C]``."""
+    """Errors ``[C, B]`` of the blocks ``x[B, K]`` under the candidate qparams ``[C, B]``."""
     rows, k = x.shape
-    cands = scale.shape[1]
+    cands = scale.shape[0]
     if compiled:
         fused = kernels.fake_quant_error(x, scale, inv, zp, info, scheme.dtype, norm)
         if fused is not None:
@@ -279,23 +283,23 @@ def _candidate_errors(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, z
     rows_c, cand_c, cols_c = mse_chunk_plan(rows, cands, k)
     buf = torch.empty(rows_c * cand_c * cols_c, dtype=torch.float32, device=x.device)
     buf2 = torch.empty_like(buf)
-    err = torch.zeros(rows, cands, dtype=torch.float32, device=x.device)
+    err = torch.zeros(cands, rows, dtype=torch.float32, device=x.device)
     for r in range(0, rows, rows_c):
         rs = slice(r, r + rows_c)
         for c in range(0, cands, cand_c):
             cs = slice(c, c + cand_c)
             for j in range(0, k, cols_c):
-                err[rs, cs] += _fake_quant_error(x[rs, j:j + cols_c], scale[rs, cs], inv[rs, cs], zp[rs, cs], info,
+                err[cs, rs] += _fake_quant_error(x[rs, j:j + cols_c], scale[cs, rs], inv[cs, rs], zp[cs, rs], info,
                                                  scheme.dtype, norm, buf, buf2)
     return err
 
 
 def _pick(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor,
           e_best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    best, pos = err[:, 0], idx[:, 0]
-    for c in range(1, err.shape[1]):
-        col = err[:, c]
-        pos = torch.where(col < best, idx[:, c], pos)  # strictly: a tie keeps the first candidate
+    best, pos = err[0], idx[0]
+    for c in range(1, err.shape[0]):
+        col = err[c]
+        pos = torch.where(col < best, idx[c], pos)  # strictly: a tie keeps the first candidate
         best = torch.minimum(best, col)
     better = best < e_best  # strictly: an equal error keeps the point found first
     return torch.where(better, pos, b), torch.minimum(best, e_best)
@@ -303,15 +307,42 @@ def _pick(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor,
 
 def pick_best(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor, e_best: torch.Tensor, *,
               compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step of the mse search: per row, the first candidate of least error in ``err[B, C]`` (grid
-    indices ``idx[B, C]``) replaces the best so far ``b``/``e_best`` ``[B]`` where it is strictly better;
-    returns the new ``(b, e_best)``. A scan over the C columns, one kernel when ``compiled`` (eager, and
-    with ``min(1)`` reducing each row of 4 on its own, 3x slower at [262 144, 4])."""
+    """One step of the mse search: per block, the first candidate of least error in ``err[C, B]`` (grid
+    indices ``idx[C, B]``) replaces the best so far ``b``/``e_best`` ``[B]`` where it is strictly better;
+    returns the new ``(b, e_best)``. A scan over the C candidate rows, one kernel when ``compiled``."""
     if compiled:
         out = kernels.KERNELS.call("pick_best", _pick, (err.dtype, idx.dtype), err, idx, b, e_best)
         if out is not None:
             return out
     return _pick(err, idx, b, e_best)
+
+
+def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+          e_best: torch.Tensor, start: torch.Tensor, step: torch.Tensor, last: torch.Tensor, dtype: str,
+          symmetric: bool, scale_dtype: str, qmin: torch.Tensor, qmax: torch.Tensor, kind: str,
+          fp8: tuple[float, int, int], norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    idx, scale, inv, zp = _stage_candidates(lo, hi, b, offsets, start, step, last, dtype, symmetric, scale_dtype)
+    err = kernels.candidate_error(x, scale, inv, zp, qmin, qmax, kind, fp8, norm)
+    return _pick(err, idx, b, e_best)
+
+
+def search_step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                e_best: torch.Tensor, grid: _Grid, scheme: Scheme, info: DTypeInfo, norm: float, *,
+                compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the mse search: the candidates around ``b`` (:func:`stage_candidates`), their errors
+    (:func:`_candidate_errors`) and the new best (:func:`pick_best`). Compiled, one call of one graph
+    (5 % faster for nf4 at g64 than the three kernels called in turn: no ``[C, B]`` candidate arrays
+    handed between calls); otherwise, or when that fails, the three in turn."""
+    if compiled:
+        out = kernels.KERNELS.call(
+            "mse_step", _step, (x.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype, float(norm)),
+            x, lo, hi, b, offsets, e_best, grid.start, grid.step, grid.last, scheme.dtype, scheme.symmetric,
+            scheme.scale_dtype, *kernels.error_args(info, scheme.dtype), float(norm), options=kernels.NO_REALIZE)
+        if out is not None:
+            return out
+    idx, scale, inv, zp = stage_candidates(lo, hi, b, offsets, grid, scheme, compiled=compiled)
+    err = _candidate_errors(x, scale, inv, zp, scheme, info, norm, compiled=compiled)
+    return pick_best(err, idx, b, e_best, compiled=compiled)  # the first of equal errors wins, as does the point found first
 
 
 def _search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: list[tuple[torch.Tensor | None, torch.Tensor]],
@@ -324,10 +355,8 @@ def _search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: list[tup
     b = torch.full((x.shape[0],), grid.size - 1, dtype=torch.long, device=x.device)
     e_best = torch.full((x.shape[0],), float("inf"), device=x.device)
     for base, offsets in steps:
-        idx, scale, inv, zp = stage_candidates(lo, hi, b if base is None else base.expand_as(b), offsets, grid,
-                                               scheme, compiled=compiled)
-        err = _candidate_errors(x, scale, inv, zp, scheme, info, norm, compiled=compiled)
-        b, e_best = pick_best(err, idx, b, e_best, compiled=compiled)  # the first of equal errors wins, as does the point found first
+        b, e_best = search_step(x, lo, hi, b if base is None else base.expand_as(b), offsets, e_best, grid, scheme,
+                                info, norm, compiled=compiled)
     return b
 
 
