@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -9,6 +12,21 @@ from quantd.engine.primitives import dequantize, quantize
 from quantd.engine.qparams import choose_qparams
 from quantd.errors import ConfigError, NonFiniteError
 from quantd_client import Scheme
+
+
+def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled as the engine compiles its kernels (for the parts of a kernel tested alone)."""
+    from quantd.engine import kernels
+
+    compiler = kernels._Compiled()
+    compiler.reset(available=True)
+
+    def run(*args: Any) -> Any:
+        out = compiler.call(fn.__name__, fn, tuple(a for a in args if not isinstance(a, torch.Tensor)), *args)
+        assert out is not None and compiler._broken is None, compiler._broken
+        return out
+
+    return run
 
 
 def _heavy(rows: int = 16, cols: int = 512, seed: int = 0) -> torch.Tensor:
@@ -320,17 +338,17 @@ def test_mse_search_indices_coarse_grid_and_stages() -> None:
     assert obs.mse_search_indices(10) == (list(range(10)), [])
     coarse, stages = obs.mse_search_indices(100)
     assert coarse == [24, 49, 74, 99]
-    assert stages == [[-18, -9, 9, 18], [-6, -3, 3, 6], [-1, 1]]
+    assert stages == [[-16, -8, 8, 16], [-3, 3], [-1, 1]]
     for grid, points in [(100, 4), (100, 8), (17, 4), (1000, 4), (37, 3)]:
         coarse, stages = obs.mse_search_indices(grid, points)
         assert coarse[-1] == grid - 1 and len(coarse) in (points, points + 1)
-        # every stage but the last covers the spacing before it; the last tries the neighbours
+        # each stage steps a third of the spacing before it (±1, ±2 of it first, ±1 after), down to 1
         spacing = coarse[1] - coarse[0]
-        for offsets in stages[:-1]:
-            finer = min(o for o in offsets if o > 0)
-            assert max(offsets) + finer >= spacing and -min(offsets) == max(offsets)
+        for i, offsets in enumerate(stages):
+            finer = max(1, round(spacing / 3))
+            assert offsets == ([-2 * finer, -finer, finer, 2 * finer] if i == 0 else [-finer, finer])
             spacing = finer
-        assert stages[-1] == [-1, 1] and spacing <= 3
+        assert spacing == 1
 
 @pytest.mark.parametrize("dtype,symmetric,norm", [("int4", False, 2.0), ("int8", True, 2.0), ("int3", True, 2.4),
                                                   ("nf4", True, 2.0), ("fp8_e4m3", True, 2.0),
@@ -349,9 +367,16 @@ def test_compiled_mse_steps_match_eager(monkeypatch: pytest.MonkeyPatch, dtype: 
     offsets = torch.tensor([-7, -2, -1, 0, 1, 3, 6])  # clamped to the grid at both ends
     info = dtype_info(dtype)
 
+    def fused(*args: object) -> tuple[torch.Tensor, ...]:  # the compiled search step's first two parts
+        idx, scale, inv, zp = obs._stage_candidates(*args[:10])  # type: ignore[arg-type]
+        return idx, scale, inv, zp, kernels.candidate_error(x, scale, inv, zp, *args[10:])  # type: ignore[arg-type]
+
     def step(compiled: bool) -> tuple[torch.Tensor, ...]:
-        idx, scale, inv, zp = obs.stage_candidates(lo, hi, b, offsets, grid, scheme, compiled=compiled)
-        return idx, scale, inv, zp, obs._candidate_errors(x, scale, inv, zp, scheme, info, norm, compiled=compiled)
+        if compiled:
+            return _compile(fused)(lo, hi, b, offsets, grid.start, grid.step, grid.last, scheme.dtype,
+                                   scheme.symmetric, scheme.scale_dtype, *kernels.error_args(info, dtype), norm)
+        idx, scale, inv, zp = obs.stage_candidates(lo, hi, b, offsets, grid, scheme)
+        return idx, scale, inv, zp, obs._candidate_errors(x, scale, inv, zp, scheme, info, norm)
 
     kernels.KERNELS.reset(available=False)
     want = step(False)
@@ -375,12 +400,11 @@ def test_compiled_mse_steps_match_eager(monkeypatch: pytest.MonkeyPatch, dtype: 
                                              ("int2", False), ("nf4", True), ("fp8_e4m3", True), ("fp8_e5m2", True)])
 @pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("path", ["eager", "compiled"])
-def test_search_qparams_are_choose_qparams_in_float32(request: pytest.FixtureRequest, path: str, dtype: str,
-                                                      symmetric: bool, scale_dtype: str) -> None:
+def test_search_qparams_are_choose_qparams_in_float32(path: str, dtype: str, symmetric: bool,
+                                                      scale_dtype: str) -> None:
     """The search ranks its candidates on float32 qparams: ``choose_qparams``' values but for the float32
     roundings of the range and the quotient, which may move a scale by an ulp of the scale dtype (two of
-    float32); zero points follow their scale."""
-    request.getfixturevalue(path)
+    float32); zero points follow their scale. Eager, and compiled as in the search step."""
     gen = torch.Generator().manual_seed(4)
     lo = -torch.rand(3000, generator=gen) * 3
     hi = torch.rand(3000, generator=gen) * 3
@@ -388,9 +412,9 @@ def test_search_qparams_are_choose_qparams_in_float32(request: pytest.FixtureReq
     hi[20:30] = torch.tensor([1e-30, 3e-8, 6e-5, 65504 * 7, 1e38, 2.0**-24, 2.0**-14, 1.0, 7.5, 1e-44])
     grid = obs._Grid(0.2, 100, lo.device)
     b = torch.randint(0, 100, (3000,), generator=gen)
-    scheme = Scheme(dtype=dtype, symmetric=symmetric, granularity="channel", scale_dtype=scale_dtype)
-    idx, scale, inv, zp = obs.stage_candidates(lo, hi, b, torch.tensor([-5, 0, 5, 100]), grid, scheme,
-                                               compiled=path == "compiled")
+    stage = _compile(obs._stage_candidates) if path == "compiled" else obs._stage_candidates
+    idx, scale, inv, zp = stage(lo, hi, b, torch.tensor([-5, 0, 5, 100]), grid.start, grid.step, grid.last,
+                                dtype, symmetric, scale_dtype)
     assert scale.dtype == inv.dtype == zp.dtype == torch.float32
     assert torch.equal(idx, (b + torch.tensor([-5, 0, 5, 100]).unsqueeze(1)).clamp(0, 99))  # G clamps to r = 1
     r = torch.where(idx == 99, 1.0, grid.start + idx.float() * grid.step)
@@ -436,9 +460,9 @@ def test_fused_search_step_is_the_three_kernels_in_turn(compiled: None, monkeypa
     monkeypatch.setattr(kernels.KERNELS, "call", lambda name, *a, **k: calls.append(name) or real(name, *a, **k))
     got_b, got_e = obs.search_step(x, lo, hi, b, offsets, e_best, grid, scheme, info, norm, compiled=True)
     assert calls == ["mse_step"]
-    idx, scale, inv, zp = obs.stage_candidates(lo, hi, b, offsets, grid, scheme, compiled=False)
-    err = obs._candidate_errors(x, scale, inv, zp, scheme, info, norm, compiled=False)
-    want_b, want_e = obs.pick_best(err, idx, b, e_best, compiled=False)
+    idx, scale, inv, zp = obs.stage_candidates(lo, hi, b, offsets, grid, scheme)
+    err = obs._candidate_errors(x, scale, inv, zp, scheme, info, norm)
+    want_b, want_e = obs.pick_best(err, idx, b, e_best)
     torch.testing.assert_close(got_e, want_e, rtol=1e-5, atol=0)
     assert torch.equal(got_b[e_best == 0], b[e_best == 0])
     # a different pick only where the eager errors of the two picks are within rounding
@@ -451,9 +475,7 @@ def test_fused_search_step_is_the_three_kernels_in_turn(compiled: None, monkeypa
 
 @pytest.mark.parametrize("path", ["eager", "compiled"])
 @pytest.mark.parametrize("cols", [1, 2, 4, 7])
-def test_pick_best_takes_the_first_least_error_when_strictly_better(request: pytest.FixtureRequest, path: str,
-                                                                    cols: int) -> None:
-    request.getfixturevalue(path)
+def test_pick_best_takes_the_first_least_error_when_strictly_better(path: str, cols: int) -> None:
     gen = torch.Generator().manual_seed(cols)
     rows = 600
     err = torch.randint(0, 4, (cols, rows), generator=gen).float()  # many ties; candidate-major
@@ -463,7 +485,7 @@ def test_pick_best_takes_the_first_least_error_when_strictly_better(request: pyt
     new_e, j = err.min(0)  # torch.min: the first index of the least value
     better = new_e < e_best
     want_b = torch.where(better, idx.gather(0, j.unsqueeze(0)).squeeze(0), b)
-    got_b, got_e = obs.pick_best(err, idx, b, e_best, compiled=path == "compiled")
+    got_b, got_e = (_compile(obs.pick_best) if path == "compiled" else obs.pick_best)(err, idx, b, e_best)
     assert torch.equal(got_b, want_b) and torch.equal(got_e, torch.minimum(new_e, e_best))
 
 

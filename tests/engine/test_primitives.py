@@ -424,6 +424,29 @@ def test_a_compiler_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch,
     assert not fresh.available() and "compiled kernels disabled" in caplog.text
 
 
+def test_a_kernel_past_its_recompile_limit_runs_eager_alone(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Dynamo raises (fullgraph) once a kernel has RECOMPILE_LIMIT variants: that kernel goes eager, the
+    others stay compiled."""
+    from quantd.engine import kernels
+
+    if not kernels.KERNELS.available():
+        pytest.skip("no compiler")
+    monkeypatch.setattr(kernels, "RECOMPILE_LIMIT", 1)
+    fresh = kernels._Compiled()
+    fresh.reset(available=True)
+
+    def toy(x: torch.Tensor, tag: str) -> torch.Tensor:  # a new variant per tag
+        return x + (1.0 if tag == "a" else 2.0)
+
+    x = torch.ones(3)
+    assert torch.equal(fresh.call("toy", toy, ("a",), x, "a"), x + 1)
+    assert fresh.call("toy", toy, ("b",), x, "b") is None  # a second variant: past the limit of 1
+    assert fresh._broken is None and fresh.available() and "runs eager from now on" in caplog.text
+    assert fresh.call("toy", toy, ("a",), x, "a") is None
+    assert torch.equal(fresh.call("other", lambda v: v * 3.0, (), x), x * 3)
+
+
 def test_kernels_only_for_large_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     from quantd.engine import kernels
 

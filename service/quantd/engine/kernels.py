@@ -90,14 +90,13 @@ def _select(bits: list[torch.Tensor], values: list[float]) -> torch.Tensor | flo
     return torch.where(bits[0], _select(bits[1:], values[half:]), _select(bits[1:], values[:half]))
 
 
-def _nf4_bits(v: torch.Tensor, mids: tuple[float, ...], steps: int = 4) -> list[torch.Tensor]:
+def _nf4_bits(v: torch.Tensor, mids: tuple[float, ...]) -> list[torch.Tensor]:
     """The nf4 code of ``v`` (the number of the 15 sorted midpoints below it) as 4 bits, most significant
-    first (its first ``steps`` bits), by binary search: each comparison against the midpoint the bits
-    before it select (11 selects in all). Each step halves the midpoints that ``v`` may still exceed;
-    NaN compares false: code 0."""
+    first, by binary search: each comparison against the midpoint the bits before it select (11 selects
+    in all). Each step halves the midpoints that ``v`` may still exceed; NaN compares false: code 0."""
     bits: list[torch.Tensor] = []
     half = (len(mids) + 1) // 2
-    while len(bits) < steps:  # this step's threshold for each prefix p of bits: mids[p·2·half + half − 1]
+    while half:  # this step's threshold for each prefix p of bits: mids[p·2·half + half − 1]
         bits.append(v > _select(bits, [mids[p * 2 * half + half - 1] for p in range(len(mids) // (2 * half) + 1)]))
         half //= 2
     return bits
@@ -126,6 +125,7 @@ class _Compiled:
         self._warm: set[tuple[Any, ...]] = set()
         self._broken: str | None = None
         self._available: bool | None = None
+        self._exhausted: set[str] = set()  # kernels past their recompile limit: eager from then on
 
     def available(self) -> bool:
         if self._available is None:
@@ -144,7 +144,7 @@ class _Compiled:
              options: dict[str, Any] | None = None) -> T | None:
         """``fn(*args)`` compiled (with Inductor ``options`` on top of :data:`INDUCTOR_OPTIONS`), or None when
         compiling is off or failed (the caller runs eager)."""
-        if not self.available():
+        if not self.available() or name in self._exhausted:
             return None
         key = (*key, torch.get_num_threads())  # Dynamo recompiles when the thread count changes
         try:
@@ -161,6 +161,11 @@ class _Compiled:
                         out = compiled(*args)
                     self._warm.add((name, *key))
                     return out  # type: ignore[no-any-return]
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # this kernel's variants are used up, not the toolchain
+            self._exhausted.add(name)
+            log.warning("compiled kernel %r has %d variants in this process: it runs eager from now on",
+                        name, RECOMPILE_LIMIT)
+            return None
         except Exception as e:  # any compiler or toolchain failure: fall back, never fail the job
             self._broken = f"{type(e).__name__}: {e}"
             log.warning("compiled kernels disabled, using eager torch: %s", self._broken.splitlines()[0][:300])
@@ -170,6 +175,7 @@ class _Compiled:
         """Forget the failure state (and optionally force availability): for tests."""
         self._broken = None
         self._available = available
+        self._exhausted.clear()
 
 
 KERNELS = _Compiled()
@@ -277,7 +283,7 @@ def _fake_quant_error_nf4(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch
     # The pair p of levels a < b (2p, 2p + 1) that t falls in is the number of the odd midpoints
     # mids[1], mids[3], … below it; the nearer of a and b is m ± h (m = mids[2p], h = (b − a)/2), so
     # |t − level| = ||t − m| − h| (m ± h is a or b to within an ulp). m and h come from two chains of 7
-    # selects on 7 comparisons against constants, all independent of each other: 30 % faster than a binary
+    # selects on 7 comparisons against constants, all independent of each other: 25–30 % faster than a binary
     # search (3 comparisons, each waiting on the selects of its threshold, then 7 selects each for m and h).
     t = x.unsqueeze(0) * inv_scale.unsqueeze(-1)
     m: torch.Tensor | float = mids[0]
@@ -315,23 +321,8 @@ def fp8_format(dtype: str) -> tuple[int, int]:
 
 
 # Inductor stores a pointwise result of more than 50 ops that a reduction reads as a temporary (on CPU): the
-# nf4 error's selects are more, and a [B, C, K] temporary made that kernel 4x slower. It stays in the loop.
+# nf4 error's selects are more, and a [C, B, K] temporary made that kernel 4x slower. It stays in the loop.
 NO_REALIZE: dict[str, Any] = {"realize_cpu_opcount_threshold": 1000}
-
-
-def fake_quant_error(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor, zero_point: torch.Tensor,
-                     info: DTypeInfo, dtype: str, norm: float) -> torch.Tensor | None:
-    """``Σ_k |x − x̂|ⁿ`` ``[C, R]`` of rows ``x[R, K]`` under candidate qparams ``scale``/``zero_point``
-    ``[C, R]`` (float32; ``inv_scale = 1 / scale``; zero points only for integer dtypes), one fused pass
-    per candidate with no ``[C, R, K]`` temporary: the mse observer's inner loop, for integer, nf4 (its
-    pair of levels by 7 comparisons, its level as midpoint ± half gap, no gather) and fp8
-    dtypes. The same formulas as the eager ``observers._fake_quant_error``, in the code domain
-    (``x − x̂ = s·(t − q(t))``) and with ``t = x · (1/s)`` for ``x / s``: a multiply per element and
-    candidate instead of a divide (23 % faster here). It estimates the error of each candidate (within ~1e-6 relative), it does not make
-    codes: those come from ``quantize``, which divides."""
-    args = error_args(info, dtype)
-    return KERNELS.call(f"fq_error_{info.kind}", candidate_error, (x.dtype, dtype, float(norm)),
-                        x, scale, inv_scale, zero_point, *args, float(norm), options=NO_REALIZE)
 
 
 def error_args(info: DTypeInfo, dtype: str) -> tuple[torch.Tensor, torch.Tensor, str, tuple[float, int, int]]:
@@ -346,8 +337,15 @@ def error_args(info: DTypeInfo, dtype: str) -> tuple[torch.Tensor, torch.Tensor,
 def candidate_error(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor, zero_point: torch.Tensor,
                     qmin: torch.Tensor, qmax: torch.Tensor, kind: str, fp8: tuple[float, int, int],
                     norm: float) -> torch.Tensor:
-    """The error formula of :func:`fake_quant_error` for a ``kind`` of dtype (the rest from
-    :func:`error_args`), uncompiled: the body of that kernel and of the mse search's fused step."""
+    """``Σ_k |x − x̂|ⁿ`` ``[C, R]`` of rows ``x[R, K]`` under candidate qparams ``scale``/``zero_point``
+    ``[C, R]`` (float32; ``inv_scale = 1 / scale``; zero points only for integer dtypes) for a ``kind``
+    of dtype (its other arguments from :func:`error_args`): the mse observer's inner loop, compiled in
+    its search step into one fused pass per candidate with no ``[C, R, K]`` temporary, for integer, nf4
+    (its pair of levels by 7 comparisons, its level as midpoint ± half gap, no gather) and fp8 dtypes.
+    The same formulas as the eager ``observers._fake_quant_error``, in the code domain
+    (``x − x̂ = s·(t − q(t))``) and with ``t = x · (1/s)`` for ``x / s``: a multiply per element and
+    candidate instead of a divide (23 % faster here). It estimates the error of each candidate (within
+    ~1e-6 relative), it does not make codes: those come from ``quantize``, which divides."""
     if kind == "nf4":
         return _fake_quant_error_nf4(x, scale, inv_scale, NF4_MIDPOINTS, NF4_HALF_GAPS, norm)
     if kind == "fp8":

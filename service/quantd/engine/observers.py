@@ -49,13 +49,13 @@ __all__ = [
 
 # Float32 elements per temporary in the chunked searches (16 MB); a few temporaries live at once.
 CHUNK_ELEMENTS = 1 << 22
-# Elements of each of the two [rows, candidates, cols] temporaries of one mse chunk (1 MB: they stay in L2).
+# Elements of each of the two [candidates, rows, cols] temporaries of one eager mse chunk (1 MB: they stay in L2).
 MSE_CHUNK_ELEMENTS = 1 << 18
 # Blocks of at least 2·MSE_SAMPLE values are searched first on a strided sample: every
 # min(MSE_SAMPLE_STRIDE, K // MSE_SAMPLE)-th value (≥ MSE_SAMPLE values; sparser samples missed the best clip of heavy tails).
 MSE_SAMPLE = 256
 MSE_SAMPLE_STRIDE = 4
-# Entries of the [rows, candidates] arrays of one mse search step (qparams and errors float32, 4 MiB each; indices 8 MiB).
+# Entries of the [candidates, rows] arrays of one mse search step (qparams and errors float32, 4 MiB each; indices 8 MiB).
 # Fewer, larger steps: each costs a fixed ~0.4 ms per compiled call.
 MSE_QPARAM_ENTRIES = 1 << 20
 
@@ -155,24 +155,23 @@ def mse_search_indices(grid: int, points: int = 4) -> tuple[list[int], list[list
 
     Grids up to 16 are searched exhaustively (no stages). Larger grids evaluate ``points`` ratios
     spaced ``S = ⌈(G − 1) / points⌉`` apart, ending at ``r = 1``; each stage then divides the spacing by
-    about 3 and tries every multiple of the new spacing strictly inside ``±`` the old one (25 → 9 → 3
-    for G = 100: ±9, ±18; ±3, ±6), but the last, which tries the two neighbours ``±1`` only: 14
-    evaluations in 4 batched calls instead of G, for every dtype. For an error unimodal in ``r`` the
-    minimum lies within the old spacing of the best point; ``±2`` as well found it rarely: on exhaustive
-    100-ratio error tables of g64 blocks (Gaussian, Student-t(3), all-MiniLM-L6-v2), the total MSE of
-    this plan is 0.02–0.07 % (nf4) and 0.01–0.05 % (int4) above the exhaustive optimum, against
-    0.02–0.06 % and 0.01–0.04 % with ``±1, ±2`` (16 evaluations, 14 % more time). nf4 and fp8 errors are
-    more jagged in ``r`` (non-uniform levels), but 8 coarse points found no better ranges for them: over
-    14 weights their MSE came out 0.02–0.14 % higher than with 4, in 6–22 % more time. The best ratio
-    evaluated anywhere wins, so the result is never worse than min-max.
+    about 3 and tries ``±`` the new spacing around the best point, and the first stage twice that too
+    (25 → 8 → 3 → 1 for G = 100: ±8, ±16; ±3; ±1): 12 evaluations in 4 batched calls instead of G, for
+    every dtype. Simulated on exhaustive 100-ratio error tables of g64 blocks (Gaussian, Student-t(3),
+    all-MiniLM-L6-v2), this plan's total MSE is 0.03–0.10 % (nf4) and 0.03–0.08 % (int4) above the
+    exhaustive optimum; the 16-evaluation plan that tried every multiple of the new spacing within the
+    old one (±9, ±18; ±3, ±6; ±1, ±2) was 0.02–0.06 % and 0.01–0.04 % above it, in a third more time.
+    nf4 and fp8 errors are more jagged in ``r`` (non-uniform levels), but 8 coarse points found no better
+    ranges for them: over 14 weights their MSE came out 0.02–0.14 % higher than with 4, in 6–22 % more
+    time. The best ratio evaluated anywhere wins, so the result is never worse than min-max.
     """
     coarse, spacing = coarse_grid(grid, points)
     stages: list[list[int]] = []
+    reach = 2
     while spacing > 1:
-        finer = math.ceil(spacing / 3)
-        reach = 1 if finer == 1 else (spacing - 1) // finer  # the last stage: the neighbours
+        finer = max(1, round(spacing / 3))
         stages.append([k * finer for k in range(-reach, reach + 1) if k])
-        spacing = finer
+        reach, spacing = 1, finer
     return coarse, stages
 
 
@@ -256,30 +255,25 @@ def _stage_candidates(lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offse
 
 
 def stage_candidates(lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, grid: _Grid,
-                     scheme: Scheme, *, compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One search step's candidates, ``[C, B]`` each: the grid indices ``clamp(b + offsets, 0, G − 1)``
     around each block's best ``b[B]`` (``b = 0`` with the coarse indices as offsets for the first step),
     and the float32 scale, reciprocal and zero point of their ranges ``(r·lo, r·hi)``
     (:func:`_search_qparams`). Candidate-major: each candidate's values are one contiguous row, which
-    this kernel, the error kernel and :func:`pick_best` read and write as whole vectors (a ``[B, C]``
-    layout with C = 4 made the first and last scalar code, 3.6x slower at B = 262 144). Compiled, one
-    kernel; gathering ``r`` from a table of ratios was slower than computing it."""
-    args = (lo, hi, b, offsets, grid.start, grid.step, grid.last, scheme.dtype, scheme.symmetric, scheme.scale_dtype)
-    out = kernels.KERNELS.call("stage_candidates", _stage_candidates,
-                               (lo.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype), *args) if compiled else None
-    idx, scale, inv, zp = _stage_candidates(*args) if out is None else out  # unpacked: typed as four tensors
+    the compiled step (:func:`search_step`) reads and writes as whole vectors (a ``[B, C]`` layout with
+    C = 4 made its candidate and pick loops scalar code, 3.6x slower at B = 262 144); gathering ``r``
+    from a table of ratios was slower than computing it."""
+    idx, scale, inv, zp = _stage_candidates(lo, hi, b, offsets, grid.start, grid.step, grid.last, scheme.dtype,
+                                            scheme.symmetric, scheme.scale_dtype)
     return idx, scale, inv, zp
 
 
 def _candidate_errors(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, zp: torch.Tensor, scheme: Scheme,
-                      info: DTypeInfo, norm: float, *, compiled: bool) -> torch.Tensor:
-    """Errors ``[C, B]`` of the blocks ``x[B, K]`` under the candidate qparams ``[C, B]``."""
+                      info: DTypeInfo, norm: float) -> torch.Tensor:
+    """Errors ``[C, B]`` of the blocks ``x[B, K]`` under the candidate qparams ``[C, B]``, eager: in
+    chunks of ``[C, B, K]`` temporaries bounded by :func:`mse_chunk_plan`."""
     rows, k = x.shape
     cands = scale.shape[0]
-    if compiled:
-        fused = kernels.fake_quant_error(x, scale, inv, zp, info, scheme.dtype, norm)
-        if fused is not None:
-            return fused
     rows_c, cand_c, cols_c = mse_chunk_plan(rows, cands, k)
     buf = torch.empty(rows_c * cand_c * cols_c, dtype=torch.float32, device=x.device)
     buf2 = torch.empty_like(buf)
@@ -294,8 +288,11 @@ def _candidate_errors(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, z
     return err
 
 
-def _pick(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor,
-          e_best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_best(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor,
+              e_best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the mse search: per block, the first candidate of least error in ``err[C, B]`` (grid
+    indices ``idx[C, B]``) replaces the best so far ``b``/``e_best`` ``[B]`` where it is strictly better;
+    returns the new ``(b, e_best)``. A scan over the C candidate rows."""
     best, pos = err[0], idx[0]
     for c in range(1, err.shape[0]):
         col = err[c]
@@ -305,34 +302,23 @@ def _pick(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor,
     return torch.where(better, pos, b), torch.minimum(best, e_best)
 
 
-def pick_best(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor, e_best: torch.Tensor, *,
-              compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step of the mse search: per block, the first candidate of least error in ``err[C, B]`` (grid
-    indices ``idx[C, B]``) replaces the best so far ``b``/``e_best`` ``[B]`` where it is strictly better;
-    returns the new ``(b, e_best)``. A scan over the C candidate rows, one kernel when ``compiled``."""
-    if compiled:
-        out = kernels.KERNELS.call("pick_best", _pick, (err.dtype, idx.dtype), err, idx, b, e_best)
-        if out is not None:
-            return out
-    return _pick(err, idx, b, e_best)
-
-
 def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
           e_best: torch.Tensor, start: torch.Tensor, step: torch.Tensor, last: torch.Tensor, dtype: str,
           symmetric: bool, scale_dtype: str, qmin: torch.Tensor, qmax: torch.Tensor, kind: str,
           fp8: tuple[float, int, int], norm: float) -> tuple[torch.Tensor, torch.Tensor]:
     idx, scale, inv, zp = _stage_candidates(lo, hi, b, offsets, start, step, last, dtype, symmetric, scale_dtype)
     err = kernels.candidate_error(x, scale, inv, zp, qmin, qmax, kind, fp8, norm)
-    return _pick(err, idx, b, e_best)
+    return pick_best(err, idx, b, e_best)
 
 
 def search_step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                 e_best: torch.Tensor, grid: _Grid, scheme: Scheme, info: DTypeInfo, norm: float, *,
                 compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of the mse search: the candidates around ``b`` (:func:`stage_candidates`), their errors
-    (:func:`_candidate_errors`) and the new best (:func:`pick_best`). Compiled, one call of one graph
-    (5 % faster for nf4 at g64 than the three kernels called in turn: no ``[C, B]`` candidate arrays
-    handed between calls); otherwise, or when that fails, the three in turn."""
+    and the new best (:func:`pick_best`). ``compiled``: one compiled graph, whose error loop is
+    :func:`kernels.candidate_error` with no ``[C, B, K]`` temporary (5 % faster for nf4 at g64 than
+    three kernels called in turn); otherwise, or when compiling is off, eager, with the chunked
+    :func:`_candidate_errors`."""
     if compiled:
         out = kernels.KERNELS.call(
             "mse_step", _step, (x.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype, float(norm)),
@@ -340,9 +326,9 @@ def search_step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Te
             scheme.scale_dtype, *kernels.error_args(info, scheme.dtype), float(norm), options=kernels.NO_REALIZE)
         if out is not None:
             return out
-    idx, scale, inv, zp = stage_candidates(lo, hi, b, offsets, grid, scheme, compiled=compiled)
-    err = _candidate_errors(x, scale, inv, zp, scheme, info, norm, compiled=compiled)
-    return pick_best(err, idx, b, e_best, compiled=compiled)  # the first of equal errors wins, as does the point found first
+    idx, scale, inv, zp = stage_candidates(lo, hi, b, offsets, grid, scheme)
+    err = _candidate_errors(x, scale, inv, zp, scheme, info, norm)
+    return pick_best(err, idx, b, e_best)  # the first of equal errors wins, as does the point found first
 
 
 def _search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: list[tuple[torch.Tensor | None, torch.Tensor]],

@@ -51,7 +51,8 @@ class Metrics:
         self._declare("quantd_http_response_bytes_total", "counter", "response body bytes sent")
         self._declare("quantd_quantized_bytes_total", "counter",
                       "input bytes quantized: sync /v1/quantize calls of this API process plus every job that "
-                      "succeeded (on any worker)")
+                      "succeeded (on any worker; the job part is the shared store's total, the same in every "
+                      "replica: do not sum it across replicas)")
         self._declare("quantd_uploads_total", "counter", "uploads stored, by endpoint")
 
     def _declare(self, name: str, kind: str, help_: str) -> None:
