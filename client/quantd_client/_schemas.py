@@ -189,6 +189,8 @@ class QuantConfig(_Strict):
         numel = 1
         for s in shape:
             numel *= int(s)
+        if numel < self.min_numel:  # whatever the rules say (CONTRACT §1: only skip_1d yields to them)
+            return None, f"numel {numel} < min_numel {self.min_numel}"
         for rule in self.rules:
             if fnmatch.fnmatchcase(name, rule.match):
                 if rule.skip:
@@ -196,8 +198,6 @@ class QuantConfig(_Strict):
                 return (self._merge(rule.scheme) if rule.scheme else self.scheme), None
         if self.skip_1d and len(shape) <= 1:
             return None, "1-D tensor (skip_1d)"
-        if numel < self.min_numel:
-            return None, f"numel {numel} < min_numel {self.min_numel}"
         return self.scheme, None
 
 

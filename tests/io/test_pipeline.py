@@ -126,6 +126,21 @@ def test_every_format_quantizes(tmp_path: Path, fmt: str) -> None:
     assert read_artifact(dst).quantized == ["w"]
 
 
+def test_min_numel_holds_over_rules_and_skip_1d_yields_to_them(tmp_path: Path, model_file: Path) -> None:
+    # CONTRACT §1: tensors below min_numel stay as they are; only skip_1d is "unless a rule says otherwise"
+    config = QuantConfig(scheme=Scheme(dtype="int4", group_size=32), min_numel=600,
+                         rules=[{"match": "layer.*", "scheme": {"dtype": "int8", "granularity": "channel"}}])
+    report = quantize_file(model_file, tmp_path / "out.safetensors", config, device="cpu")
+    by_name = {t.name: t for t in report.tensors}
+    assert by_name["layer.0.bias"].skipped and "min_numel" in (by_name["layer.0.bias"].reason or "")  # 32 < 600
+    assert by_name["layer.1.weight"].skipped and "min_numel" in (by_name["layer.1.weight"].reason or "")  # 512
+    kept = by_name["layer.2.weight"].scheme  # 1024 elements
+    assert kept is not None and kept.dtype == "int8"
+    ruled_1d = QuantConfig(rules=[{"match": "*.bias", "scheme": {"dtype": "int8", "granularity": "tensor"}}])
+    assert ruled_1d.scheme_for("layer.0.bias", (16,))[0] is not None
+    assert ruled_1d.scheme_for("norm.weight", (16,)) == (None, "1-D tensor (skip_1d)")
+
+
 def test_config_error_before_any_work(tmp_path: Path, model_file: Path) -> None:
     src = tmp_path / "odd.safetensors"
     save_file(_model_tensors() | {"odd.weight": torch.randn(4, 40)}, str(src))
