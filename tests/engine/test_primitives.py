@@ -214,6 +214,20 @@ def test_float_casts(dtype: str, torch_dtype: torch.dtype) -> None:
     assert torch.isfinite(dequantize(qt)).all()
 
 
+@pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype,torch_dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_float_casts_from_every_input_dtype(dtype: str, torch_dtype: torch.dtype, in_dtype: torch.dtype) -> None:
+    # float16 cannot hold bfloat16's bounds (the clamp overflowed), and bfloat16 holds float16's 65504 as 65536
+    # (the clamp let inf through): the saturating cast must not depend on the input dtype.
+    big = float(torch.finfo(in_dtype).max)
+    over = min(7e4, big)  # beyond float16's range where the input holds it
+    x = torch.tensor([[1.0, -2.5, over, -big], [big, 65504.0, -over, 0.0]], dtype=torch.float64).to(in_dtype)
+    qt = quantize(x, _scheme(dtype, "group", 0, 128))
+    finfo = torch.finfo(torch_dtype)
+    assert torch.equal(qt.codes, x.double().clamp(finfo.min, finfo.max).to(torch_dtype))
+    assert torch.isfinite(qt.codes).all()
+
+
 def test_fp8_saturates_instead_of_nan() -> None:
     x = torch.randn(4, 16)
     lo, hi = torch.full((4,), -0.1), torch.full((4,), 0.1)  # a range far narrower than the data

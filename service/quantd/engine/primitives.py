@@ -256,7 +256,11 @@ def _cast(x: torch.Tensor, scheme: Scheme, *, name: str) -> QuantizedTensor:
     finfo = torch.finfo(target)
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise NonFiniteError("NaN or Inf in the weights", tensor=name)
-    codes = x.clamp(finfo.min, finfo.max).to(target) if x.dtype != target else x.clone()
+    if x.dtype == target:
+        codes = x.clone()
+    else:  # clamped where the bounds are exact: float16 cannot hold bfloat16's (overflow), bfloat16 rounds
+        wide = x if x.dtype in (torch.float32, torch.float64) else x.float()  # float16's 65504 up to 65536
+        codes = wide.clamp(finfo.min, finfo.max).to(target)
     return QuantizedTensor(codes=codes, scale=None, zero_point=None, shape=tuple(x.shape), dtype=scheme.dtype,
                            orig_dtype=x.dtype, granularity=scheme.granularity, axis=scheme.axis,
                            group_size=scheme.group_size, symmetric=True, method=scheme.method,
