@@ -141,6 +141,19 @@ def test_min_numel_holds_over_rules_and_skip_1d_yields_to_them(tmp_path: Path, m
     assert ruled_1d.scheme_for("norm.weight", (16,)) == (None, "1-D tensor (skip_1d)")
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn, torch.uint16, torch.int32])
+def test_a_file_with_nothing_to_quantize_passes_through(tmp_path: Path, dtype: torch.dtype) -> None:
+    # the summary's bits per weight came from a table of the schemas' dtypes: a KeyError (500) for float8/uint16
+    src = tmp_path / "m.safetensors"
+    w = torch.randn(16, 32).clamp(-100, 100).to(dtype) if dtype.is_floating_point else torch.arange(512).to(dtype)
+    save_file({"w": w}, str(src))
+    report = quantize_file(src, tmp_path / "out.safetensors", QuantConfig(), device="cpu")
+    assert report.summary.tensors_quantized == 0 and report.summary.tensors_skipped == 1
+    assert report.summary.bits_per_weight == dtype.itemsize * 8
+    with safe_open(str(tmp_path / "out.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("w").view(torch.uint8), w.view(torch.uint8))
+
+
 def test_config_error_before_any_work(tmp_path: Path, model_file: Path) -> None:
     src = tmp_path / "odd.safetensors"
     save_file(_model_tensors() | {"odd.weight": torch.randn(4, 40)}, str(src))

@@ -41,7 +41,6 @@ from quantd_client import (
     TensorAnalyses,
     TensorReport,
 )
-from quantd_client._dtypes import DTYPE_BITS
 
 from .artifact import ArtifactWriter, OutputTensor, encode_quantized, quantized_layout, quantized_meta
 from .formats import QUANTIZABLE, TORCH_TO_ST, torch_dtype
@@ -139,7 +138,8 @@ def summarize(plans: list[TensorPlan], reports: list[TensorReport], input_bytes:
         bpw = sum(p.numel * r.stats.bits_per_weight for p, r in quantized if r.stats) / qnumel
     else:
         numel = sum(p.numel for p in plans)
-        bpw = sum(p.numel * DTYPE_BITS[p.info.dtype] for p in plans) / numel if numel else 0.0
+        # every dtype the readers pass through (float8, uint16, ...), not only those of the wire schemas
+        bpw = sum(p.numel * torch_dtype(p.info.dtype).itemsize * 8 for p in plans) / numel if numel else 0.0
     sqnrs = [(r.stats.sqnr_db, r.name) for _, r in quantized
              if r.stats and r.stats.sqnr_db is not None and math.isfinite(r.stats.sqnr_db)]
     worst = min(sqnrs) if sqnrs else None
