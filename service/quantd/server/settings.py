@@ -23,6 +23,10 @@ _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
+# Keys shorter than this are accepted with a warning at start-up (Settings.warn_unsafe).
+MIN_SAFE_KEY_LENGTH = 16
+
+
 class SettingsError(ValueError):
     """A settings value, or a combination of them, that the server refuses to start with."""
 
@@ -40,8 +44,6 @@ def parse_api_keys(spec: str, *, source: str = "QUANTD_API_KEYS") -> dict[str, s
             raise SettingsError(f"{source}: entry {n} is not 'tenant:key'")
         if not _TENANT_RE.match(tenant):
             raise SettingsError(f"{source}: entry {n}: tenant name {tenant!r} must match {_TENANT_RE.pattern}")
-        if len(key) < 8:
-            raise SettingsError(f"{source}: entry {n} (tenant {tenant!r}): key shorter than 8 characters")
         if key in keys and keys[key] != tenant:
             raise SettingsError(f"{source}: entry {n}: the same key is given to two tenants")
         keys[key] = tenant
@@ -135,8 +137,14 @@ class Settings(BaseSettings):
             return False
 
     def warn_unsafe(self) -> None:
-        """Log loudly what is allowed but unsafe: an open server on a non-loopback address."""
-        if not self.tenant_keys():
+        """Log loudly what is allowed but unsafe: an open server on a non-loopback address, and short keys
+        (allowed: CONTRACT §3's own example keys are 4 characters)."""
+        keys = self.tenant_keys()
+        short = sorted({tenant for key, tenant in keys.items() if len(key) < MIN_SAFE_KEY_LENGTH})
+        if short:
+            log.warning("API keys shorter than %d characters (tenants %s) are easy to guess; use long random keys "
+                        "outside tests", MIN_SAFE_KEY_LENGTH, ", ".join(short))
+        if not keys:
             if self.is_loopback():
                 log.info("open mode: no API keys configured; every caller is tenant 'default'")
             else:
