@@ -68,6 +68,21 @@ def test_pytorch_non_tensor_leaves_skipped_and_top_level_kept(tmp_path: Path) ->
     _check_all(p, {"state_dict.w": w}, "pytorch")
 
 
+def test_pytorch_tensors_in_lists_are_named_by_index(tmp_path: Path) -> None:
+    # they were dropped without a word: a 200 with an artifact that lacked them
+    a, b, c, d = (torch.randn(4, 8) for _ in range(4))
+    p = tmp_path / "ckpt.pt"
+    torch.save({"enc": {"w": a}, "layers": [b, {"w": c}], "pair": (d, 3)}, p)
+    _check_all(p, {"enc.w": a, "layers.0": b, "layers.1.w": c, "pair.0": d}, "pytorch")
+    top = tmp_path / "list.pt"
+    torch.save([a, b], top)
+    _check_all(top, {"0": a, "1": b}, "pytorch")
+    clash = tmp_path / "clash.pt"
+    torch.save({"layers.0": a, "layers": [b]}, clash)
+    with pytest.raises(MalformedInputError, match="appears twice"):
+        open_model(clash)
+
+
 def test_pytorch_legacy_pickle(tmp_path: Path) -> None:
     ref = {k: v for k, v in _ref_tensors().items() if k != "empty"}
     p = tmp_path / "legacy.pth"

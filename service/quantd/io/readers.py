@@ -165,12 +165,15 @@ def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
     if isinstance(obj, torch.Tensor):
         name = prefix or "tensor"
         if name in out:
-            raise MalformedInputError(f"tensor {name!r} appears twice after flattening nested dicts", tensor=name)
+            raise MalformedInputError(f"tensor {name!r} appears twice after flattening nested dicts and lists", tensor=name)
         out[name] = obj
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
             _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
-    # Other leaves (ints, strings, lists of hyper-parameters, ...) are not weights: skipped.
+    elif isinstance(obj, (list, tuple)):  # tensors in lists are named by index, as nn.ModuleList's are: c.0, c.1
+        for i, v in enumerate(obj):
+            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
+    # Other leaves (ints, strings, hyper-parameters, ...) are not weights: skipped.
 
 
 class PyTorchReader(ModelReader):
