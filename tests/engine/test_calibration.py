@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from quantd.engine.calibration import calibrate_layers
+from quantd.engine.observers import ActivationObserver
 from quantd_client import ObserverSpec
 
 
@@ -43,6 +44,34 @@ def test_percentile_observer_clips_a_spike() -> None:
     x[0, 0] = 1000.0
     (c,) = calibrate_layers([("a", x)], ObserverSpec(observer="percentile", observer_args={"percentile": 99.9}))
     assert isinstance(c.max, float) and c.max < 10.0
+
+
+@pytest.mark.parametrize("granularity,axis", [("tensor", 0), ("channel", -1), ("channel", 1)])
+def test_ema_steps_once_per_sample(granularity: str, axis: int) -> None:
+    # a calibration file holds each layer's N samples as one tensor: momentum used to make no difference
+    g = torch.Generator().manual_seed(3)
+    chunks = [torch.randn(7, 5, 6, generator=g) * (1 + i) for i in range(2)]  # the layer's samples, in 2 tensors
+    spec = ObserverSpec(dtype="int8", symmetric=False, observer="ema", granularity=granularity, axis=axis,
+                        observer_args={"momentum": 0.3})
+    (c,) = calibrate_layers([("a", t) for t in chunks], spec)
+    scheme = spec.as_scheme()
+    ref = ActivationObserver(scheme, name="a", axis=axis)
+    for t in chunks:
+        for row in t:  # sample by sample: the moving average's definition
+            ref.update(row.unsqueeze(0))
+    lo, hi = ref.range()
+    assert c.num_samples == ref.num_samples == 14
+    torch.testing.assert_close(torch.tensor(c.min), lo, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(c.max), hi, rtol=1e-6, atol=1e-6)
+    moved = {m: calibrate_layers([("a", chunks[0])], spec.model_copy(update={"observer_args": {"momentum": m}}))[0]
+             for m in (0.01, 0.5)}
+    assert moved[0.01].max != moved[0.5].max
+
+
+def test_ema_over_one_sample_is_its_range() -> None:
+    x = torch.tensor([[-1.0, 2.0, 0.5]])
+    (c,) = calibrate_layers([("a", x)], ObserverSpec(observer="ema", observer_args={"momentum": 0.5}))
+    assert (c.min, c.max, c.num_samples) == (-1.0, 2.0, 1)
 
 
 def test_group_granularity_is_refused() -> None:

@@ -2,7 +2,8 @@
 
 ``calibrate_layers`` takes ``(layer name, batch [N, ...])`` pairs in any order (a layer may come in
 several batches) and returns, per layer in first-seen order, the observed range and the qparams
-(``choose_qparams`` of that range) for the ``ObserverSpec``'s dtype.
+(``choose_qparams`` of that range) for the ``ObserverSpec``'s dtype. The ``ema`` observer's moving average
+steps once per sample (each row of ``N``), as if the samples had come one forward pass at a time.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def calibrate_layers(samples: Iterable[tuple[str, torch.Tensor]], spec: Observer
         obs = observers.get(name)
         if obs is None:
             obs = observers[name] = ActivationObserver(scheme, name=name, axis=spec.axis)
-        obs.update(batch)
+        obs.update_samples(batch)  # ema: one step per sample
     layers = []
     for name, obs in observers.items():
         lo, hi = obs.range()

@@ -636,6 +636,40 @@ class ActivationObserver:
             self._sample(v)
         self.num_samples += int(batch.shape[0])
 
+    def update_samples(self, batch: torch.Tensor) -> None:
+        """Observe the ``N`` samples of ``batch [N, ...]`` as ``N`` consecutive batches of one: the ``ema``
+        average steps once per sample (the closed form of the ``N`` steps, weights in float64, equal to
+        :meth:`update` called per sample to float32 rounding). The other observers do not depend on
+        how the stream is batched, and see ``batch`` at once. A calibration file holds each layer's samples
+        as one tensor: per sample is the only batching it tells."""
+        per_sample = (self.scheme.observer == "ema" and batch.dim() >= 2 and batch.shape[0] > 1
+                      and not (self.per_channel and self.axis % batch.dim() == 0))  # channels = samples
+        if not per_sample:
+            self.update(batch)
+            return
+        self._rows(batch[:1])  # the axis and channel count checks
+        n = batch.shape[0]
+        v = batch.detach().float()
+        v = v.movedim(self.axis % v.dim(), 1).reshape(n, v.shape[self.axis], -1) if self.per_channel \
+            else v.reshape(n, 1, -1)
+        lo_s, hi_s = torch.aminmax(v, dim=2)  # [N, C]
+        if not bool(torch.isfinite(lo_s).all() & torch.isfinite(hi_s).all()):
+            raise NonFiniteError(f"activation {self.name!r} has NaN or Inf values", tensor=self.name)
+        steps = n - 1 if self._lo is None else n  # the first sample of a stream initialises
+        keep = 1.0 - self.momentum  # r_k = keep^k·r_0 + Σ_j m·keep^(k−1−j)·x_j
+        powers = torch.pow(torch.tensor(keep, dtype=torch.float64, device=v.device),
+                           torch.arange(steps, -1, -1, dtype=torch.float64, device=v.device))  # keep^k … keep^0
+        weights = (powers[1:] * self.momentum).unsqueeze(1)
+
+        def average(prior: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+            return (powers[0] * prior.double() + (weights * xs.double()).sum(0)).float()
+
+        if self._lo is None or self._hi is None:
+            self._lo, self._hi = average(lo_s[0], lo_s[1:]), average(hi_s[0], hi_s[1:])
+        else:
+            self._lo, self._hi = average(self._lo, lo_s), average(self._hi, hi_s)
+        self.num_samples += n
+
     def _capacity(self, channels: int) -> int:
         if self._reservoir_size is not None:
             return max(1, self._reservoir_size)
