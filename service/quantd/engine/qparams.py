@@ -91,7 +91,7 @@ def _round_up_to_half(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         sub = torch.ceil(v * 2.0**24) * 2.0**-24
         up = torch.where(v < _FLOAT16_MIN_NORMAL, sub, up)
     # NaN stays NaN (the pattern arithmetic can turn one into ±0; the plain conversion kept it)
-    return torch.where(torch.isnan(v), v, up.clamp(min=smallest_positive(dtype)))
+    return torch.where(v != v, v, up.clamp(min=smallest_positive(dtype)))  # v != v: isnan, vectorised (Inductor)
 
 
 def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool, scale_dtype: str,
