@@ -500,14 +500,14 @@ def test_kernels_first_compiled_on_a_tiny_tensor_still_run_in_parallel(tmp_path:
     assert "omp parallel" in code, code[-3000:]
 
 
-@pytest.mark.parametrize("dtype,symmetric", [("int8", True), ("int4", False), ("uint4", False)])
-def test_minmax_integer_schemes_take_the_one_call_kernel(compiled: None, monkeypatch: pytest.MonkeyPatch,
-                                                         dtype: str, symmetric: bool) -> None:
+@pytest.mark.parametrize("dtype,symmetric", [("int8", True), ("int4", False), ("uint4", False), ("nf4", True)])
+def test_minmax_schemes_take_the_one_call_kernel(compiled: None, monkeypatch: pytest.MonkeyPatch,
+                                                 dtype: str, symmetric: bool) -> None:
     from quantd.engine import kernels
 
     calls: list[int] = []
-    real = kernels.quantize_minmax_int
-    monkeypatch.setattr(kernels, "quantize_minmax_int", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernels.quantize_minmax
+    monkeypatch.setattr(kernels, "quantize_minmax", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(19)) * 3
     x[0] = 0.0  # an all-zero row: the smallest scale, exact zeros
     for gran in ("channel", "group"):

@@ -8,7 +8,7 @@ cast (values beyond the largest finite value become ±max, never inf). Inputs ar
 Speed: on CPU, tensors of at least ``kernels.MIN_ELEMENTS`` elements (``kernels.SMALL_MIN_ELEMENTS`` for
 min-max integer and nf4 schemes) go through fused compiled kernels
 (:mod:`quantd.engine.kernels`: the per-block range in one pass, the qparams of all blocks in one more
-over ``[B]``, the encode in one more; for min-max integer schemes all three in one compiled call), which
+over ``[B]``, the encode in one more; for min-max integer and nf4 schemes all three in one compiled call), which
 compute exactly the formulas above. Otherwise (CUDA, small tensors, no C++ compiler) the eager path
 below runs: the blocks are processed in chunks of rows small enough to stay in cache across the passes,
 with in-place ops into one preallocated buffer. For the minmax observer the range of each chunk is
@@ -222,10 +222,9 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
     if rng is not None:  # given by the caller: the weights themselves are not checked by observing
         if not bool(torch.isfinite(blocks).all()):
             raise NonFiniteError("NaN or Inf in the weights", tensor=name)
-    elif scheme.observer == "minmax" and info.kind == "int":  # NaN/Inf propagate into the ranges
-        whole = kernels.quantize_minmax_int(blocks, dtype=scheme.dtype, symmetric=scheme.symmetric,
-                                            scale_dtype=scheme.scale_dtype, qmin=info.qmin, qmax=info.qmax,
-                                            out_dtype=codes_dtype)
+    elif scheme.observer == "minmax" and info.kind in kernels.ONE_CALL_MINMAX_KINDS:  # NaN/Inf reach the ranges
+        whole = kernels.quantize_minmax(blocks, info, dtype=scheme.dtype, symmetric=scheme.symmetric,
+                                        scale_dtype=scheme.scale_dtype, out_dtype=codes_dtype)
         if whole is None:
             return None
         if not whole[1]:
