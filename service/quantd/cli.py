@@ -174,11 +174,18 @@ def make_client(args: argparse.Namespace) -> Any:
 
 
 def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
+    """``auto`` → ``cuda`` when there is a GPU, else ``cpu``; a CUDA device that is not there is a usage error
+    (one line, not a traceback from deep in torch)."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" or device.startswith("cuda:"):
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = device.partition(":")[2]
+        if not available or (index.isdigit() and int(index) >= available):
+            raise UsageError(f"--device {device}: {available} CUDA device(s) available")
+    return device
 
 
 # -- commands ------------------------------------------------------------------------------------
@@ -199,7 +206,10 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     from quantd.server.main import run_server
 
-    run_server(_settings(args))
+    settings = _settings(args)
+    if settings.workers != 0:  # the embedded workers' device: refused here, not in a lifespan traceback
+        resolve_device(settings.device)
+    run_server(settings)
     return 0
 
 

@@ -72,6 +72,21 @@ def test_missing_input_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "nope.npz" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:7"], ids=["any-gpu", "gpu-7"])  # not "cuda": a skip mark
+def test_a_cuda_device_that_is_not_there_is_a_usage_error(model: Path, tmp_path: Path, device: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has the device")
+    # quantize/analyze died in torch with a traceback, serve in its lifespan
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--device", device]) == 2
+    assert f"--device {device}:" in capsys.readouterr().err
+    assert main(["serve", "--device", device, "--data-dir", str(tmp_path / "data"), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("quantd serve:") and "CUDA device(s) available" in err
+
+
 def test_analyze_in_process_side_by_side(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["analyze", str(model), "--dtype", "int8", "--dtype", "int4", "--group-size", "32",
                  "--device", "cpu", "--json"]) == 0
