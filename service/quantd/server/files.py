@@ -58,7 +58,8 @@ async def _chunks(path: Path, start: int, length: int) -> AsyncIterator[bytes]:
 def file_response(request: Request, path: Path, *, etag_hex: str, media_type: str = "application/octet-stream",
                   filename: str | None = None, headers: dict[str, str] | None = None,
                   on_done: Callable[[], None] | None = None) -> Response:
-    """The file at ``path`` with strong ETag ``"<etag_hex>"``, honouring If-None-Match, Range and If-Range."""
+    """The file at ``path`` with strong ETag ``"<etag_hex>"``, honouring If-None-Match, Range and If-Range, and
+    HEAD (the headers a GET would get, no body)."""
     size = os.stat(path).st_size
     etag = f'"{etag_hex}"'
     base = {"ETag": etag, "Accept-Ranges": "bytes", **(headers or {})}
@@ -80,8 +81,16 @@ def file_response(request: Request, path: Path, *, etag_hex: str, media_type: st
         if isinstance(parsed, tuple):
             start, end = parsed
             length = end - start + 1
-            return StreamingResponse(
-                _chunks(path, start, length), status_code=206, media_type=media_type, background=background,
-                headers={**base, "Content-Range": f"bytes {start}-{end}/{size}", "Content-Length": str(length)})
-    return StreamingResponse(_chunks(path, 0, size), media_type=media_type, background=background,
-                             headers={**base, "Content-Length": str(size)})
+            return _body(request, path, start, length, 206, media_type, background,
+                         {**base, "Content-Range": f"bytes {start}-{end}/{size}"})
+    return _body(request, path, 0, size, 200, media_type, background, base)
+
+
+def _body(request: Request, path: Path, start: int, length: int, status: int, media_type: str,
+          background: BackgroundTask | None, headers: dict[str, str]) -> Response:
+    """``length`` bytes of the file from ``start``, streamed; for HEAD the same status and headers, no body."""
+    headers = {**headers, "Content-Length": str(length)}
+    if request.method == "HEAD":
+        return Response(status_code=status, media_type=media_type, headers=headers, background=background)
+    return StreamingResponse(_chunks(path, start, length), status_code=status, media_type=media_type,
+                             background=background, headers=headers)

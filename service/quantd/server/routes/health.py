@@ -21,8 +21,13 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", summary="Readiness: database, storage and at least one worker",
-            responses={200: {"content": {"application/json": {"example": {
-                "status": "ready", "checks": {"database": True, "storage": True, "workers": 1}}}}},
+            responses={200: {"description": "Ready", "content": {"application/json": {
+                "schema": {"type": "object", "required": ["status", "checks"], "properties": {
+                    "status": {"type": "string", "enum": ["ready"]},
+                    "checks": {"type": "object", "properties": {
+                        "database": {"type": "boolean"}, "storage": {"type": "boolean"},
+                        "workers": {"type": "integer", "description": "workers with a live heartbeat"}}}}},
+                "example": {"status": "ready", "checks": {"database": True, "storage": True, "workers": 1}}}}},
                 **problem_responses(503)})
 async def readyz(state: StateDep) -> JSONResponse:
     checks: dict[str, Any] = await anyio.to_thread.run_sync(state.jobs.ready)

@@ -20,6 +20,8 @@ from ..sse import sse_stream
 from ..uploads import UploadedFile, receive_multipart
 from ._docs import (
     ARTIFACT_200,
+    ARTIFACT_206,
+    ARTIFACT_PARAMETERS,
     CANCELLED_EXAMPLE,
     JOB_BODY,
     JOB_EXAMPLE,
@@ -149,15 +151,20 @@ async def job_report(job_id: str, state: StateDep, tenant: TenantDep) -> Report:
     return await state.jobs.report(tenant, job_id)
 
 
+_ARTIFACT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: ARTIFACT_200, 206: ARTIFACT_206,
+    304: {"description": "Not modified (If-None-Match matched the ETag)", "headers": {"ETag": {"schema": {"type": "string"}}}},
+    **_JOB_ERRORS, **problem_responses(409, 416)}
+
+
+@router.head("/{job_id}/artifact", summary="The artifact's headers (size, ETag, ranges), no body",
+             response_class=Response, openapi_extra={"parameters": ARTIFACT_PARAMETERS}, responses=_ARTIFACT_RESPONSES)
+async def job_artifact_head(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
+    return await job_artifact(job_id, request, state, tenant)
+
+
 @router.get("/{job_id}/artifact", summary="The artifact, streamed; ETag = sha256; Range honoured",
-            response_class=Response,
-            responses={200: ARTIFACT_200,
-                       206: {"description": "Partial content (one range)", "headers": {
-                           "Content-Range": {"schema": {"type": "string"}, "example": "bytes 0-1023/4096"}},
-                           "content": {"application/octet-stream": {"schema": {"type": "string",
-                                                                               "format": "binary"}}}},
-                       304: {"description": "Not modified (If-None-Match matched the ETag)"},
-                       **_JOB_ERRORS, **problem_responses(409, 416)})
+            response_class=Response, openapi_extra={"parameters": ARTIFACT_PARAMETERS}, responses=_ARTIFACT_RESPONSES)
 async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
     path, sha = await state.jobs.artifact_path(tenant, job_id)
     try:
