@@ -139,7 +139,8 @@ class ObserverSpec(_Strict):
         return self
 
     def as_scheme(self) -> Scheme:
-        data = self.model_dump(exclude_unset=True)
+        data = self.model_dump(exclude_unset=True)  # symmetric left out: the dtype's own default
+        data.setdefault("dtype", self.dtype)  # int8, not a weight scheme's int4
         data.setdefault("granularity", "tensor")
         data.setdefault("axis", self.axis)
         return Scheme.model_validate(data)

@@ -74,6 +74,16 @@ def test_ema_over_one_sample_is_its_range() -> None:
     assert (c.min, c.max, c.num_samples) == (-1.0, 2.0, 1)
 
 
+def test_the_default_observer_is_int8_affine_per_tensor() -> None:
+    # an ObserverSpec without a dtype became a weight Scheme's default, int4
+    for spec in (ObserverSpec(), ObserverSpec(observer="ema"), ObserverSpec(symmetric=True)):
+        scheme = spec.as_scheme()
+        assert (scheme.dtype, scheme.granularity) == ("int8", "tensor") and scheme.symmetric == spec.symmetric
+    x = torch.linspace(-1.0, 3.0, 64).reshape(4, 16)
+    (c,) = calibrate_layers([("a", x)], ObserverSpec())
+    assert c.scale == pytest.approx(4.0 / 255, rel=1e-3) and c.zero_point == round(-128 + 1.0 / c.scale)
+
+
 def test_group_granularity_is_refused() -> None:
     # activation calibration is per tensor or per channel: the wire schema refuses "group"
     with pytest.raises(pydantic.ValidationError, match="granularity"):
