@@ -74,6 +74,9 @@ async def test_non_finite_weights(server):
     job = await server.wait_job(r.json()["id"])
     assert job["status"] == "failed" and job["error"]["type"] == "urn:quantd:non-finite"
     assert "'w'" in job["error"]["detail"]
+    for what in ("artifact", "report"):  # a client that only downloads learns why, not just "is failed"
+        body = assert_problem(await server.client.get(f"/v1/jobs/{job['id']}/{what}"), 409)
+        assert "is failed" in body["detail"] and job["error"]["detail"] in body["detail"]
 
 
 @pytest.mark.parametrize("config, loc", [

@@ -238,7 +238,10 @@ class JobService:
     def _succeeded(self, tenant: str, job_id: str) -> JobRecord:
         rec = self._record(tenant, job_id)
         if rec.status != "succeeded":
-            raise JobNotReady(f"job {job_id} is {rec.status}; its report and artifact exist once it has "
+            why = ""
+            if rec.status == "failed" and rec.error:  # the reason, where a client that only downloads sees it
+                why = f" ({rec.error.get('title', 'failed')}: {rec.error.get('detail', '')})"
+            raise JobNotReady(f"job {job_id} is {rec.status}{why}; its report and artifact exist once it has "
                               "succeeded", field="status")
         if rec.expired_at is not None:
             raise JobExpired(f"the files of job {job_id} were deleted (TTL {self.config.ttl_s:g} s or DELETE)")
