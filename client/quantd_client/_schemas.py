@@ -118,9 +118,18 @@ class SchemeOverride(_Strict):
 
 
 class Rule(_Strict):
+    """Tensors matching ``match`` are skipped (``skip``) or take ``scheme`` over the default (neither: the
+    default scheme, which quantizes 1-D tensors too: it overrides ``skip_1d``)."""
+
     match: str = Field(..., min_length=1, description="glob on tensor names (fnmatch)")
     scheme: SchemeOverride | None = None
     skip: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> Rule:
+        if self.skip and self.scheme is not None:  # skip won silently: the scheme was never used
+            raise ValueError(f"rule {self.match!r}: give skip or a scheme, not both")
+        return self
 
 
 class ObserverSpec(_Strict):
