@@ -176,15 +176,15 @@ def make_client(args: argparse.Namespace) -> Any:
 def resolve_device(device: str) -> str:
     """``auto`` → ``cuda`` when there is a GPU, else ``cpu``; a CUDA device that is not there is a usage error
     (one line, not a traceback from deep in torch)."""
-    import torch
+    from quantd.errors import ConfigError
+    from quantd.jobs.config import check_device
 
+    try:
+        available = check_device(device)
+    except ConfigError as e:
+        raise UsageError(e.detail) from None  # "field 'device': cuda:1 requested but 0 CUDA device(s) available"
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" or device.startswith("cuda:"):
-        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = device.partition(":")[2]
-        if not available or (index.isdigit() and int(index) >= available):
-            raise UsageError(f"--device {device}: {available} CUDA device(s) available")
+        return "cuda" if available else "cpu"
     return device
 
 
@@ -207,8 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from quantd.server.main import run_server
 
     settings = _settings(args)
-    if settings.workers != 0:  # the embedded workers' device: refused here, not in a lifespan traceback
-        resolve_device(settings.device)
+    resolve_device(settings.device)  # workers' and sync endpoints' device: refused here, not in a traceback
     run_server(settings)
     return 0
 

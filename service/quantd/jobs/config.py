@@ -53,22 +53,25 @@ class JobsConfig:
                 raise ConfigError(f"{getattr(self, name)} <= 0", field=name)
 
 
+def check_device(device: str) -> int:
+    """The number of CUDA devices; a ConfigError (field ``device``) when ``device`` (``auto``, ``cpu``,
+    ``cuda`` or ``cuda:N``) names CUDA devices that are not there."""
+    available = _cuda_count()
+    if device == "cuda" and available == 0:
+        raise ConfigError("cuda requested but no CUDA device is available", field="device")
+    if device.startswith("cuda:") and int(device.split(":")[1]) >= available:
+        raise ConfigError(f"{device} requested but {available} CUDA device(s) available", field="device")
+    return available
+
+
 def worker_devices(config: JobsConfig) -> list[str]:
     """The device of each embedded worker, e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"]``."""
-    available = _cuda_count()
+    available = check_device(config.device)
     if config.device == "cpu":
         devices = ["cpu"]
-    elif config.device == "auto":
+    elif config.device in ("auto", "cuda"):
         devices = [f"cuda:{i}" for i in range(available)] or ["cpu"]
-    elif config.device == "cuda":
-        if available == 0:
-            raise ConfigError("cuda requested but no CUDA device is available", field="device")
-        devices = [f"cuda:{i}" for i in range(available)]
     else:
-        index = int(config.device.split(":")[1])
-        if index >= available:
-            raise ConfigError(f"{config.device} requested but {available} CUDA device(s) available",
-                              field="device")
         devices = [config.device]
     n = len(devices) if config.workers is None else config.workers
     return [devices[i % len(devices)] for i in range(n)]
