@@ -83,6 +83,28 @@ def test_pytorch_tensors_in_lists_are_named_by_index(tmp_path: Path) -> None:
         open_model(clash)
 
 
+def test_pytorch_self_referencing_or_deep_containers_are_refused(tmp_path: Path) -> None:
+    # the weights-only unpickler builds them; flattening recursed until RecursionError (a 500)
+    loop: list[object] = [torch.ones(2)]
+    loop.append(loop)
+    selfish: dict[str, object] = {"w": torch.ones(2)}
+    selfish["me"] = selfish
+    deep: object = torch.ones(2)
+    for _ in range(200):
+        deep = [deep]
+    for name, obj, why in (("loop", {"x": loop}, "contains itself"), ("selfish", selfish, "contains itself"),
+                           ("deep", {"x": deep}, "more than 64 deep")):
+        p = tmp_path / f"{name}.pt"
+        torch.save(obj, p)
+        with pytest.raises(MalformedInputError, match=why):
+            open_model(p)
+    shared = tmp_path / "shared.pt"  # the same container twice, side by side, is no cycle
+    inner = [torch.ones(2)]
+    torch.save({"a": inner, "b": inner}, shared)
+    with open_model(shared) as r:
+        assert [t.name for t in r.tensors] == ["a.0", "b.0"]
+
+
 def test_pytorch_legacy_pickle(tmp_path: Path) -> None:
     ref = {k: v for k, v in _ref_tensors().items() if k != "empty"}
     p = tmp_path / "legacy.pth"

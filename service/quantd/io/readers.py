@@ -161,19 +161,30 @@ class SafetensorsReader(ModelReader):
         self._f.close()
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+# Containers nested deeper than this in a checkpoint are refused (a state dict is a few levels deep).
+MAX_NESTING = 64
+
+
+def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor], path: tuple[int, ...] = ()) -> None:
+    """The tensors of nested dicts, lists and tuples under dotted names; ``path`` holds the ids of the
+    containers above ``obj`` (the weights-only unpickler builds self-referencing ones)."""
     if isinstance(obj, torch.Tensor):
         name = prefix or "tensor"
         if name in out:
-            raise MalformedInputError(f"tensor {name!r} appears twice after flattening nested dicts and lists", tensor=name)
+            raise MalformedInputError(f"tensor {name!r} appears twice after flattening nested dicts and lists",
+                                      tensor=name)
         out[name] = obj
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
-    elif isinstance(obj, (list, tuple)):  # tensors in lists are named by index, as nn.ModuleList's are: c.0, c.1
-        for i, v in enumerate(obj):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
-    # Other leaves (ints, strings, hyper-parameters, ...) are not weights: skipped.
+        return
+    if not isinstance(obj, (Mapping, list, tuple)):
+        return  # other leaves (ints, strings, hyper-parameters, ...) are not weights: skipped
+    if id(obj) in path or len(path) >= MAX_NESTING:
+        why = "contains itself" if id(obj) in path else f"nests containers more than {MAX_NESTING} deep"
+        raise MalformedInputError(f"PyTorch checkpoint refused: {prefix or 'its top level'!r} {why}")
+    inner = (*path, id(obj))
+    # tensors in lists are named by index, as nn.ModuleList's are: layers.0, layers.1
+    items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
+    for k, v in items:
+        _flatten(v, f"{prefix}.{k}" if prefix else str(k), out, inner)
 
 
 class PyTorchReader(ModelReader):
