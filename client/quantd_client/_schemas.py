@@ -144,7 +144,9 @@ class ObserverSpec(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ObserverSpec:
-        self.as_scheme()  # the same dtype/symmetric/observer_args rules as a weight scheme
+        scheme = self.as_scheme()  # the same dtype/symmetric/observer_args rules as a weight scheme
+        if "symmetric" not in self.model_fields_set:  # the dtype's default, as sent on the wire (nf4/fp8: true)
+            object.__setattr__(self, "symmetric", scheme.symmetric)
         return self
 
     def as_scheme(self) -> Scheme:

@@ -6,6 +6,7 @@ import torch
 
 from quantd.engine.calibration import calibrate_layers
 from quantd.engine.observers import ActivationObserver
+from quantd.errors import MalformedInputError
 from quantd_client import ObserverSpec
 
 
@@ -68,10 +69,23 @@ def test_ema_steps_once_per_sample(granularity: str, axis: int) -> None:
     assert moved[0.01].max != moved[0.5].max
 
 
-def test_ema_over_one_sample_is_its_range() -> None:
-    x = torch.tensor([[-1.0, 2.0, 0.5]])
-    (c,) = calibrate_layers([("a", x)], ObserverSpec(observer="ema", observer_args={"momentum": 0.5}))
-    assert (c.min, c.max, c.num_samples) == (-1.0, 2.0, 1)
+def test_ema_steps_per_sample_of_a_1d_layer_and_after_a_prior_state() -> None:
+    # [N] samples (one value each) went to update(): one step for the whole tensor
+    g = torch.Generator().manual_seed(5)
+    first, second = torch.randn(9, generator=g), torch.randn(6, 3, generator=g) * 4
+    spec = ObserverSpec(observer="ema", observer_args={"momentum": 0.25})
+    (c,) = calibrate_layers([("a", first), ("a", second)], spec)
+    ref = ActivationObserver(spec.as_scheme(), name="a")
+    for t in (first, second):
+        for row in t:
+            ref.update(row.reshape(1, -1))
+    lo, hi = ref.range()
+    assert c.num_samples == 15
+    torch.testing.assert_close(torch.tensor(c.min), lo, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(c.max), hi, rtol=1e-6, atol=1e-6)
+    obs = ActivationObserver(spec.as_scheme(), name="a")
+    with pytest.raises(MalformedInputError, match="non-empty"):
+        obs.update_samples(torch.empty(4, 0))
 
 
 def test_the_default_observer_is_int8_affine_per_tensor() -> None:
@@ -79,6 +93,10 @@ def test_the_default_observer_is_int8_affine_per_tensor() -> None:
     for spec in (ObserverSpec(), ObserverSpec(observer="ema"), ObserverSpec(symmetric=True)):
         scheme = spec.as_scheme()
         assert (scheme.dtype, scheme.granularity) == ("int8", "tensor") and scheme.symmetric == spec.symmetric
+    for dtype, symmetric in (("fp8_e4m3", True), ("nf4", True), ("int8", False), ("uint8", False)):
+        spec = ObserverSpec(dtype=dtype)  # symmetric resolved per dtype, and so sent: it survives the wire
+        again = ObserverSpec.model_validate_json(spec.model_dump_json())
+        assert spec.symmetric == again.symmetric == again.as_scheme().symmetric == symmetric
     x = torch.linspace(-1.0, 3.0, 64).reshape(4, 16)
     (c,) = calibrate_layers([("a", x)], ObserverSpec())
     assert c.scale == pytest.approx(4.0 / 255, rel=1e-3) and c.zero_point == round(-128 + 1.0 / c.scale)

@@ -618,13 +618,10 @@ class ActivationObserver:
 
     def update(self, batch: torch.Tensor) -> None:
         """Observe one batch ``[N, ...]`` (N rows)."""
-        if batch.dim() == 0 or batch.numel() == 0:
-            raise MalformedInputError(f"activation batch must be [N, ...] and non-empty, got shape "
-                                      f"{tuple(batch.shape)}", tensor=self.name)
+        self._check_batch(batch)
         v = self._rows(batch.detach().float())
         lo, hi = torch.aminmax(v, dim=1)
-        if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
-            raise NonFiniteError(f"activation {self.name!r} has NaN or Inf values", tensor=self.name)
+        self._check_range(lo, hi)
         if self._lo is None or self._hi is None:
             self._lo, self._hi = lo, hi
         elif self.scheme.observer == "ema":
@@ -636,25 +633,38 @@ class ActivationObserver:
             self._sample(v)
         self.num_samples += int(batch.shape[0])
 
+    def _check_batch(self, batch: torch.Tensor) -> None:
+        if batch.dim() == 0 or batch.numel() == 0:
+            raise MalformedInputError(f"activation batch must be [N, ...] and non-empty, got shape "
+                                      f"{tuple(batch.shape)}", tensor=self.name)
+
+    def _check_range(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+            raise NonFiniteError(f"activation {self.name!r} has NaN or Inf values", tensor=self.name)
+
     def update_samples(self, batch: torch.Tensor) -> None:
         """Observe the ``N`` samples of ``batch [N, ...]`` as ``N`` consecutive batches of one: the ``ema``
         average steps once per sample (the closed form of the ``N`` steps, weights in float64, equal to
         :meth:`update` called per sample to float32 rounding). The other observers do not depend on
         how the stream is batched, and see ``batch`` at once. A calibration file holds each layer's samples
         as one tensor: per sample is the only batching it tells."""
-        per_sample = (self.scheme.observer == "ema" and batch.dim() >= 2 and batch.shape[0] > 1
-                      and not (self.per_channel and self.axis % batch.dim() == 0))  # channels = samples
-        if not per_sample:
+        self._check_batch(batch)
+        n = batch.shape[0]
+        if self.per_channel:  # a sample has its channels on another axis than N's
+            per_sample = batch.dim() >= 2 and self.axis % batch.dim() != 0
+        else:
+            per_sample = True
+        if self.scheme.observer != "ema" or n == 1 or not per_sample:
             self.update(batch)
             return
-        self._rows(batch[:1])  # the axis and channel count checks
-        n = batch.shape[0]
         v = batch.detach().float()
-        v = v.movedim(self.axis % v.dim(), 1).reshape(n, v.shape[self.axis], -1) if self.per_channel \
-            else v.reshape(n, 1, -1)
+        if self.per_channel:
+            self._rows(batch[:1])  # the axis and channel count checks
+            v = v.movedim(self.axis % v.dim(), 1).reshape(n, v.shape[self.axis], -1)
+        else:
+            v = v.reshape(n, 1, -1)
         lo_s, hi_s = torch.aminmax(v, dim=2)  # [N, C]
-        if not bool(torch.isfinite(lo_s).all() & torch.isfinite(hi_s).all()):
-            raise NonFiniteError(f"activation {self.name!r} has NaN or Inf values", tensor=self.name)
+        self._check_range(lo_s, hi_s)
         steps = n - 1 if self._lo is None else n  # the first sample of a stream initialises
         keep = 1.0 - self.momentum  # r_k = keep^k·r_0 + Σ_j m·keep^(k−1−j)·x_j
         powers = torch.pow(torch.tensor(keep, dtype=torch.float64, device=v.device),
