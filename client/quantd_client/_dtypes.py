@@ -86,14 +86,6 @@ GRANULARITIES = ("tensor", "channel", "group")
 INPUT_FORMATS = ("safetensors", "pytorch", "npy", "npz")
 OUTPUT_FORMATS = ("safetensors",)
 
-# Bits of each input dtype (safetensors spelling and torch/numpy spelling) for compression ratios.
-DTYPE_BITS: dict[str, int] = {
-    "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E5M2": 8,
-    "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U8": 8, "BOOL": 8,
-    "float64": 64, "float32": 32, "float16": 16, "bfloat16": 16,
-    "int64": 64, "int32": 32, "int16": 16, "int8": 8, "uint8": 8, "bool": 8,
-}
-
 
 def dtype_info(name: str) -> DTypeInfo:
     try:

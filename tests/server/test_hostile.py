@@ -87,7 +87,8 @@ async def test_non_finite_weights(server):
     (json.dumps([1, 2]), ["body", "config"]),
     (json.dumps({"scheme": {"dtype": "int8"}, "rules": [{"match": "x*", "scheme": {"dtype": "uint8", "symmetric": True}}]}),
      ["body", "config"]),
-    (json.dumps({"rules": [{"match": "x*", "skip": True, "scheme": {"dtype": "int8"}}]}), ["body", "config", "rules", 0]),
+    (json.dumps({"rules": [{"match": "x*", "skip": True, "scheme": {"dtype": "int8"}}]}),
+     ["body", "config", "rules", 0]),
 ])
 async def test_bad_config_is_a_422_naming_the_field(server, config, loc):
     for endpoint in ("/v1/quantize", "/v1/jobs"):

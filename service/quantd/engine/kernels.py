@@ -48,7 +48,7 @@ RECOMPILE_LIMIT = 64
 # Below this many elements the eager path's per-call cost is small, and a cold compile is not worth it.
 MIN_ELEMENTS = 1 << 18
 # Kernels that beat eager torch on small tensors too take them from this size: the one-call min-max
-# integer kernel and the nf4 encode (1.7–2x faster than eager at 64×64 to 256×256), and the mse search,
+# kernel of integer and nf4 dtypes (1.7–2x faster than eager at 64×64 to 256×256), and the mse search,
 # which runs a dozen kernels per tensor (3.6x faster at 384×384 at g64).
 SMALL_MIN_ELEMENTS = 1 << 12
 

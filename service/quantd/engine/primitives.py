@@ -257,9 +257,10 @@ def _cast(x: torch.Tensor, scheme: Scheme, *, name: str) -> QuantizedTensor:
         raise NonFiniteError("NaN or Inf in the weights", tensor=name)
     if x.dtype == target:
         codes = x.clone()
-    else:  # clamped where the bounds are exact: float16 cannot hold bfloat16's (overflow), bfloat16 rounds
-        wide = x if x.dtype in (torch.float32, torch.float64) else x.float()  # float16's 65504 up to 65536
-        codes = wide.clamp(finfo.min, finfo.max).to(target)
+    elif x.dtype in (torch.float32, torch.float64):
+        codes = x.clamp(finfo.min, finfo.max).to(target)
+    else:  # clamped in float32, where the bounds are exact: float16 cannot hold bfloat16's (it overflowed),
+        codes = x.float().clamp_(finfo.min, finfo.max).to(target)  # bfloat16 rounds float16's 65504 to 65536
     return QuantizedTensor(codes=codes, scale=None, zero_point=None, shape=tuple(x.shape), dtype=scheme.dtype,
                            orig_dtype=x.dtype, granularity=scheme.granularity, axis=scheme.axis,
                            group_size=scheme.group_size, symmetric=True, method=scheme.method,

@@ -61,32 +61,30 @@ CALIBRATE_BODY = multipart_body(
 
 UPLOAD_ERRORS = problem_responses(400, 401, 413, 415, 422, 500)
 
+_STRING = {"type": "string"}
+_BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
 _FILE_HEADERS = {
-    "ETag": {"description": "The artifact's sha256 in hex, quoted (a strong ETag)", "schema": {"type": "string"},
+    "ETag": {"description": "The artifact's sha256 in hex, quoted (a strong ETag)", "schema": _STRING,
              "example": '"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"'},
-    "Accept-Ranges": {"description": "Single byte ranges are honoured", "schema": {"type": "string"},
-                      "example": "bytes"},
+    "Accept-Ranges": {"description": "Single byte ranges are honoured", "schema": _STRING, "example": "bytes"},
     "Content-Length": {"schema": {"type": "integer"}},
-    "Content-Disposition": {"schema": {"type": "string"}, "example": 'attachment; filename="<id>.quantd.safetensors"'},
+    "Content-Disposition": {"schema": _STRING, "example": 'attachment; filename="<id>.quantd.safetensors"'},
 }
+_RANGE_HEADERS = {**_FILE_HEADERS, "Content-Range": {"schema": _STRING, "example": "bytes 0-1023/4096"}}
 
-ARTIFACT_200 = {
-    "description": "The artifact (safetensors, CONTRACT §5); HEAD gives the same headers without the body",
-    "headers": _FILE_HEADERS,
-    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-}
-
-ARTIFACT_206 = {
-    "description": "Partial content: the one range asked for",
-    "headers": {**_FILE_HEADERS, "Content-Range": {"schema": {"type": "string"}, "example": "bytes 0-1023/4096"}},
-    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-}
+ARTIFACT_200 = {"description": "The artifact (safetensors, CONTRACT §5)", "headers": _FILE_HEADERS,
+                "content": _BINARY}
+ARTIFACT_206 = {"description": "Partial content: the one range asked for", "headers": _RANGE_HEADERS,
+                "content": _BINARY}
+# HEAD: the headers GET would send, no body.
+ARTIFACT_HEAD_200 = {"description": "The artifact's headers, no body", "headers": _FILE_HEADERS}
+ARTIFACT_HEAD_206 = {"description": "The headers of the range asked for, no body", "headers": _RANGE_HEADERS}
 
 # The conditional and range request headers the artifact download honours.
 ARTIFACT_PARAMETERS = [
-    {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"}, "example": "bytes=1024-",
-     "description": "One byte range (bytes=a-b, bytes=a-, bytes=-n) → 206; past the end → 416; several ranges or a "
-                    "malformed header → the whole file (RFC 9110)"},
+    {"name": "Range", "in": "header", "required": False, "schema": _STRING, "example": "bytes=1024-",
+     "description": "One byte range (bytes=a-b, bytes=a-, bytes=-n) → 206; past the end → 416; several "
+                    "ranges or a malformed header → the whole file (RFC 9110)"},
     {"name": "If-Range", "in": "header", "required": False, "schema": {"type": "string"},
      "description": "The ETag of the copy being resumed: Range is honoured only when it still matches"},
     {"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"},

@@ -21,6 +21,8 @@ from ..uploads import UploadedFile, receive_multipart
 from ._docs import (
     ARTIFACT_200,
     ARTIFACT_206,
+    ARTIFACT_HEAD_200,
+    ARTIFACT_HEAD_206,
     ARTIFACT_PARAMETERS,
     CANCELLED_EXAMPLE,
     JOB_BODY,
@@ -151,20 +153,22 @@ async def job_report(job_id: str, state: StateDep, tenant: TenantDep) -> Report:
     return await state.jobs.report(tenant, job_id)
 
 
-_ARTIFACT_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: ARTIFACT_200, 206: ARTIFACT_206,
-    304: {"description": "Not modified (If-None-Match matched the ETag)", "headers": {"ETag": {"schema": {"type": "string"}}}},
-    **_JOB_ERRORS, **problem_responses(409, 416)}
+_ARTIFACT_304 = {"description": "Not modified (If-None-Match matched the ETag)",
+                 "headers": {"ETag": {"schema": {"type": "string"}}}}
+_ARTIFACT_ERRORS = {**_JOB_ERRORS, **problem_responses(409, 416)}
+_ARTIFACT_HEADERS = {"parameters": ARTIFACT_PARAMETERS}
 
 
 @router.head("/{job_id}/artifact", summary="The artifact's headers (size, ETag, ranges), no body",
-             response_class=Response, openapi_extra={"parameters": ARTIFACT_PARAMETERS}, responses=_ARTIFACT_RESPONSES)
+             response_class=Response, openapi_extra=_ARTIFACT_HEADERS,
+             responses={200: ARTIFACT_HEAD_200, 206: ARTIFACT_HEAD_206, 304: _ARTIFACT_304, **_ARTIFACT_ERRORS})
 async def job_artifact_head(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
     return await job_artifact(job_id, request, state, tenant)
 
 
 @router.get("/{job_id}/artifact", summary="The artifact, streamed; ETag = sha256; Range honoured",
-            response_class=Response, openapi_extra={"parameters": ARTIFACT_PARAMETERS}, responses=_ARTIFACT_RESPONSES)
+            response_class=Response, openapi_extra=_ARTIFACT_HEADERS,
+            responses={200: ARTIFACT_200, 206: ARTIFACT_206, 304: _ARTIFACT_304, **_ARTIFACT_ERRORS})
 async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
     path, sha = await state.jobs.artifact_path(tenant, job_id)
     try:
