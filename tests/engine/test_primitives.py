@@ -228,6 +228,27 @@ def test_float_casts_from_every_input_dtype(dtype: str, torch_dtype: torch.dtype
     assert torch.isfinite(qt.codes).all()
 
 
+@pytest.mark.parametrize("dtype,torch_dtype,np_dtype", [("float16", torch.float16, np.float16),
+                                                       ("bfloat16", torch.bfloat16, None)])
+def test_float64_casts_round_once(dtype: str, torch_dtype: torch.dtype, np_dtype: type | None) -> None:
+    # torch's float64 → float16/bfloat16 goes through float32 and rounds twice: 1 + 2⁻¹¹ + 2⁻⁴⁰ became 1.0
+    mant = 10 if torch_dtype == torch.float16 else 7
+    half_ulp = 2.0 ** -(mant + 1)
+    g = torch.Generator().manual_seed(4)
+    x = torch.cat([torch.tensor([1 + half_ulp + 2**-40, -(1 + half_ulp + 2**-40), 1 + half_ulp, 1 + 3 * half_ulp,
+                                 1 + half_ulp - 2**-40, 2**-20 * (1 + 2**-30), 0.0], dtype=torch.float64),
+                   torch.randn(4000, generator=g, dtype=torch.float64) * 100])
+    got = quantize(x.reshape(1, -1), _scheme(dtype, "group", 0, 128)).codes.reshape(-1)
+    assert got[0] == 1 + 2 * half_ulp and got[1] == -(1 + 2 * half_ulp)  # above the tie: up, not to 1.0
+    assert got[2] == 1.0 and got[3] == 1 + 4 * half_ulp and got[4] == 1.0  # ties to even; below the tie: down
+    if np_dtype is not None:  # numpy rounds float64 → float16 once
+        np.testing.assert_array_equal(got.numpy(), x.numpy().astype(np_dtype))
+    else:  # each value is the nearer of its two bfloat16 neighbours
+        lo = got.double()
+        nxt = torch.nextafter(got, torch.where(x > lo, torch.inf, -torch.inf).to(torch_dtype)).double()
+        assert bool(((x - lo).abs() <= (x - nxt).abs()).all())
+
+
 def test_fp8_saturates_instead_of_nan() -> None:
     x = torch.randn(4, 16)
     lo, hi = torch.full((4,), -0.1), torch.full((4,), 0.1)  # a range far narrower than the data

@@ -250,6 +250,20 @@ def _check_input(x: torch.Tensor, *, name: str) -> None:
         raise ConfigError(f"only floating-point tensors are quantized, not {x.dtype}", tensor=name, field="dtype")
 
 
+def _nearest_from_float64(x: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+    """``x`` (float64, in ``target``'s finite range) rounded to the nearest float16/bfloat16, ties to even.
+    torch converts through float32, which rounds twice: 1 + 2⁻¹¹ + 2⁻⁴⁰ became 1.0 in float16, not the
+    nearer 1 + 2⁻¹⁰. That conversion is at most one ulp off, so the nearer of it and its neighbour on
+    ``x``'s side (compared in float64, where both are exact) is the correctly rounded value."""
+    y = x.to(target)
+    y64 = y.double()
+    toward = torch.where(x > y64, torch.inf, -torch.inf).to(target)
+    other = torch.nextafter(y, toward)
+    d_y, d_other = (x - y64).abs(), (x - other.double()).abs()
+    even = (other.view(torch.int16) & 1) == 0
+    return torch.where((d_other < d_y) | ((d_other == d_y) & even & (x != y64)), other, y)
+
+
 def _cast(x: torch.Tensor, scheme: Scheme, *, name: str) -> QuantizedTensor:
     target = FLOAT_TORCH_DTYPES[scheme.dtype]
     finfo = torch.finfo(target)
@@ -257,7 +271,9 @@ def _cast(x: torch.Tensor, scheme: Scheme, *, name: str) -> QuantizedTensor:
         raise NonFiniteError("NaN or Inf in the weights", tensor=name)
     if x.dtype == target:
         codes = x.clone()
-    elif x.dtype in (torch.float32, torch.float64):
+    elif x.dtype == torch.float64:
+        codes = _nearest_from_float64(x.clamp(finfo.min, finfo.max), target)
+    elif x.dtype == torch.float32:
         codes = x.clamp(finfo.min, finfo.max).to(target)
     else:  # clamped in float32, where the bounds are exact: float16 cannot hold bfloat16's (it overflowed),
         codes = x.float().clamp_(finfo.min, finfo.max).to(target)  # bfloat16 rounds float16's 65504 to 65536
