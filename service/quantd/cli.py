@@ -207,7 +207,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from quantd.server.main import run_server
 
     settings = _settings(args)
-    resolve_device(settings.device)  # workers' and sync endpoints' device: refused here, not in a traceback
+    if settings.device.startswith("cuda"):  # workers' and sync endpoints' device: refused here, not in a
+        resolve_device(settings.device)  # traceback (auto and cpu need no check, nor torch imported yet)
     run_server(settings)
     return 0
 
