@@ -115,6 +115,22 @@ def test_mse_never_worse_than_minmax_and_beats_exhaustive_within_1pct(dtype: str
     assert err <= float(best.sum()) / x.numel() * 1.01
 
 
+@pytest.mark.parametrize("grid", [1, 2, 10, 16, 17])
+def test_mse_small_grids_are_searched_exhaustively(grid: int) -> None:
+    # up to 16 ratios there are no refinement stages: sizing the search's row chunks failed on that (a 500)
+    x = _heavy(rows=16, cols=64, seed=9)
+    base = Scheme(dtype="int4", granularity="group", group_size=64)
+    mse_s = base.model_copy(update={"observer": "mse", "observer_args": {"grid": grid}})
+    lo, hi = observe_range(x, mse_s)
+    ratios = torch.linspace(0.2, 1.0, grid) if grid > 1 else torch.ones(1)
+    lo0, hi0 = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
+    best = torch.full((16,), float("inf"))
+    for r in ratios:  # every ratio of the grid, one at a time: the search must match the best of them
+        qt = quantize(x, base, observer_range=(lo0 * r, hi0 * r))
+        best = torch.minimum(best, (dequantize(qt) - x).pow(2).sum(1))
+    assert _mse(x, mse_s, (lo, hi)) <= float(best.sum()) / x.numel() * (1 + 1e-5)
+
+
 def test_mse_chunk_plan_bounds_memory() -> None:
     for rows, cands, cols, budget in [(131072, 15, 128, 1 << 20), (1, 15, 1 << 24, 1 << 20), (7, 100, 3, 64),
                                       (4096, 13, 4096, 1 << 16)]:

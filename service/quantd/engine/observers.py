@@ -357,7 +357,7 @@ def _mse_search(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, grid: _Grid
     steps += [(None, torch.tensor(o, device=x.device)) for o in stages]  # coarse first, ascending r: ties keep it
     best = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     # Rows per search: bounds the [rows, candidates] qparams/error arrays.
-    rows = max(1, MSE_QPARAM_ENTRIES // max(len(coarse), *(len(o) for o in stages)))
+    rows = max(1, MSE_QPARAM_ENTRIES // max([len(coarse), *(len(o) for o in stages)]))  # no stages up to G = 16
     for r in range(0, x.shape[0], rows):
         best[r:r + rows] = _search(x[r:r + rows], lo[r:r + rows], hi[r:r + rows], steps, grid, scheme, info, norm)
     return best
