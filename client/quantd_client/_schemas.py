@@ -96,10 +96,11 @@ class Scheme(_Strict):
         n = self.observer_args.get("norm")
         if n is not None and not n > 0:
             raise ValueError("scheme.observer_args.norm must be > 0")
-        for key, hi in (("bins", 65536), ("quant_bins", 65536)):
+        levels = info.levels if info.kind == "int" else 2 ** info.bits
+        for key, hi in (("bins", 65536), ("quant_bins", levels)):  # no more quantization bins than levels
             b = self.observer_args.get(key)
             if b is not None and not (2 <= b <= hi and float(b).is_integer()):
-                raise ValueError(f"scheme.observer_args.{key} must be an integer in [2, {hi}]")
+                raise ValueError(f"scheme.observer_args.{key} must be an integer in [2, {hi}] for {self.dtype}")
         return self
 
 

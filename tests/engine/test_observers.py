@@ -174,6 +174,31 @@ def test_entropy_per_group_and_zero_blocks() -> None:
     assert bool((hi[keep] > 0).all() & (hi[keep] <= amax[keep] * (1 + 1e-6)).all())
 
 
+def test_entropy_calibrates_many_blocks_in_chunks_of_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the histograms of all blocks were one [B, nbins] int64 tensor: 32 GiB for 65 536 blocks × 65 536 bins
+    x = _heavy(rows=300, cols=64, seed=6)
+    rows_of = obs._entropy_rows
+    seen: list[int] = []
+
+    def counted(v: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(v.shape[0])
+        return rows_of(v, *args)
+
+    for symmetric in (True, False):
+        scheme = Scheme(dtype="int8", symmetric=symmetric, granularity="group", group_size=64, observer="entropy",
+                        observer_args={"quant_bins": 128, "bins": 512})
+        whole = observe_range(x, scheme)
+        monkeypatch.setattr(obs, "ENTROPY_HIST_ENTRIES", 7 * 256)  # 7 blocks of 256 bins (K = 64) at a time
+        monkeypatch.setattr(obs, "_entropy_rows", counted)
+        seen.clear()
+        chunked = observe_range(x, scheme)
+        monkeypatch.undo()
+        assert max(seen) == 7 and sum(seen) == 300
+        torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"quant_bins must be an integer in \[2, 16\] for int4"):
+        Scheme(dtype="int4", observer="entropy", observer_args={"quant_bins": 65536})
+
+
 def test_nonfinite_and_bad_shape_raise() -> None:
     x = torch.randn(2, 8)
     x[1, 3] = float("nan")

@@ -392,6 +392,9 @@ def _mse_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: Sche
 
 # Thresholds tried per block by the entropy observer (evenly spaced window widths, both ends included).
 ENTROPY_MAX_CANDIDATES = 128
+# Histogram entries (int64) the entropy observer holds at once: blocks are calibrated in chunks of this many
+# blocks × bins (32 MiB).
+ENTROPY_HIST_ENTRIES = 1 << 22
 
 
 def batched_histogram(v: torch.Tensor, a: torch.Tensor, width: torch.Tensor, nbins: int) -> torch.Tensor:
@@ -521,8 +524,19 @@ def entropy_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: S
     levels = max(levels, 1)
     k = x.shape[1]
     nbins = max(levels, min(int(args.get("bins", 2048)), max(2 * levels, min(k // 4, max(4 * levels, k // 8)))))
+    # Blocks in chunks: the histograms are [rows, nbins] int64, whatever the number of blocks (one a value
+    # at group_size 1).
+    rows = max(1, ENTROPY_HIST_ENTRIES // nbins)
+    parts = [_entropy_rows(x[r:r + rows], lo[r:r + rows], hi[r:r + rows], scheme.symmetric, levels, nbins)
+             for r in range(0, x.shape[0], rows)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _entropy_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, symmetric: bool, levels: int,
+                  nbins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`entropy_range` of the blocks ``x[B, K]``, with ``levels`` quantization bins over ``nbins``."""
     lo0, hi0 = lo.clamp(max=0.0), hi.clamp(min=0.0)
-    if scheme.symmetric:
+    if symmetric:
         v, a, b = x.abs(), torch.zeros_like(lo0), torch.maximum(-lo0, hi0)
     else:
         v, a, b = x, lo0, hi0
@@ -546,7 +560,7 @@ def entropy_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: S
     best_start = start.gather(1, pick).squeeze(1)
     t_lo = a + best_start * bin_w
     t_hi = a + (best_start + best) * bin_w
-    if scheme.symmetric:
+    if symmetric:
         t_lo = -t_hi
     return torch.where(empty, lo0, t_lo), torch.where(empty, hi0, t_hi)
 
