@@ -6,6 +6,7 @@ Field names and meanings follow CONTRACT.md; extra fields are additions, never r
 from __future__ import annotations
 
 import fnmatch
+import math
 from datetime import datetime
 from typing import Any, Literal
 
@@ -79,11 +80,11 @@ class Scheme(_Strict):
             raise ValueError(f"scheme.observer_args: {sorted(unknown)} not understood by observer "
                              f"{self.observer!r} (it takes {sorted(allowed) or 'no arguments'})")
         p = self.observer_args.get("percentile")
-        if p is not None and not 0.0 < p <= 100.0:
-            raise ValueError("scheme.observer_args.percentile must be in (0, 100]")
+        if p is not None and not 50.0 < p <= 100.0:  # affine keeps [P(100 − p), P(p)]: below 50 it inverts
+            raise ValueError("scheme.observer_args.percentile must be in (50, 100]")
         k = self.observer_args.get("k")
-        if k is not None and not k > 0:
-            raise ValueError("scheme.observer_args.k must be > 0")
+        if k is not None and not 0.0 < k < math.inf:
+            raise ValueError("scheme.observer_args.k must be > 0 and finite")
         m = self.observer_args.get("momentum")
         if m is not None and not 0.0 < m <= 1.0:
             raise ValueError("scheme.observer_args.momentum must be in (0, 1]")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -197,6 +198,21 @@ def test_entropy_calibrates_many_blocks_in_chunks_of_bounded_memory(monkeypatch:
         torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"quant_bins must be an integer in \[2, 16\] for int4"):
         Scheme(dtype="int4", observer="entropy", observer_args={"quant_bins": 65536})
+
+
+def test_meanstd_on_huge_and_tiny_weights_and_observer_arg_bounds() -> None:
+    # float32 variance of weights near 1e30 overflowed to inf: a "NaN or Inf in the weights" error for finite ones
+    for scale in (1e30, 1e-30, 0.0):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2)) * scale
+        for k in (1e-30, 3.0, 1e30):
+            lo, hi = observe_range(x, Scheme(dtype="int8", granularity="channel", observer="meanstd",
+                                             observer_args={"k": k}))
+            assert bool(torch.isfinite(lo).all() & torch.isfinite(hi).all() & (lo <= hi).all())
+            assert bool((lo >= x.amin(1)).all() & (hi <= x.amax(1)).all())
+    for args, why in (({"k": math.inf}, "k must be > 0 and finite"), ({"percentile": 30.0}, r"\(50, 100\]"),
+                      ({"percentile": 50.0}, r"\(50, 100\]")):
+        with pytest.raises(ValueError, match=why):
+            Scheme(observer="meanstd" if "k" in args else "percentile", observer_args=args)
 
 
 def test_nonfinite_and_bad_shape_raise() -> None:

@@ -249,6 +249,15 @@ def test_float64_casts_round_once(dtype: str, torch_dtype: torch.dtype, np_dtype
         assert bool(((x - lo).abs() <= (x - nxt).abs()).all())
 
 
+def test_clipping_of_a_float16_cast_is_counted_for_bfloat16_inputs() -> None:
+    # compared in bfloat16, float16's largest value 65504 is 65536: 65536 was not counted as clipped
+    from quantd.engine.stats import clipped_count
+
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        x = torch.tensor([[65536.0, 1.0, -2.0, -65536.0]], dtype=dtype)
+        assert clipped_count(x, quantize(x, _scheme("float16", "group", 0, 128))) == 2
+
+
 def test_fp8_saturates_instead_of_nan() -> None:
     x = torch.randn(4, 16)
     lo, hi = torch.full((4,), -0.1), torch.full((4,), 0.1)  # a range far narrower than the data

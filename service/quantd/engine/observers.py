@@ -79,11 +79,10 @@ def observe_range(blocks: torch.Tensor, scheme: Scheme, *, name: str = "tensor")
         return lo, hi
     if obs == "percentile":
         return percentile_range(x, float(args.get("percentile", 99.99)), symmetric=scheme.symmetric)
-    if obs == "meanstd":
-        var, mean = torch.var_mean(x, dim=1, correction=0)
-        k = float(args.get("k", 3.0))
-        spread = k * var.sqrt()
-        return torch.maximum(mean - spread, lo), torch.minimum(mean + spread, hi)
+    if obs == "meanstd":  # in float64: float32 squares of weights near 1e20 overflow (and k·inf or k·0 misled)
+        var, mean = torch.var_mean(x.double(), dim=1, correction=0)
+        spread = float(args.get("k", 3.0)) * var.sqrt()
+        return (torch.maximum(mean - spread, lo.double()).float(), torch.minimum(mean + spread, hi.double()).float())
     if obs == "mse":
         return _mse_range(x, lo, hi, scheme, info)
     if obs == "entropy":

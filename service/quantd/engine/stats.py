@@ -110,8 +110,8 @@ def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
     """
     info = DTYPES[qt.dtype]
     if info.kind == "float":
-        limit = torch.finfo(FLOAT_TORCH_DTYPES[qt.dtype]).max
-        return int(sum((part.abs() > limit).sum() for part in _flat_chunks(x)))
+        limit = torch.finfo(FLOAT_TORCH_DTYPES[qt.dtype]).max  # compared in float64: in bfloat16, float16's
+        return int(sum((part.double().abs() > limit).sum() for part in _flat_chunks(x)))  # 65504 is 65536
     blocks, _ = block_view(x, granularity_of(qt), name="x")
     lo_b, hi_b = _block_bounds(qt)
     scale = qt.scale.reshape(-1, 1).float()  # type: ignore[union-attr]  # _block_bounds checked it
