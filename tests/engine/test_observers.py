@@ -215,6 +215,18 @@ def test_meanstd_on_huge_and_tiny_weights_and_observer_arg_bounds() -> None:
             Scheme(observer="meanstd" if "k" in args else "percentile", observer_args=args)
 
 
+def test_entropy_keeps_min_max_for_blocks_of_few_values() -> None:
+    x = _heavy(rows=64, cols=64, seed=8)
+    for gs in (1, 8):
+        scheme = Scheme(dtype="int8", granularity="group", group_size=gs, observer="entropy")
+        blocks = x.reshape(-1, gs)
+        lo, hi = observe_range(blocks, scheme)
+        assert torch.equal(lo, blocks.amin(1)) and torch.equal(hi, blocks.amax(1))
+    lo, hi = observe_range(x.reshape(-1, 16), Scheme(dtype="int8", granularity="group", group_size=16,
+                                                     observer="entropy", symmetric=True))
+    assert bool((hi < x.reshape(-1, 16).abs().amax(1)).any())  # from 16 values on, tails are clipped
+
+
 def test_nonfinite_and_bad_shape_raise() -> None:
     x = torch.randn(2, 8)
     x[1, 3] = float("nan")

@@ -394,6 +394,10 @@ ENTROPY_MAX_CANDIDATES = 128
 # Histogram entries (int64) the entropy observer holds at once: blocks are calibrated in chunks of this many
 # blocks × bins (32 MiB).
 ENTROPY_HIST_ENTRIES = 1 << 22
+# Blocks of fewer values keep their min-max range under the entropy observer: a histogram of a handful of
+# values has no tail to clip, and its cost (∝ blocks · candidates · bins, at least 2·quant_bins bins) per
+# value would be hundreds of times min-max's (62 s for a 256×256 weight at group_size 1).
+ENTROPY_MIN_VALUES = 16
 
 
 def batched_histogram(v: torch.Tensor, a: torch.Tensor, width: torch.Tensor, nbins: int) -> torch.Tensor:
@@ -516,12 +520,15 @@ def entropy_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: S
     window widths (evenly spaced) are searched per block coarse to fine as in ``mse``
     (:func:`mse_search_indices`: ~31 KL evaluations of 128). Cost ∝ B · candidates · bins.
     nf4 and fp8 are treated as 16 / 256 uniform levels: an approximation of their non-uniform grids.
+    Blocks of fewer than ``ENTROPY_MIN_VALUES`` values keep their min-max range.
     """
     args = scheme.observer_args
     total_levels = info.levels if info.kind == "int" else 2 ** info.bits
     levels = int(args.get("quant_bins", total_levels // 2 if scheme.symmetric else total_levels))
     levels = max(levels, 1)
     k = x.shape[1]
+    if k < ENTROPY_MIN_VALUES:
+        return lo, hi
     nbins = max(levels, min(int(args.get("bins", 2048)), max(2 * levels, min(k // 4, max(4 * levels, k // 8)))))
     # Blocks in chunks: the histograms are [rows, nbins] int64, whatever the number of blocks (one a value
     # at group_size 1).
