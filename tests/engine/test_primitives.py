@@ -258,6 +258,27 @@ def test_clipping_of_a_float16_cast_is_counted_for_bfloat16_inputs() -> None:
         assert clipped_count(x, quantize(x, _scheme("float16", "group", 0, 128))) == 2
 
 
+@pytest.mark.parametrize("dtype,gran", [("int4", "group"), ("int8", "channel"), ("nf4", "group"),
+                                        ("fp8_e4m3", "channel"), ("uint4", "tensor")])
+def test_a_scale_beyond_the_scale_dtype_is_a_config_error(dtype: str, gran: str) -> None:
+    # float16 scales were clamped to 65504 and the whole block clipped: a 200 with SQNR 0 dB
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(6))
+    x[3] *= 1e12
+    with pytest.raises(ConfigError, match=r"field 'scale_dtype' tensor 'w': a scale of .* is needed, beyond "
+                                          r"float16's largest value 65504: use scale_dtype bfloat16 or float32"):
+        quantize(x, _scheme(dtype, gran, 0, 32), name="w")
+    for wide in ("bfloat16", "float32"):
+        qt = quantize(x, _scheme(dtype, gran, 0, 32, scale_dtype=wide), name="w")
+        assert bool(torch.isfinite(dequantize(qt)).all())
+    big = torch.full((2, 32), 1e300, dtype=torch.float64)  # was "NaN or Inf values": finite, but not in float32
+    with pytest.raises(ConfigError, match=r"values up to 1e\+300 are beyond float32's range"):
+        quantize(big, _scheme("int8", "channel", 0, 32, scale_dtype="float32"), name="w")
+    assert float(quantize(big, _scheme("float16", "channel", 0, 32), name="w").codes.max()) == 65504.0
+    edge = torch.zeros(2, 32)
+    edge[0, 0] = 65504.0 * 127.5  # a scale of exactly float16's largest value still fits
+    quantize(edge, _scheme("int8", "channel", 0, 32, symmetric=True), name="w")
+
+
 def test_fp8_saturates_instead_of_nan() -> None:
     x = torch.randn(4, 16)
     lo, hi = torch.full((4,), -0.1), torch.full((4,), 0.1)  # a range far narrower than the data

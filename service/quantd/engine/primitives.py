@@ -36,7 +36,7 @@ from quantd.engine.granularity import (
     unblock,
 )
 from quantd.engine.observers import observe_range
-from quantd.engine.qparams import choose_qparams, code_dtype, scale_torch_dtype
+from quantd.engine.qparams import choose_qparams, code_dtype, exact_scale, scale_torch_dtype
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError, NonFiniteError
 from quantd_client import Scheme
@@ -245,9 +245,37 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
     return None if codes is None else (codes, scale, zp)
 
 
+def _check_scales_fit(blocks: torch.Tensor, scale: torch.Tensor, scheme: Scheme, *, name: str) -> None:
+    """A ConfigError (field ``scale_dtype``) when a block's scale needed more than the scale dtype's largest
+    value (float16: 65504, e.g. int4 weights beyond ~4.9e5): its scale was clamped there and the block would
+    be clipped wholesale. Only blocks whose scale sits at that largest value are looked at (their min-max
+    range, an upper bound of any observer's), so this costs nothing otherwise."""
+    top = torch.finfo(scale.dtype).max
+    at_top = (scale.reshape(-1) >= top).nonzero().reshape(-1)
+    if at_top.numel() == 0:
+        return
+    sub = blocks.index_select(0, at_top).double()
+    need = exact_scale(sub.amin(1).clamp(max=0.0), sub.amax(1).clamp(min=0.0), dtype=scheme.dtype,
+                       symmetric=scheme.symmetric)
+    worst = float(need.max())
+    if worst > top:  # only float16 can: bfloat16 and float32 scales reach float32 weights' whole range
+        raise ConfigError(f"a scale of {worst:.3g} is needed, beyond {scheme.scale_dtype}'s largest value "
+                          f"{top:g}: use scale_dtype bfloat16 or float32", tensor=name, field="scale_dtype")
+
+
 def _check_input(x: torch.Tensor, *, name: str) -> None:
     if not x.is_floating_point():
         raise ConfigError(f"only floating-point tensors are quantized, not {x.dtype}", tensor=name, field="dtype")
+
+
+def _check_float32_range(x: torch.Tensor, *, name: str) -> None:
+    """float64 weights beyond float32's range: quantization runs in float32, where they became inf and were
+    reported as "NaN or Inf" (the casts to float16/bfloat16 saturate them instead)."""
+    if x.dtype == torch.float64 and x.numel():
+        big = float(x.abs().nan_to_num(nan=0.0).max())
+        if big > torch.finfo(torch.float32).max:
+            raise ConfigError(f"values up to {big:.3g} are beyond float32's range, in which quantization runs",
+                              tensor=name, field="dtype")
 
 
 def _nearest_from_float64(x: torch.Tensor, target: torch.dtype) -> torch.Tensor:
@@ -295,6 +323,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor",
     info = dtype_info(scheme.dtype)
     if info.kind == "float":
         return _cast(x, scheme, name=name)
+    _check_float32_range(x, name=name)
     gran = granularity_of(scheme)
     axis = check_applicable(tuple(x.shape), gran, name=name)
     blocks, sshape = block_view(x, gran, name=name)
@@ -312,6 +341,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor",
         else:
             done = _quantize_two_pass(enc, scheme, observer_range, name=name)
     codes, scale, zp = done
+    _check_scales_fit(blocks, scale, scheme, name=name)
     return QuantizedTensor(
         codes=unblock(codes, tuple(x.shape), gran), scale=scale.reshape(sshape),
         zero_point=None if zp is None else zp.reshape(sshape), shape=tuple(x.shape), dtype=scheme.dtype,

@@ -105,21 +105,34 @@ def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric:
     """
     info = dtype_info(dtype)
     sdt = scale_torch_dtype(scale_dtype)
-    if info.kind == "float":
-        raise ValueError(f"{dtype} is a plain cast and has no quantization parameters")
     lo64 = lo.to(work_dtype).clamp(max=0.0)
     hi64 = hi.to(work_dtype).clamp(min=0.0)
-    absmax = torch.maximum(-lo64, hi64)
-    if info.kind == "nf4":
-        return round_up_to(absmax, sdt), None
-    if info.kind == "fp8":
-        return round_up_to(absmax / info.max_finite, sdt), None
-    if symmetric:
-        half = (info.qmax - info.qmin) / 2.0
-        return _clear_of_ties(absmax, round_up_to(absmax / half, sdt), half), None
-    scale = round_up_to((hi64 - lo64) / (info.qmax - info.qmin), sdt)
+    exact = exact_scale(lo64, hi64, dtype=dtype, symmetric=symmetric)
+    if info.kind != "int" or symmetric:
+        scale = round_up_to(exact, sdt)
+        if info.kind == "int":
+            scale = _clear_of_ties(torch.maximum(-lo64, hi64), scale, (info.qmax - info.qmin) / 2.0)
+        return scale, None
+    scale = round_up_to(exact, sdt)
     zp = torch.round(info.qmin - lo64 / scale.to(work_dtype)).clamp_(info.qmin, info.qmax)
     return scale, zp.to(zero_point_dtype(dtype))
+
+
+def exact_scale(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool) -> torch.Tensor:
+    """The scale of the ranges ``lo ≤ 0 ≤ hi`` before rounding to a scale dtype, in their dtype: ``absmax``
+    (nf4), ``absmax / max_finite`` (fp8), ``absmax / ((qmax − qmin) / 2)`` (symmetric integer),
+    ``(hi − lo) / (qmax − qmin)`` (affine)."""
+    info = dtype_info(dtype)
+    if info.kind == "float":
+        raise ValueError(f"{dtype} is a plain cast and has no quantization parameters")
+    absmax = torch.maximum(-lo, hi)
+    if info.kind == "nf4":
+        return absmax
+    if info.kind == "fp8":
+        return absmax / info.max_finite
+    if symmetric:
+        return absmax / ((info.qmax - info.qmin) / 2.0)
+    return (hi - lo) / (info.qmax - info.qmin)
 
 
 def _clear_of_ties(absmax: torch.Tensor, scale: torch.Tensor, half: float) -> torch.Tensor:
