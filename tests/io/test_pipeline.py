@@ -245,6 +245,12 @@ def test_analyze_file(model_file: Path) -> None:
         assert sq[0] is not None and sq[1] is not None and sq[0] > sq[1]  # 8 bits beat 4 bits
     with pytest.raises(ConfigError, match="group_size"):
         analyze_file(model_file, [Scheme(dtype="int4", group_size=7)], device="cpu")
+    # which of the configs, and when the analyses fail, that it is them (they run on configs[0])
+    with pytest.raises(ConfigError, match=r"^configs\[1\]: field 'group_size'"):
+        analyze_file(model_file, [Scheme(dtype="int8", granularity="channel"), Scheme(dtype="int4", group_size=7)],
+                     device="cpu")
+    with pytest.raises(ConfigError, match=r"^analyses \(of configs\[0\]\): field 'dtype'"):
+        analyze_file(model_file, [Scheme(dtype="float16")], device="cpu", analyses=["scale_sensitivity"])
 
 
 def test_analyze_file_of_vectors_only_analyzes_them(tmp_path: Path) -> None:
