@@ -6,6 +6,9 @@ Nothing below the routes raises ``HTTPException``. Each error carries a problem 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class QuantdError(Exception):
     status: int = 400
@@ -69,3 +72,15 @@ class JobCancelled(QuantdError):
     status = 409
     title = "Job cancelled"
     type_ = "urn:quantd:cancelled"
+
+
+@contextlib.contextmanager
+def naming(part: str) -> Iterator[None]:
+    """A QuantdError raised inside says which ``part`` of the request it concerns (``configs[3]``, the
+    ``calibration`` file, ...): its detail gets ``part`` in front, its status and fields stay."""
+    try:
+        yield
+    except QuantdError as e:
+        e.detail = f"{part}: {e.detail}"
+        e.args = (e.detail,)
+        raise

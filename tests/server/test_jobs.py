@@ -168,6 +168,10 @@ async def test_calibration_file_is_accepted_with_the_job(make_server):
         r = await h.client.post("/v1/jobs", files=files, data={"config": json.dumps(CONFIG)})
         assert r.status_code == 202, r.text
         assert len(list((h.settings.data_dir / "uploads").iterdir())) == 2
+        files["calibration"] = ("acts.safetensors", b"garbage! not a tensor file", "application/octet-stream")
+        r = await h.client.post("/v1/jobs", files=files, data={"config": json.dumps(CONFIG)})
+        body = assert_problem(r, 415)  # which of the two files it is
+        assert body["detail"].startswith("the calibration file: unrecognised file content"), body
 
 
 async def test_calibration_ranges_land_in_the_report_and_artifact(server):

@@ -15,7 +15,6 @@ nothing is quantized). The artifact's metadata carries each quantized tensor's E
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from quantd.engine.types import QuantizedTensor
-from quantd.errors import ConfigError, JobCancelled, MalformedInputError, NonFiniteError
+from quantd.errors import ConfigError, JobCancelled, MalformedInputError, NonFiniteError, naming
 from quantd_client import (
     AnalyzeResponse,
     AnalyzeResult,
@@ -260,17 +259,6 @@ def _analyzable(t: TensorInfo, min_dims: int) -> bool:
     return torch_dtype(t.dtype) in QUANTIZABLE and len(t.shape) >= min_dims and math.prod(t.shape) > 0
 
 
-@contextlib.contextmanager
-def _which(part: str) -> Iterator[None]:
-    """A ConfigError inside says which ``part`` of the request it concerns (one of 16 configs, the analyses)."""
-    try:
-        yield
-    except ConfigError as e:
-        e.detail = f"{part}: {e.detail}"
-        e.args = (e.detail,)
-        raise
-
-
 def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: str | torch.device,
                  filename: str | None = None, analyses: Sequence[str] = ()) -> AnalyzeResponse:
     """Error statistics of every scheme (in order) on every float tensor with ≥ 2 dims; no artifact.
@@ -286,19 +274,19 @@ def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: 
                    or [t for t in reader.tensors if _analyzable(t, 1)])
         for t in targets:
             for i, s in enumerate(schemes):
-                with _which(f"configs[{i}]"):
+                with naming(f"configs[{i}]"):
                     quantized_layout(t.name, t.shape, s)
         for t in targets:
             x = reader.load(t.name, dev)
             results = []
             for i, s in enumerate(schemes):
                 try:
-                    with _which(f"configs[{i}]"):
+                    with naming(f"configs[{i}]"):
                         results.append(AnalyzeResult(scheme=s, stats=_measure(x, s, t.name)[0]))
                 except NonFiniteError:
                     check_finite(x, t.name)
                     raise
-            with _which("analyses (of configs[0])"):
+            with naming("analyses (of configs[0])"):
                 extra = run_analyses(x, schemes[0], analyses, t.name) if analyses else None
             out.append(AnalyzeTensor(name=t.name, shape=list(t.shape), results=results, analyses=extra))
             del x

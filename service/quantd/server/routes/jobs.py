@@ -10,6 +10,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
+from quantd.errors import naming
 from quantd_client import Job, JobList, QuantConfig, Report
 from quantd_client._schemas import JobStatus
 
@@ -86,7 +87,10 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             config = parse_json_field(form, "config", _CONFIG)
             upload = await run_engine(state, _check_upload, form.files["file"], config)
             calib = form.files.get("calibration")
-            calibration = await run_engine(state, _check_upload, calib, None) if calib is not None else None
+            calibration = None
+            if calib is not None:
+                with naming("the calibration file"):  # not the model's: both are checked the same way
+                    calibration = await run_engine(state, _check_upload, calib, None)
             state.metrics.inc("quantd_uploads_total", endpoint="jobs")
             run = runs.pop() if runs else None  # the jobs layer owns it from here
             return await state.jobs.submit(tenant=tenant, upload=upload, config=config, calibration=calibration,
