@@ -186,14 +186,18 @@ def row_range(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return KERNELS.call("range", _range, (blocks.dtype,), blocks)
 
 
+def _code_bounds(qmin: int | None, qmax: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An integer dtype's code range as 0-d float32 tensors (zeros for other dtypes). The bounds go into the
+    kernels as tensors, not constants: one compiled kernel serves every bit width (Dynamo recompiles per
+    constant value, and stops compiling a function after a few variants)."""
+    return (torch.tensor(float(qmin or 0), dtype=torch.float32), torch.tensor(float(qmax or 0), dtype=torch.float32))
+
+
 def encode_int(blocks: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int,
                out_dtype: torch.dtype) -> torch.Tensor | None:
     """``clamp(round(x / scale) + zero_point, qmin, qmax)`` as ``out_dtype``; scale/zero point are float32
     columns ``[B, 1]``."""
-    # The bounds go in as tensors, not constants: one compiled kernel serves every bit width (Dynamo
-    # recompiles per constant value, and stops compiling a function after a few variants).
-    lo = torch.tensor(float(qmin), dtype=torch.float32)
-    hi = torch.tensor(float(qmax), dtype=torch.float32)
+    lo, hi = _code_bounds(qmin, qmax)
     return KERNELS.call("int", _encode_int, (blocks.dtype, out_dtype), blocks, scale, zero_point, lo, hi, out_dtype)
 
 
@@ -251,8 +255,7 @@ def quantize_minmax(blocks: torch.Tensor, info: DTypeInfo, *, dtype: str, symmet
     and temporaries (on a 4096² weight 11–17 % faster for integer dtypes, 9 % for nf4 g64). Returns codes,
     whether every range is finite, scale and zero point (None when symmetric or nf4); None when not
     compiled."""
-    lo_q = torch.tensor(float(info.qmin or 0), dtype=torch.float32)
-    hi_q = torch.tensor(float(info.qmax or 0), dtype=torch.float32)
+    lo_q, hi_q = _code_bounds(info.qmin, info.qmax)
     out = KERNELS.call("minmax", _quantize_minmax, (blocks.dtype, dtype, symmetric, scale_dtype, out_dtype),
                        blocks, info.kind, dtype, symmetric, scale_dtype, lo_q, hi_q, out_dtype)
     if out is None:
@@ -334,11 +337,10 @@ NO_REALIZE: dict[str, Any] = {"realize_cpu_opcount_threshold": 1000}
 
 def error_args(info: DTypeInfo, dtype: str) -> tuple[torch.Tensor, torch.Tensor, str, tuple[float, int, int]]:
     """What :func:`candidate_error` takes besides the blocks and candidates for ``dtype``: an integer
-    dtype's code range as 0-d float32 tensors (one compiled kernel serves every bit width), the kind of
-    dtype, and an fp8 dtype's largest finite value, mantissa bits and smallest normal exponent."""
+    dtype's code range (:func:`_code_bounds`), the kind of dtype, and an fp8 dtype's largest finite value,
+    mantissa bits and smallest normal exponent."""
     fp8 = (info.max_finite, *fp8_format(dtype)) if info.kind == "fp8" else (0.0, 0, 0)
-    return (torch.tensor(float(info.qmin or 0), dtype=torch.float32),
-            torch.tensor(float(info.qmax or 0), dtype=torch.float32), info.kind, fp8)
+    return (*_code_bounds(info.qmin, info.qmax), info.kind, fp8)
 
 
 def candidate_error(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor, zero_point: torch.Tensor,

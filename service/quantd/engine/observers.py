@@ -670,10 +670,8 @@ class ActivationObserver:
         as one tensor: per sample is the only batching it tells."""
         self._check_batch(batch)
         n = batch.shape[0]
-        if self.per_channel:  # a sample has its channels on another axis than N's
-            per_sample = batch.dim() >= 2 and self.axis % batch.dim() != 0
-        else:
-            per_sample = True
+        # per channel, a sample's channels must lie on another axis than N's
+        per_sample = not self.per_channel or (batch.dim() >= 2 and self.axis % batch.dim() != 0)
         if self.scheme.observer != "ema" or n == 1 or not per_sample:
             self.update(batch)
             return

@@ -107,13 +107,11 @@ def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric:
     sdt = scale_torch_dtype(scale_dtype)
     lo64 = lo.to(work_dtype).clamp(max=0.0)
     hi64 = hi.to(work_dtype).clamp(min=0.0)
-    exact = exact_scale(lo64, hi64, dtype=dtype, symmetric=symmetric)
+    scale = round_up_to(exact_scale(lo64, hi64, dtype=dtype, symmetric=symmetric), sdt)
+    if info.kind == "int" and symmetric:
+        scale = _clear_of_ties(torch.maximum(-lo64, hi64), scale, (info.qmax - info.qmin) / 2.0)
     if info.kind != "int" or symmetric:
-        scale = round_up_to(exact, sdt)
-        if info.kind == "int":
-            scale = _clear_of_ties(torch.maximum(-lo64, hi64), scale, (info.qmax - info.qmin) / 2.0)
         return scale, None
-    scale = round_up_to(exact, sdt)
     zp = torch.round(info.qmin - lo64 / scale.to(work_dtype)).clamp_(info.qmin, info.qmax)
     return scale, zp.to(zero_point_dtype(dtype))
 
