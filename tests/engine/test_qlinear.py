@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from quantd.engine.qlinear import QuantizedLinear, int8_matmul
-from quantd.errors import MalformedInputError
+from quantd.errors import ConfigError, MalformedInputError
 
 
 def _layer(in_f: int = 64, out_f: int = 24, seed: int = 0) -> tuple[nn.Linear, torch.Tensor]:
@@ -92,3 +92,48 @@ def test_cuda_accumulation_is_exact(rows: int) -> None:
     qc = q.cuda()
     acc = qc.accumulate(qc.quantize_input(x.cuda()))
     assert torch.equal(acc.cpu().long(), ref)
+
+
+def test_pruned_and_tiny_rows_keep_their_bias() -> None:
+    # An all-zero row's absmax scale is the smallest float32: its bias code was clamped to ±2³¹ (the output
+    # ~1e-38 instead of the bias), and a row of ~1e-7 weights overflowed int32 when the bias was added
+    # (the output's sign flipped). Such rows' scales now leave the bias room in the accumulator.
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 8)
+    with torch.no_grad():
+        lin.weight[3] = 0.0
+        lin.weight[5] *= 1e-6
+        lin.bias[:] = torch.linspace(-0.5, 0.5, 8)
+    x = torch.randn(4, 64)
+    q = QuantizedLinear.from_float(lin, input_scale=float(x.abs().max()) / 127)
+    y, y_float = q(x).double(), lin(x).detach().double()
+    assert torch.allclose(y[:, [3, 5]], y_float[:, [3, 5]], rtol=1e-6, atol=0)
+    assert torch.equal(q.accumulate(q.quantize_input(x)).long(), _reference_acc(q, x))  # no wrap-around
+    assert int(q.bias_codes.abs().max()) <= 2**31 - 1 - 64 * 255 * 128  # type: ignore[union-attr]
+    untouched = [0, 1, 2, 4, 6, 7]  # rows whose biases fit keep their min-max scales
+    want = lin.weight.detach().abs().amax(1)[untouched] / 127.5
+    assert torch.allclose(q.weight_scale[untouched], want, rtol=1e-6)
+
+
+def test_a_bias_code_beyond_the_accumulator_headroom_is_refused() -> None:
+    codes = torch.zeros(2, 64, dtype=torch.int8)
+    with pytest.raises(ConfigError, match="overflow the int32 accumulator"):
+        QuantizedLinear(codes, torch.ones(2), torch.tensor([0, 2**31 - 1], dtype=torch.int32), input_scale=1.0)
+
+
+def test_state_dict_round_trip_into_a_placeholder_layer() -> None:
+    lin, x = _layer(seed=3)
+    q = QuantizedLinear.from_float(lin, input_scale=float(x.abs().max()) / 127, input_zero_point=3,
+                                   output_scale=0.05, output_zero_point=-2)
+    for bias in (None, torch.zeros(24, dtype=torch.int32)):  # a placeholder made with or without a bias
+        fresh = QuantizedLinear(torch.zeros(24, 64, dtype=torch.int8), torch.ones(24), bias, input_scale=1.0)
+        fresh.load_state_dict(q.state_dict())
+        assert torch.equal(fresh(x), q(x))
+        assert (fresh.input_scale, fresh.input_zero_point, fresh.output_scale, fresh.output_zero_point) == \
+            (q.input_scale, q.input_zero_point, q.output_scale, q.output_zero_point)
+    lin.bias = None
+    q_nobias = QuantizedLinear.from_float(lin, input_scale=0.1)
+    fresh = QuantizedLinear(torch.zeros(24, 64, dtype=torch.int8), torch.ones(24), torch.zeros(24, dtype=torch.int32),
+                            input_scale=1.0)
+    fresh.load_state_dict(q_nobias.state_dict())
+    assert fresh.bias_codes is None and torch.equal(fresh(x), q_nobias(x))
