@@ -352,3 +352,41 @@ async def test_ready(make_service: MakeService) -> None:
     assert api_only.ready()["workers"] == 1  # the other service's worker, seen through the DB
     await svc.stop()
     assert api_only.ready()["workers"] == 0
+
+
+async def test_a_worker_that_lost_its_lease_leaves_the_finished_job_alone(make_service: MakeService,
+                                                                          model_file: Path) -> None:
+    """A worker stalled past its lease (a paused VM, swap) while another finished the job must not
+    replace that job's artifact and report when it comes back: the served file would no longer match
+    the job's ETag/sha256. Found by a durability audit with SIGSTOP/SIGCONT."""
+    started, release = threading.Event(), threading.Event()
+
+    def stalled(src: Path, dst: Path, config: QuantConfig, **kwargs: Any) -> Report:
+        report = cast_pipeline(src, dst, config, device="cpu")
+        started.set()
+        release.wait(10)  # ignores its lost lease, as a stopped process would
+        return report
+
+    svc = make_service(quantize_fn=stalled)
+    job = await svc.submit(tenant="a", upload=make_upload(svc, model_file), config=CONFIG)
+    await asyncio.to_thread(wait_for, started.is_set, what="the pipeline to start")
+    # What the reaper and a second worker do meanwhile: take the job over and finish it.
+    with svc.store._tx() as db:  # type: ignore[attr-defined]
+        db.execute("UPDATE jobs SET lease_owner = 'B#2', attempts = 2 WHERE id = ?", (job.id,))
+    tmp = svc.storage.artifact_tmp_path(job.id)
+    tmp.write_bytes(b"B's artifact")
+    theirs = svc.storage.commit_artifact(tmp, job.id)
+    svc.storage.put_report(job.id, '{"by": "B"}')
+    summary = {"tensors_quantized": 0, "tensors_skipped": 0, "input_bytes": 0, "output_bytes": 0,
+               "compression_ratio": 1.0, "bits_per_weight": 0.0, "mean_sqnr_db": None, "min_sqnr_db": None,
+               "worst_tensor": None, "elapsed_s": 0.0, "device": "cpu"}
+    assert svc.store.complete(job.id, "B#2", {"artifact_bytes": theirs.bytes, "artifact_sha256": theirs.sha256,
+                                              "summary": summary})
+    release.set()
+    await asyncio.to_thread(wait_for, lambda: not any(svc.storage.tmp.iterdir()), what="the stalled worker to end")
+    await asyncio.sleep(0.2)
+    done = await svc.get("a", job.id)
+    assert done.status == "succeeded" and done.result is not None
+    assert done.result.artifact_sha256 == theirs.sha256
+    assert sha256_file(svc.storage.artifact_path(job.id)) == theirs.sha256
+    assert svc.storage.get_report(job.id) == '{"by": "B"}'

@@ -69,8 +69,12 @@ class ArtifactStore(Protocol):
     def upload_path(self, job_id: str, kind: UploadKind) -> Path: ...
     def artifact_tmp_path(self, job_id: str) -> Path: ...
     def commit_artifact(self, tmp: Path, job_id: str) -> StoredArtifact: ...
+    def seal_artifact(self, tmp: Path) -> tuple[str, int]: ...
+    def install_artifact(self, tmp: Path, job_id: str) -> Path: ...
     def artifact_path(self, job_id: str) -> Path: ...
     def put_report(self, job_id: str, report_json: str) -> None: ...
+    def stage_report(self, job_id: str, report_json: str) -> Path: ...
+    def install_report(self, tmp: Path, job_id: str) -> None: ...
     def get_report(self, job_id: str) -> str | None: ...
     def delete_job_files(self, job_id: str) -> None: ...
     def writable(self) -> bool: ...
@@ -176,26 +180,42 @@ class LocalStorage:
         return self.inside(self.tmp / f"artifact-{job_id}-{uuid.uuid4().hex[:12]}.part")
 
     def commit_artifact(self, tmp: Path, job_id: str) -> StoredArtifact:
+        sha256, size = self.seal_artifact(tmp)
+        return StoredArtifact(path=self.install_artifact(tmp, job_id), bytes=size, sha256=sha256)
+
+    def seal_artifact(self, tmp: Path) -> tuple[str, int]:
+        """A finished artifact's temporary file on disk (fsync), its sha256 and size."""
         tmp = self.inside(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        digest, size = sha256_file(tmp), tmp.stat().st_size
+        return sha256_file(tmp), tmp.stat().st_size
+
+    def install_artifact(self, tmp: Path, job_id: str) -> Path:
+        """Move a sealed artifact to the job's artifact path (atomically, replacing any)."""
         dst = self.artifact_path(job_id)
-        os.replace(tmp, dst)
+        os.replace(self.inside(tmp), dst)
         fsync_dir(dst.parent)
-        return StoredArtifact(path=dst, bytes=size, sha256=digest)
+        return dst
 
     def artifact_path(self, job_id: str) -> Path:
         return self._job_file(self.artifacts, job_id, ".safetensors")
 
     def put_report(self, job_id: str, report_json: str) -> None:
-        dst = self._job_file(self.reports, job_id, ".json")
+        self.install_report(self.stage_report(job_id, report_json), job_id)
+
+    def stage_report(self, job_id: str, report_json: str) -> Path:
+        """The report written (fsync) to a temporary file of its own, for :meth:`install_report`."""
+        self._job_file(self.reports, job_id, ".json")  # a job id, not a path
         tmp = self.inside(self.tmp / f"report-{job_id}-{uuid.uuid4().hex[:12]}.part")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(report_json)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, dst)
+        return tmp
+
+    def install_report(self, tmp: Path, job_id: str) -> None:
+        dst = self._job_file(self.reports, job_id, ".json")
+        os.replace(self.inside(tmp), dst)
         fsync_dir(dst.parent)
 
     def get_report(self, job_id: str) -> str | None:

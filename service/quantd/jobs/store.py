@@ -79,7 +79,8 @@ class JobStore(Protocol):
     def heartbeat(self, job_id: str, owner: str, lease_s: float,
                   progress: dict[str, Any] | None) -> LeaseState: ...
     def lease_state(self, job_id: str, owner: str) -> LeaseState: ...
-    def complete(self, job_id: str, owner: str, result: dict[str, Any]) -> bool: ...
+    def complete(self, job_id: str, owner: str, result: dict[str, Any],
+                 before_commit: Callable[[], None] | None = None) -> bool: ...
     def fail(self, job_id: str, owner: str, error: dict[str, Any]) -> bool: ...
     def finish_cancelled(self, job_id: str, owner: str) -> bool: ...
     def release(self, job_id: str, owner: str) -> bool: ...
@@ -261,10 +262,22 @@ class SQLiteJobStore:
                 (status, _js(result), _js(error), self.clock(), job_id, owner)).fetchone()
         return row is not None
 
-    def complete(self, job_id: str, owner: str, result: dict[str, Any]) -> bool:
-        """Late acknowledgement: called after artifact and report are stored. False when the lease
-        was lost or a cancel was asked meanwhile."""
-        return self._finish(job_id, owner, "succeeded", result=result, extra_where=" AND cancel_requested = 0")
+    def complete(self, job_id: str, owner: str, result: dict[str, Any],
+                 before_commit: Callable[[], None] | None = None) -> bool:
+        """Late acknowledgement, once artifact and report are ready. False when the lease was lost or a
+        cancel was asked meanwhile. ``before_commit`` (moving artifact and report into place) runs in the
+        same transaction, after the lease is found held: the lease owner is a fencing token, and a worker
+        that lost its lease (stalled past it while another finished the job) never replaces the files
+        of the job it no longer owns. Raising rolls the completion back."""
+        with self._tx() as db:
+            row = db.execute(
+                "UPDATE jobs SET status = 'succeeded', result = ?, finished_at = ?, lease_owner = NULL,"
+                " lease_expires_at = NULL WHERE id = ? AND lease_owner = ? AND status = 'running'"
+                " AND cancel_requested = 0 RETURNING id",
+                (_js(result), self.clock(), job_id, owner)).fetchone()
+            if row is not None and before_commit is not None:
+                before_commit()
+        return row is not None
 
     def fail(self, job_id: str, owner: str, error: dict[str, Any]) -> bool:
         return self._finish(job_id, owner, "failed", error=error)

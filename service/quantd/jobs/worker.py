@@ -213,12 +213,21 @@ class Worker:
             if outcome is None:  # cancelled, lease lost, or shutting down
                 self._end_interrupted(job, owner)
                 return
-            artifact = self.storage.commit_artifact(tmp, job.id)
+            sha256, size = self.storage.seal_artifact(tmp)
             report = outcome.model_copy(update={"job_id": job.id})
-            self.storage.put_report(job.id, report.model_dump_json())
-            result = {"artifact_bytes": artifact.bytes, "artifact_sha256": artifact.sha256,
+            report_tmp = self.storage.stage_report(job.id, report.model_dump_json())
+            result = {"artifact_bytes": size, "artifact_sha256": sha256,
                       "summary": report.summary.model_dump(mode="json")}
-            if not self.store.complete(job.id, owner, result):
+
+            def install() -> None:  # only while the lease is held (store.complete): the files are the job's
+                self.storage.install_artifact(tmp, job.id)
+                self.storage.install_report(report_tmp, job.id)
+
+            try:
+                done = self.store.complete(job.id, owner, result, before_commit=install)
+            finally:
+                report_tmp.unlink(missing_ok=True)
+            if not done:
                 self._end_interrupted(job, owner)
         finally:
             tmp.unlink(missing_ok=True)
