@@ -353,7 +353,7 @@ def _dequantize_compiled(blocks: torch.Tensor, scale: torch.Tensor, zero_point: 
                          info: DTypeInfo) -> torch.Tensor | None:
     """The float32 blocks of ``dequantize`` through one fused kernel; None: run eager."""
     if info.kind == "nf4":
-        return kernels.decode_nf4(blocks, scale, NF4_CODEBOOK_F32)
+        return kernels.decode_nf4(blocks, scale)
     # (c − 0) · s is c · s exactly: symmetric codes take the same kernel with a zero column.
     zp = torch.zeros_like(scale) if zero_point is None else zero_point.reshape(-1, 1).float()
     return kernels.decode(blocks, scale, zp)

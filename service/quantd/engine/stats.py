@@ -57,14 +57,17 @@ def bits_per_weight(qt: QuantizedTensor) -> float:
     return total / numel
 
 
-def theoretical_max_error(qt: QuantizedTensor, absmax: float) -> float:
+def theoretical_max_error(qt: QuantizedTensor, absmax: float | None) -> float:
     """Half the largest quantization step; elements not clipped never exceed it.
 
     Integer dtypes: max(scale)/2. nf4: half the largest codebook gap × max(scale). fp8: half the
-    step at the top of the fp8 range × max(scale). float16/bfloat16: half an ulp at ``absmax``.
+    step at the top of the fp8 range × max(scale). float16/bfloat16: half an ulp at ``absmax`` (the
+    input's largest ``|x|``, which only these need).
     """
     info = DTYPES[qt.dtype]
     if info.kind == "float":
+        if absmax is None:
+            raise ValueError(f"the bound of a {qt.dtype} cast needs the input's largest |x|")
         finfo = torch.finfo(FLOAT_TORCH_DTYPES[qt.dtype])
         m = min(absmax, finfo.max)
         if m == 0.0:
@@ -148,7 +151,7 @@ class _Moments:
     sum_e2: float
     sum_abs_e: float
     max_abs_e: float
-    max_abs_x: float
+    max_abs_x: float | None  # None from the fused codes path (only float casts use it)
 
 
 def _chunk_sums(xc: torch.Tensor, hc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -206,7 +209,7 @@ def _merge(s: torch.Tensor) -> _Moments:
     mx = s.amax(dim=0).tolist()
     return _Moments(n=int(tot[_N]), mean=float(mean), m2=float(m2), sum_x2=tot[_SUM_X2], sum_h2=tot[_SUM_H2],
                     sum_xh=tot[_SUM_XH], sum_e2=tot[_SUM_E2], sum_abs_e=tot[_SUM_ABS_E],
-                    max_abs_e=mx[_MAX_ABS_E], max_abs_x=mx[_MAX_ABS_X])
+                    max_abs_e=mx[_MAX_ABS_E], max_abs_x=None if math.isnan(mx[_MAX_ABS_X]) else mx[_MAX_ABS_X])
 
 
 def _outlier_count(x: torch.Tensor, mean: float, threshold: float) -> int:
