@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -390,3 +391,22 @@ async def test_a_worker_that_lost_its_lease_leaves_the_finished_job_alone(make_s
     assert done.result.artifact_sha256 == theirs.sha256
     assert sha256_file(svc.storage.artifact_path(job.id)) == theirs.sha256
     assert svc.storage.get_report(job.id) == '{"by": "B"}'
+
+
+async def test_a_killed_worker_process_stops_counting_as_live_at_once(make_service: MakeService) -> None:
+    """A worker process killed with SIGKILL never unregisters; its fresh heartbeat row made /readyz and
+    /metrics count it live (and busy) for up to lease_s. Its process is gone, so it no longer counts."""
+    import subprocess
+    import sys
+
+    from quantd.jobs.worker import BOOT, HOST
+
+    svc = make_service(workers=0)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    svc.store.register_worker(f"{HOST}/{gone.pid}/{BOOT}/w0", "cpu")
+    svc.store.worker_heartbeat(f"{HOST}/{gone.pid}/{BOOT}/w0", "some-job")
+    alive = f"{HOST}/{os.getppid()}/{BOOT}/w0"  # a process that is running (our parent)
+    svc.store.register_worker(alive, "cpu")
+    svc.store.worker_heartbeat(alive, "other-job")
+    assert svc.live_workers() == 1 and svc.busy_workers() == 1

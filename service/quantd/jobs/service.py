@@ -22,7 +22,7 @@ from .records import STATUSES, JobRecord
 from .signals import JobSignals
 from .storage import ArtifactStore, StoredUpload, is_job_id
 from .store import JobStore
-from .worker import QuantizeFn
+from .worker import QuantizeFn, owner_is_dead
 
 T = TypeVar("T")
 MAX_LIMIT = 100
@@ -296,8 +296,11 @@ class JobService:
         return self.store.succeeded_input_bytes()
 
     def _remote_workers(self) -> builtins.list[dict[str, Any]]:
+        """Other processes' workers with a heartbeat within lease_s, less those whose process on this host is
+        gone (a worker killed with SIGKILL counted as live, and busy, until its heartbeat aged out)."""
         local = {w.id for w in self._pool.workers} if self._pool else set()
-        return [w for w in self.store.live_workers(self.config.lease_s) if w["id"] not in local]
+        return [w for w in self.store.live_workers(self.config.lease_s)
+                if w["id"] not in local and not owner_is_dead(w["id"])]
 
     def upload_runs(self) -> dict[str, int]:
         """Quantizations started during uploads, and those whose artifact became their job's."""
