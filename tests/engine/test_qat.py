@@ -33,7 +33,7 @@ def test_clamped_ste_is_zero_outside_the_representable_range() -> None:
     y = FakeQuantizeClamped.apply(x, s, zp, QMIN, QMAX)
     y.backward(torch.ones(41, dtype=torch.float64))
     lo, hi = (QMIN - 1) * 0.25, (QMAX - 1) * 0.25  # [-2.25, 1.5]
-    inside = (x.detach() >= lo - 0.125) & (x.detach() < hi + 0.125)  # round to the end codes still inside
+    inside = (x.detach() >= lo) & (x.detach() <= hi)
     assert x.grad is not None
     torch.testing.assert_close(x.grad, inside.double())
     assert 0 < int(inside.sum()) < 41
@@ -123,3 +123,54 @@ def test_module_rejects_non_integer_and_unobserved() -> None:
     fq.freeze()
     with pytest.raises(ConfigError, match="scale"):
         fq(torch.randn(3))
+
+
+def test_the_half_step_beyond_either_end_is_outside() -> None:
+    # s = 0.25, zp = 2: the range is [(qmin − zp)·s, (qmax − zp)·s] = [−2.5, 1.25]. x = −2.6 and 1.3 round
+    # onto the end codes but lie outside it: the documented (and LSQ's) gradients are those of clamped
+    # values. They were classified by the rounded code (gradient 1, and round(u) − u for the scale), and
+    # ties made the two ends differ: x = (qmin − zp − ½)·s counted as inside, (qmax − zp + ½)·s outside.
+    s, zp = torch.tensor(0.25, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)
+    x = torch.tensor([-2.6, -2.625, -2.5, 1.25, 1.3, 1.375, 0.3], dtype=torch.float64, requires_grad=True)
+    FakeQuantizeClamped.apply(x, s, zp, QMIN, QMAX).sum().backward()
+    assert x.grad is not None and x.grad.tolist() == [0, 0, 1, 1, 0, 0, 1]
+    x.grad = None
+    s_l = s.clone().requires_grad_()
+    LSQ.apply(x, s_l, zp, QMIN, QMAX, 1.0).backward(torch.tensor([0, 0, 0, 0, 1, 0, 0], dtype=torch.float64))
+    assert s_l.grad is not None and float(s_l.grad) == QMAX - 2  # clamped above: qmax − zp, not round(u) − u
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_module_keeps_a_low_precision_input_dtype_and_quantizes_in_float32(granularity: str,
+                                                                           dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 256).to(dtype)
+    fq = FakeQuantize(Scheme(dtype="int8", symmetric=True, granularity=granularity), axis=0)
+    y = fq(x)
+    assert y.dtype == dtype  # per channel it came back float32
+    fq32 = FakeQuantize(Scheme(dtype="int8", symmetric=True, granularity=granularity), axis=0)
+    want = fq32(x.float())  # the same values quantized in float32 (x / s was rounded in float16/bfloat16)
+    torch.testing.assert_close(fq.scale, fq32.scale)
+    assert torch.equal(y, want.to(dtype))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_state_dict_round_trip_keeps_a_frozen_module_frozen(granularity: str) -> None:
+    torch.manual_seed(0)
+    fq = FakeQuantize(Scheme(dtype="int8", granularity=granularity), axis=0)
+    fq(torch.randn(8, 32))
+    fq.freeze()
+    fresh = FakeQuantize(Scheme(dtype="int8", granularity=granularity), axis=0)
+    fresh.load_state_dict(fq.state_dict())  # per channel: "size mismatch for scale: [8] vs []"
+    x = torch.randn(8, 32) * 5
+    assert torch.equal(fresh(x), fq(x))  # not re-observed: the loaded scale stays
+    assert not fresh.observing and torch.equal(fresh.scale, fq.scale)
+
+
+def test_an_empty_batch_passes_through() -> None:
+    fq = FakeQuantize(Scheme(dtype="int8", symmetric=True, granularity="tensor"))
+    empty = torch.empty(0, 16)
+    assert fq(empty).shape == (0, 16)
+    x = torch.randn(4, 16)
+    assert torch.equal(fq(x), FakeQuantize(Scheme(dtype="int8", symmetric=True, granularity="tensor"))(x))  # nothing was observed

@@ -5,20 +5,23 @@ against ``x`` (per tensor: scalars; per channel: size ``C`` on the channel axis,
 
 - :class:`FakeQuantizeSTE`: ``∂x̂/∂x = 1`` everywhere (straight-through estimator).
 - :class:`FakeQuantizeClamped`: ``∂x̂/∂x = 1`` inside the representable range
-  ``[(qmin − zp)·s, (qmax − zp)·s]`` (where no clamping happened), 0 outside.
+  ``[(qmin − zp)·s, (qmax − zp)·s]``, 0 outside (judged on ``x/s + zp`` before rounding).
 - :class:`LSQ` (Esser et al. 2019, "Learned Step Size Quantization"): gradients for ``x`` as the
   clamped STE, and for the scale, with ``u = x / s``::
 
       ∂x̂/∂s = round(u) − u     inside
-              qmin − zp        clamped below
-              qmax − zp        clamped above
+              qmin − zp        below the range
+              qmax − zp        above the range
 
   summed to the scale's shape and multiplied by ``grad_scale`` (LSQ's ``g = 1/√(N·Qp)``).
 
 :class:`FakeQuantize` is the ``nn.Module``: while observing, each forward updates a streaming
 :class:`~quantd.engine.observers.ActivationObserver` and sets ``scale``/``zero_point`` from it
 (``choose_qparams``); :meth:`FakeQuantize.freeze` fixes them. ``learnable=True`` makes the scale an
-``nn.Parameter`` trained by LSQ (the zero point stays fixed).
+``nn.Parameter`` trained by LSQ (the zero point stays fixed). The module computes in float32 (float64
+inputs in float64) and returns its input's dtype; its ``state_dict`` holds scale, zero point and whether
+it still observes (the observer's running statistics are not saved: a loaded module that still observes
+starts them afresh).
 """
 
 from __future__ import annotations
@@ -65,10 +68,12 @@ class FakeQuantizeSTE(torch.autograd.Function):
 
 def _inside(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Masks of the elements clamped below / above, and the unrounded codes ``u = x / s``."""
+    """Masks of the elements below / above the representable range ``[(qmin − zp)·s, (qmax − zp)·s]``
+    (by the unrounded ``u + zp``, as LSQ's ``−Qn ≤ v/s ≤ Qp``: the half step beyond each end, which
+    rounds onto it, counts as outside), and the unrounded codes ``u = x / s``."""
     u = x / scale
-    q = torch.round(u) + zero_point
-    return q < qmin, q > qmax, u
+    t = u + zero_point
+    return t < qmin, t > qmax, u
 
 
 class FakeQuantizeClamped(torch.autograd.Function):
@@ -164,17 +169,37 @@ class FakeQuantize(nn.Module):
         shape[self.observer.axis % x.dim()] = t.numel()
         return t.reshape(shape)
 
+    def get_extra_state(self) -> dict[str, bool]:
+        return {"observing": self.observing}
+
+    def set_extra_state(self, state: dict[str, bool]) -> None:
+        self.observing = bool(state["observing"])
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # A per-channel module's scale and zero point have one value per channel, which a fresh one (0-d
+        # until it observes) does not know yet: they take the checkpoint's shapes.
+        for name in ("scale", "zero_point"):
+            saved = state_dict.get(prefix + name)
+            if isinstance(saved, torch.Tensor) and saved.shape != getattr(self, name).shape:
+                getattr(self, name).data = torch.empty_like(saved, device=getattr(self, name).device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # nothing to observe or quantize (an empty batch passes through)
+            return x.clone()
         if self.observing:
             self._observe(x)
         if not bool(self.initialised):
             raise ConfigError("frozen before observing any input: no scale to quantize with",
                               tensor=self.name, field="scale")
-        scale = self._broadcast(self.scale.clamp(min=torch.finfo(torch.float32).tiny), x)
-        zp = self._broadcast(self.zero_point, x)
+        # float32 (float64 inputs: float64) whatever the input: x / s rounded in float16 or bfloat16 gave
+        # other codes, and errors beyond s/2; per channel, a half input came back float32.
+        xw = x if x.dtype == torch.float64 else x.float()
+        scale = self._broadcast(self.scale.clamp(min=torch.finfo(torch.float32).tiny), xw).to(xw.dtype)
+        zp = self._broadcast(self.zero_point, xw).to(xw.dtype)
         if self.learnable:
             grad_scale = 1.0 / math.sqrt(max(x.numel() // max(self.scale.numel(), 1), 1) * self.qmax)
-            out: torch.Tensor = LSQ.apply(x, scale, zp, self.qmin, self.qmax, grad_scale)  # type: ignore[no-untyped-call]
+            out: torch.Tensor = LSQ.apply(xw, scale, zp, self.qmin, self.qmax, grad_scale)  # type: ignore[no-untyped-call]
         else:
-            out = FakeQuantizeSTE.apply(x, scale, zp, self.qmin, self.qmax)  # type: ignore[no-untyped-call]
-        return out
+            out = FakeQuantizeSTE.apply(xw, scale, zp, self.qmin, self.qmax)  # type: ignore[no-untyped-call]
+        return out.to(x.dtype)
