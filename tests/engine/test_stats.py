@@ -159,8 +159,10 @@ def test_clipped_count_only_in_blocks_that_clip(scheme: Scheme, monkeypatch: pyt
         zp = torch.zeros(1) if qt.zero_point is None else qt.zero_point.reshape(-1, 1).float()
         lim_lo, lim_hi = (-8 if qt.dtype == "int4" else 0) - 0.5 - zp, (7 if qt.dtype == "int4" else 15) + 0.5 - zp
         outside = (q < lim_lo) | (q > lim_hi)
-    else:
-        outside = q.abs() > (1.0 if qt.dtype == "nf4" else 57344.0)
+    elif qt.dtype == "nf4":  # beyond the end levels ±1 by more than half the gap next to them
+        outside = (q < -1 - (1 - 0.6961928009986877) / 2) | (q > 1 + (1 - 0.7229568362236023) / 2)
+    else:  # e5m2: beyond 57344 by more than half its top step (8192)
+        outside = q.abs() > 57344.0 + 4096.0
     expected = int(outside.sum())
     assert expected > 0 and int(outside[1::2].sum()) == 0  # only the shrunk blocks clip
     monkeypatch.setattr(stats, "_CHUNK", 40)  # several chunks of suspect rows
@@ -261,3 +263,20 @@ def test_shape_mismatch_is_an_error() -> None:
 def test_theoretical_sqnr_formula() -> None:
     assert theoretical_sqnr_db(8) == pytest.approx(49.92)
     assert theoretical_sqnr_db(4) == pytest.approx(25.84)
+
+
+@pytest.mark.parametrize("dtype", ["nf4", "fp8_e4m3"])
+def test_nf4_and_fp8_count_as_clipped_only_beyond_half_a_step(dtype: str) -> None:
+    # As for integer dtypes: a value within half a step beyond the end level rounds onto it anyway, its
+    # error within the bound. nf4 counted every |x/s| > 1 (with a percentile range ~1 % of a g64 weight,
+    # elements off by a hair), fp8 every |x/s| > max_finite.
+    top, step = (1.0, 1 - 0.7229568362236023) if dtype == "nf4" else (448.0, 32.0)
+    s = 0.5
+    x = torch.tensor([[top * s, (top + 0.4 * step) * s, (top + 0.6 * step) * s, -top * s, 0.1]])
+    qt = quantize(x, _scheme(dtype=dtype, granularity="tensor"), observer_range=(torch.tensor(-top * s),
+                                                                                  torch.tensor(top * s)))
+    assert qt.scale is not None and float(qt.scale.float()) == s  # the end level is top · s
+    st = stats.quantized_error_stats(x, qt)
+    assert st.clipped_fraction == pytest.approx(1 / 5)  # only the one 0.6 steps beyond
+    e = (x.double() - dequantize(qt, dtype=torch.float64)).abs()[0]
+    assert float(e[1]) <= st.theoretical_max_error < float(e[2])  # type: ignore[operator]

@@ -42,7 +42,9 @@ def _flat_chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 def theoretical_sqnr_db(bits: int) -> float:
-    """SQNR of a uniform ``bits``-bit quantizer of a full-scale uniform signal: 6.02·b + 1.76 dB."""
+    """The textbook SQNR of a ``bits``-bit uniform quantizer, 6.02·b + 1.76 dB: that of a full-scale sine
+    wave (a full-scale uniform signal gives 6.02·b dB; Gaussian-like weights, whose range is set by rare
+    extremes, give several dB less)."""
     return 6.02 * bits + 1.76
 
 
@@ -86,8 +88,10 @@ def theoretical_max_error(qt: QuantizedTensor, absmax: float | None) -> float:
 
 
 def _block_bounds(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block row, the interval of ``x / scale`` that is not clipped: ``[qmin − ½ − zp, qmax + ½ − zp]``
-    (integers), ``[−1, 1]`` (nf4), ``[−max_finite, max_finite]`` (fp8); float32 columns ``[B, 1]``."""
+    """Per block row, the interval of ``x / scale`` that is not clipped, float32 columns ``[B, 1]``: the
+    representable range and the half step beyond each end, which rounds onto the end value anyway:
+    ``[qmin − ½ − zp, qmax + ½ − zp]`` (integers), ``[−1 − g₀/2, 1 + g₁₄/2]`` (nf4, g the gaps at either
+    end of its levels), ``±(max_finite + top step/2)`` (fp8)."""
     info = DTYPES[qt.dtype]
     if qt.scale is None:
         raise ConfigError(f"{qt.dtype} codes need a scale", field="scale")
@@ -97,15 +101,21 @@ def _block_bounds(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         zp = (torch.zeros(rows, device=dev) if qt.zero_point is None
               else qt.zero_point.reshape(-1).float())
         return (info.qmin - 0.5 - zp).unsqueeze(1), (info.qmax + 0.5 - zp).unsqueeze(1)
-    limit = 1.0 if info.kind == "nf4" else float(info.max_finite)
-    hi = torch.full((rows, 1), limit, device=dev)
-    return -hi, hi
+    if info.kind == "nf4":
+        lo_v = NF4_CODEBOOK[0] - (NF4_CODEBOOK[1] - NF4_CODEBOOK[0]) / 2
+        hi_v = NF4_CODEBOOK[-1] + (NF4_CODEBOOK[-1] - NF4_CODEBOOK[-2]) / 2
+    else:
+        hi_v = float(info.max_finite) + _FP8_TOP_STEP[qt.dtype] / 2
+        lo_v = -hi_v
+    return torch.full((rows, 1), lo_v, device=dev), torch.full((rows, 1), hi_v, device=dev)
 
 
 def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
     """Elements of ``x`` outside the range ``qt`` represents (the clamp moved them by more than
-    half a step): integer ``x/scale + zp ∉ [qmin − ½, qmax + ½]``; nf4 ``|x/scale| > 1``; fp8
-    ``|x/scale| > max_finite``; float casts ``|x| > max_finite``.
+    half a step): integer ``x/scale + zp ∉ [qmin − ½, qmax + ½]``; nf4 ``x/scale`` beyond its end levels
+    ±1 by more than half the gap next to them; fp8 ``|x/scale| > max_finite + top step/2``; float casts
+    ``|x| > max_finite``. The same rule for every dtype: an element not clipped is within half a step of
+    its value, so its error stays within ``theoretical_max_error``.
 
     Division by a positive scale is monotone (also after float32 rounding), so a block whose own
     ``min/scale`` and ``max/scale`` are inside the bounds has no clipped element: only the blocks that
