@@ -21,6 +21,12 @@ def free_port() -> int:
 
 
 @contextmanager
+def _inductor_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
 def live_server(root: Path, *, api_keys: str | None = None, port_from_env: bool = False,
                 timeout_s: float = 90.0) -> Iterator[str]:
     """Start the server with data under ``root``, wait for /readyz (deadline), yield its URL, stop it.
@@ -30,6 +36,9 @@ def live_server(root: Path, *, api_keys: str | None = None, port_from_env: bool 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTD_")}
     env["QUANTD_WARMUP"] = "0"  # no background compiling competing with the tests (test_uvicorn checks it)
+    # The compiled kernels' cache shared with the test process (serve's default is one in its data dir,
+    # which would compile every kernel afresh in each live server).
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
     if api_keys:
         env["QUANTD_API_KEYS"] = api_keys
     cmd = [sys.executable, "-m", "quantd", "serve", "--data-dir", str(root / "data"), "--workers", "1",

@@ -35,6 +35,7 @@ DEFAULT_MAX_RETRIES = 3
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 RETRY_STATUSES = frozenset({429, 503})
 TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+MAX_PAGE_SIZE = 100  # the server's largest GET /v1/jobs ?limit=
 
 
 def _sdk_version() -> str:
@@ -279,7 +280,8 @@ class BaseClient:
 
     @staticmethod
     def _jobs_params(status: str | None, limit: int | None, cursor: str | None) -> dict[str, Any]:
-        return {"status": status, "limit": limit, "cursor": cursor}
+        # A page holds at most MAX_PAGE_SIZE jobs (the server's largest ?limit=): larger limits page.
+        return {"status": status, "limit": None if limit is None else min(limit, MAX_PAGE_SIZE), "cursor": cursor}
 
     @staticmethod
     def _multipart(fields: Mapping[str, str], files: list[Any]) -> MultipartBody:

@@ -196,6 +196,8 @@ class QuantConfig(_Strict):
         new_dtype = "dtype" in patch and patch["dtype"] != base.get("dtype", "int4")
         if new_dtype and "symmetric" not in patch:
             base.pop("symmetric", None)  # a new dtype re-resolves its own default
+        if "group_size" in patch and "granularity" not in patch:
+            patch["granularity"] = "group"  # a group size asks for groups (not ignored under a per-channel default)
         return Scheme.model_validate({**base, **patch})
 
     def scheme_for(self, name: str, shape: tuple[int, ...] | list[int]) -> tuple[Scheme | None, str | None]:

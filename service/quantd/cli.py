@@ -25,6 +25,10 @@ class UsageError(Exception):
     """A bad flag value or config: exit status 2."""
 
 
+class JobFailed(Exception):
+    """A job on the server that failed or was cancelled: exit status 1."""
+
+
 # -- output ---------------------------------------------------------------------------------------
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -135,6 +139,9 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
             data = json.loads(Path(args.config).read_text())
         except (OSError, ValueError) as e:
             raise UsageError(f"--config {args.config}: {e}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("scheme") or {}, dict):
+            raise UsageError(f"--config {args.config}: a QuantConfig is a JSON object whose \"scheme\" is an object, "
+                             f'e.g. {{"scheme": {{"dtype": "int4", "group_size": 128}}}}')
     scheme = dict(data.get("scheme") or {})
     for key in ("dtype", "group_size", "granularity", "observer", "symmetric"):
         value = getattr(args, key, None)
@@ -142,6 +149,8 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
             if key == "dtype" and value != scheme.get("dtype") and args.symmetric is None:
                 scheme.pop("symmetric", None)  # a new dtype brings its own default
             scheme[key] = value
+    if getattr(args, "group_size", None) is not None and getattr(args, "granularity", None) is None:
+        scheme["granularity"] = "group"  # --group-size asks for groups, whatever the config file's granularity
     data["scheme"] = scheme
     try:
         return QuantConfig.model_validate(data)
@@ -222,19 +231,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     config = build_config(args)
-    if args.server:
+    if args.server:  # as a job: no sync size limit, and the same Report as in-process
+        progress = False if args.json else None  # bars on a TTY only
         with make_client(args) as c:
-            art = c.quantize(args.input, config, output=args.output, progress=None if not args.json else False)
-        summary, stats = art.summary, art.stats
-        if args.json:
-            _print_json({"output": str(args.output), "summary": art.summary_raw,
-                         "stats": {k: v.model_dump(mode="json") for k, v in stats.items()}})
-        elif summary is not None:
-            print(format_summary(summary))
-        return 0
-    from quantd.io.pipeline import quantize_file
+            job = c.submit(args.input, config, progress=progress).wait(progress=progress)
+            if job.status != "succeeded":
+                why = f": {job.error.title}: {job.error.detail}" if job.error is not None else ""
+                raise JobFailed(f"job {job.id} {job.status}{why}")
+            job.download(args.output, progress=progress)
+            report = job.report()
+    else:
+        from quantd.io.pipeline import quantize_file
 
-    report = quantize_file(args.input, args.output, config, device=resolve_device(args.device))
+        report = quantize_file(args.input, args.output, config, device=resolve_device(args.device))
     if args.json:
         _print_json(report.model_dump(mode="json"))
     else:
@@ -384,6 +393,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # missing files, and the in-process domain errors below
         print(f"quantd {args.command}: {e}", file=sys.stderr)
         return 1
+    except JobFailed as e:
+        print(f"quantd {args.command}: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:  # the SDK-only install: no torch / server packages for in-process work
+        print(f"quantd {args.command}: {e}; in-process work needs the server extra "
+              f"(pip install 'quantd[server]'), or pass --server URL", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     except Exception as e:

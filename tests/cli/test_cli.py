@@ -67,6 +67,26 @@ def test_failures_exit_nonzero_with_detail(model: Path, tmp_path: Path, capsys: 
     assert err.startswith("quantd quantize:") and needle in err
 
 
+@pytest.mark.parametrize("text", ['[1, 2]', '"int4"', 'null', '{"scheme": [1]}', '{"scheme": "int4"}'])
+def test_a_config_file_that_is_not_an_object_is_a_usage_error(model: Path, tmp_path: Path, text: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(text)  # valid JSON, not a config: it was a traceback (AttributeError, TypeError)
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--config", str(cfg), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("quantd quantize: --config") and "JSON object" in err
+
+
+def test_group_size_flag_asks_for_groups_over_a_per_channel_config(model: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"scheme": {"dtype": "int8", "granularity": "channel"}}))
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--config", str(cfg), "--dtype", "int4",
+                 "--group-size", "16", "--device", "cpu", "--json"]) == 0
+    scheme = json.loads(capsys.readouterr().out)["tensors"][0]["scheme"]
+    assert (scheme["granularity"], scheme["group_size"]) == ("group", 16)  # it was silently per channel
+
+
 def test_missing_input_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["quantize", str(tmp_path / "nope.npz"), "-o", str(tmp_path / "o"), "--device", "cpu"]) == 1
     assert "nope.npz" in capsys.readouterr().err
@@ -123,8 +143,14 @@ def test_server_paths(cli_server: str, model: Path, tmp_path: Path, capsys: pyte
     out = tmp_path / "s.safetensors"
     assert main(["quantize", str(model), "-o", str(out), "--dtype", "int8", "--group-size", "32",
                  "--server", cli_server, "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out)["summary"]
+    report = json.loads(capsys.readouterr().out)  # the job's Report: the same shape as in-process
+    summary = report["summary"]
     assert summary["tensors_quantized"] == 1 and summary["tensors_skipped"] == 1
+    assert main(["quantize", str(model), "-o", str(tmp_path / "l.safetensors"), "--dtype", "int8", "--group-size",
+                 "32", "--device", "cpu", "--json"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert report.keys() == local.keys() and report["job_id"] and [t["stats"] for t in report["tensors"]] == \
+        [t["stats"] for t in local["tensors"]]
     assert np.abs(Artifact(path=out).dequantize()["layer.weight"] - W).max() < np.abs(W).max() / 250
 
     assert main(["info", "--server", cli_server, "--json"]) == 0
@@ -151,3 +177,29 @@ def test_server_paths(cli_server: str, model: Path, tmp_path: Path, capsys: pyte
 def test_unreachable_server_exits_1(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["jobs", "list", "--server", "http://127.0.0.1:9", "--timeout", "2"]) == 1
     assert "ConnectError" in capsys.readouterr().err
+
+
+def test_in_process_work_without_the_server_extra_says_what_to_install(model: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "quantd.io.pipeline", None)  # as on the SDK-only install: no torch
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("quantd quantize:") and "quantd[server]" in err and "--server" in err
+
+
+def test_serve_keeps_compiled_kernels_in_its_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Inductor's default cache is /tmp/torchinductor_<user>: outside the data dir (found by an audit).
+    import os
+
+    from quantd.server.main import keep_kernel_cache_in
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "recorded")  # so that teardown restores the original
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    keep_kernel_cache_in(tmp_path / "data")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "data").resolve() / ".inductor-cache")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    keep_kernel_cache_in(tmp_path / "data")  # an explicit setting wins
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"

@@ -269,3 +269,21 @@ def test_download_409_until_succeeded(api: Api, tmp_path: Path) -> None:
     job = api.call(api.client(h), "get_job", "j1")
     with pytest.raises(ex.Conflict, match="running"):
         api.call(job, "download", tmp_path / "o")
+
+
+def test_list_jobs_beyond_one_page_asks_for_full_pages(api: Api) -> None:
+    # limit=150 was sent as ?limit=150, which the server refuses (422: at most 100 a page).
+    seen: list[int] = []
+
+    def h(request: httpx.Request) -> httpx.Response:
+        size = int(request.url.params["limit"])
+        seen.append(size)
+        if size > 100:
+            return httpx.Response(422, json={"type": "urn:x", "title": "t", "status": 422, "detail": "limit ≤ 100"})
+        start = int(request.url.params.get("cursor") or 0)
+        return httpx.Response(200, json={"items": [job_json(f"j{i}", "succeeded") for i in range(start, start + size)],
+                                         "next_cursor": str(start + size)})
+
+    jobs = api.collect(api.client(h).list_jobs(limit=150))
+    assert len(jobs) == 150 and jobs[-1].id == "j149"
+    assert seen == [100, 50]

@@ -141,6 +141,20 @@ def test_min_numel_holds_over_rules_and_skip_1d_yields_to_them(tmp_path: Path, m
     assert ruled_1d.scheme_for("norm.weight", (16,)) == (None, "1-D tensor (skip_1d)")
 
 
+def test_a_rule_with_a_group_size_asks_for_groups() -> None:
+    # Under a per-channel default, {"dtype": "int4", "group_size": 64} gave int4 per channel (SQNR 18.5 dB)
+    # with the report still saying group_size 64. A rule that also names a granularity keeps it.
+    cfg = QuantConfig(scheme={"dtype": "int8", "granularity": "channel"},
+                      rules=[{"match": "lm_head.*", "scheme": {"dtype": "int4", "group_size": 64}},
+                             {"match": "x.*", "scheme": {"group_size": 64, "granularity": "tensor"}}])
+    head = cfg.scheme_for("lm_head.weight", (128, 256))[0]
+    assert head is not None and (head.granularity, head.group_size) == ("group", 64)
+    x = cfg.scheme_for("x.weight", (128, 256))[0]
+    assert x is not None and x.granularity == "tensor"
+    other = cfg.scheme_for("w", (128, 256))[0]
+    assert other is not None and other.granularity == "channel"
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn, torch.uint16, torch.int32])
 def test_a_file_with_nothing_to_quantize_passes_through(tmp_path: Path, dtype: torch.dtype) -> None:
     # the summary's bits per weight came from a table of the schemas' dtypes: a KeyError (500) for float8/uint16

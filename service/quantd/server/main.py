@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 from .logging import configure_logging
 from .settings import Settings
 
 log = logging.getLogger("quantd.server")
+
+
+def keep_kernel_cache_in(data_dir: Path) -> None:
+    """Inductor's cache of compiled kernels under ``data_dir/.inductor-cache`` unless
+    ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: the service writes nothing outside its data dir (Inductor's
+    default is ``/tmp/torchinductor_<user>``), and a restart finds its kernels (as the image does)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(data_dir).resolve() / ".inductor-cache"))
 
 
 def run_server(settings: Settings) -> None:
@@ -17,6 +26,7 @@ def run_server(settings: Settings) -> None:
     from .app import create_app
 
     configure_logging(settings.log_level)
+    keep_kernel_cache_in(settings.data_dir)
     app = create_app(settings)
     # log_config=None keeps our JSON handlers; the access log is ours (RequestMiddleware).
     uvicorn.run(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
@@ -32,6 +42,7 @@ def run_worker(settings: Settings) -> None:
 
     configure_logging(settings.log_level)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    keep_kernel_cache_in(settings.data_dir)
     if settings.warmup:
         start_warm_up()
     run_jobs_worker(jobs_config(settings, workers=settings.workers or None))
