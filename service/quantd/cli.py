@@ -208,7 +208,13 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
              if getattr(args, k, None) is not None}
     try:
         return Settings(**given, **extra)
-    except (pydantic.ValidationError, ValueError) as e:
+    except pydantic.ValidationError as e:  # one line per field, and never the value (it may be a key)
+        def line(err: Any) -> str:
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            return f"QUANTD_{str(err['loc'][0]).upper()}: {msg}" if err["loc"] else msg
+
+        raise UsageError("settings: " + "; ".join(map(line, e.errors(include_input=False, include_url=False)))) from None
+    except ValueError as e:
         raise UsageError(f"settings: {e}") from None
 
 

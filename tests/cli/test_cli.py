@@ -203,3 +203,17 @@ def test_serve_keeps_compiled_kernels_in_its_data_dir(tmp_path: Path, monkeypatc
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
     keep_kernel_cache_in(tmp_path / "data")  # an explicit setting wins
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+
+
+def test_bad_settings_are_one_line_naming_the_variable_and_never_its_value(monkeypatch: pytest.MonkeyPatch,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # It was pydantic's multi-line dump, with input_value={'api_keys': 'tenant-a:sk-live-…'}: part of a secret.
+    monkeypatch.setenv("QUANTD_API_KEYS", "tenant-a:sk-live-0123456789abcdef,bad")
+    assert main(["serve", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "QUANTD_API_KEYS" in err and "sk-live" not in err
+    monkeypatch.delenv("QUANTD_API_KEYS")
+    monkeypatch.setenv("QUANTD_MAX_UPLOAD_BYTES", "10GiB")
+    assert main(["serve", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("quantd serve: settings: QUANTD_MAX_UPLOAD_BYTES:") and err.count("\n") == 1

@@ -264,3 +264,19 @@ def test_duplicate_header_key(tmp_path: Path) -> None:
     p.write_bytes(struct.pack("<Q", len(body)) + body + b"\x00" * 8)
     with fast_error(MalformedInputError, "'w' appears twice"):
         open_model(p)
+
+
+def test_a_refused_code_pickle_names_the_global_not_torchs_advice(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, (f"touch {marker}",))
+
+    p = tmp_path / "m.pt"
+    torch.save({"w": Evil()}, p)
+    with pytest.raises(UnsafeInputError) as info:
+        open_model(p)
+    assert "GLOBAL" in info.value.detail and "system" in info.value.detail  # what was refused
+    assert "weights_only` set to `False`" not in info.value.detail  # torch's advice, cut mid-sentence
+    assert not marker.exists()

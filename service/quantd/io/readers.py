@@ -200,7 +200,7 @@ class PyTorchReader(ModelReader):
                 obj = torch.load(path, weights_only=True, mmap=is_zip, map_location="cpu")
         except pickle.UnpicklingError as e:
             msg = str(e)
-            why = msg.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0][:300] if msg else ""
+            why = _unpickler_reason(msg)
             if "Weights only load failed" in msg:
                 # Either it needs code beyond plain tensors or it uses an opcode the weights-only
                 # unpickler does not take (e.g. protocol 4 framing): refused either way, never run.
@@ -370,3 +370,17 @@ def open_model(path: str | os.PathLike[str], filename: str | None = None, *,
     if fmt == "npy":
         return NpyReader(p, stem)
     return NpzReader(p, max_tensor_bytes)
+
+
+_TORCH_LOAD_BOILERPLATE = ("Weights only load failed", "Check the documentation", "Please file an issue",
+                           "Re-running `torch.load`", "In PyTorch 2.6")
+
+
+def _unpickler_reason(msg: str) -> str:
+    """What torch's weights-only unpickler refused (``Trying to load unsupported GLOBAL posix.system …``),
+    without its advice to load the file with ``weights_only=False``, which quantd never does."""
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    for ln in lines:
+        if "WeightsUnpickler error:" in ln:
+            return ln.split("WeightsUnpickler error:", 1)[1].strip()[:300]
+    return next((ln[:300] for ln in lines if not ln.startswith(_TORCH_LOAD_BOILERPLATE)), "")
