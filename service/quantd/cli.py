@@ -288,8 +288,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             _print_json(c.get_job(args.id).model.model_dump(mode="json"))
         elif args.jobs_cmd == "cancel":
             job = c.cancel(args.id)
-            print(json.dumps(job.model.model_dump(mode="json")) if job and args.json
-                  else f"{args.id}: {job.status if job else 'cancelled'}")
+            status = job.status if job else "cancelled"
+            note = " (it had finished: its artifact and report are deleted)" if status in ("succeeded", "failed") else ""
+            print(json.dumps(job.model.model_dump(mode="json")) if job and args.json else f"{args.id}: {status}{note}")
         else:
             job = c.get_job(args.id)
             path = job.download(args.output, progress=False if args.json else None)
@@ -372,8 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
     q = jobs.add_parser("list", parents=[client])
     q.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
     q.add_argument("--limit", type=int, default=50)
+    helps = {"show": "the job as JSON", "download": "the artifact (sha256-checked, resumable)",
+             "cancel": "cancel a queued or running job and delete its files (a finished job: its artifact and "
+                       "report are deleted, the job stays)"}
     for name in ("show", "cancel", "download"):
-        q = jobs.add_parser(name, parents=[client])
+        q = jobs.add_parser(name, parents=[client], help=helps[name])
         q.add_argument("id")
         if name == "download":
             q.add_argument("-o", "--output", type=Path, required=True)

@@ -186,4 +186,8 @@ async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: T
                responses={200: json_example("The job, cancelled (or still running until its worker sees the "
                                             "request: cancel_requested)", CANCELLED_EXAMPLE), **_JOB_ERRORS})
 async def cancel_job(job_id: str, state: StateDep, tenant: TenantDep) -> Job:
+    """A queued job is cancelled at once; a running one when its worker sees the request (between
+    tensors). Either way its upload, artifact and report are deleted. On a job that has already
+    finished it deletes the artifact and report (then 410) and leaves the job as it was, its result
+    included: the way to free a finished job's storage before its TTL."""
     return await state.jobs.cancel(tenant, job_id)
