@@ -153,6 +153,14 @@ PROBLEM_SCHEMA: dict[str, Any] = {
     },
 }
 
+# The examples' problem types: what these statuses carry most often (400/401/416 and /readyz's 503 are about:blank).
+_EXAMPLE_TYPES: dict[int, str] = {
+    404: "urn:quantd:job-not-found", 409: "urn:quantd:job-not-ready", 410: "urn:quantd:job-expired",
+    413: "urn:quantd:too-large", 415: "urn:quantd:unsupported-format", 422: "urn:quantd:config-error",
+    429: "urn:quantd:queue-full",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
+
 _EXAMPLES: dict[int, tuple[str, str]] = {
     400: ("Bad Request", "multipart body has no 'file' part"),
     401: ("Unauthorized", "missing or invalid API key: send 'Authorization: Bearer <key>'"),
@@ -173,8 +181,11 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     out: dict[int | str, dict[str, Any]] = {}
     for s in statuses:
         title, detail = _EXAMPLES.get(s, (_phrase(s), _phrase(s)))
-        example: dict[str, Any] = {"type": "about:blank", "title": title, "status": s, "detail": detail}
+        example: dict[str, Any] = {"type": _EXAMPLE_TYPES.get(s, "about:blank"), "title": title, "status": s,
+                                   "detail": detail}
         if s == 422:
             example["errors"] = [{"loc": ["body", "config", "scheme", "group_size"], "msg": detail}]
         out[s] = {"description": title, "content": {PROBLEM_JSON: {"schema": PROBLEM_SCHEMA, "example": example}}}
+        if s in (429, 503):  # both come with Retry-After (the SDK waits that long)
+            out[s]["headers"] = _RETRY_AFTER
     return out
