@@ -20,13 +20,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@contextmanager
 def _inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
 
 
+@contextmanager
 def live_server(root: Path, *, api_keys: str | None = None, port_from_env: bool = False,
                 timeout_s: float = 90.0) -> Iterator[str]:
     """Start the server with data under ``root``, wait for /readyz (deadline), yield its URL, stop it.

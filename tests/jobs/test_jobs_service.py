@@ -410,3 +410,28 @@ async def test_a_killed_worker_process_stops_counting_as_live_at_once(make_servi
     svc.store.register_worker(alive, "cpu")
     svc.store.worker_heartbeat(alive, "other-job")
     assert svc.live_workers() == 1 and svc.busy_workers() == 1
+
+
+async def test_close_streams_ends_the_event_streams_of_running_jobs(make_service: MakeService,
+                                                                   model_file: Path) -> None:
+    """A stopping server ends its event streams at once (uvicorn waits for open connections before it
+    stops: one stream held a graceful stop for its whole 30 s timeout, then was cut mid-chunk)."""
+    gate = GatedPipeline()
+    svc = make_service(quantize_fn=gate, events_poll_s=30.0)  # only a signal can end the wait early
+    job = await svc.submit(tenant="a", upload=make_upload(svc, model_file), config=CONFIG)
+    await asyncio.to_thread(wait_for, gate.started.is_set, what="the pipeline to start")
+    names: list[str] = []
+
+    async def follow() -> None:
+        async for name, _ in svc.events("a", job.id):
+            names.append(name)
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0.2)
+    t0 = time.monotonic()
+    svc.close_streams()
+    await asyncio.wait_for(task, 5.0)
+    assert time.monotonic() - t0 < 2.0 and names and set(names) == {"progress"}  # no terminal event: not finished
+    assert [n async for n, _ in svc.events("a", job.id)] == []  # a new stream ends at once too
+    gate.release.set()
+    assert (await finished(svc, "a", job.id)).status == "succeeded"

@@ -62,6 +62,7 @@ class JobService:
         self._pool: WorkerPool | None = None
         self._prepared: PreparedRuns | None = None
         self._signals = JobSignals()  # this process's workers wake the event streams of their jobs
+        self._streams_closed = False
         # The device a queued job shows until a worker claims it (and writes its own): this process's first
         # embedded worker's; None when the workers are other processes.
         self._planned_device: str | None = None
@@ -275,6 +276,8 @@ class JobService:
         rec = await self._run(self._record, tenant, job_id)
         last: dict[str, Any] | None = None
         while not rec.terminal:
+            if self._streams_closed:  # the server is stopping: end here; the client polls or reconnects
+                return
             progress = Progress.model_validate(rec.progress).model_dump(mode="json")
             if progress != last:
                 last = progress
@@ -283,6 +286,13 @@ class JobService:
             await self._signals.wait(job_id, self.config.events_poll_s)
             rec = await self._run(self._record, tenant, job_id)
         yield rec.status, rec.to_job().model_dump(mode="json")
+
+    def close_streams(self) -> None:
+        """End every event stream of an unfinished job now (from any thread): a stopping server waits for
+        its open connections, and a stream kept it waiting its whole graceful timeout (30 s), then was cut
+        mid-chunk. Streams started afterwards end at once too."""
+        self._streams_closed = True
+        self._signals.notify_all()
 
     # -- metrics and readiness ----------------------------------------------------------------
     def queue_depth(self) -> int:

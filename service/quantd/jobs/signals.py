@@ -27,6 +27,13 @@ class JobSignals:
             with contextlib.suppress(RuntimeError):  # that loop closed meanwhile: nobody to wake
                 loop.call_soon_threadsafe(event.set)
 
+    def notify_all(self) -> None:
+        """Wake every waiter (the server is stopping)."""
+        with self._lock:
+            ids = list(self._waiters)
+        for job_id in ids:
+            self.notify(job_id)
+
     async def wait(self, job_id: str, timeout: float) -> bool:
         """True when ``job_id`` was signalled within ``timeout`` seconds, False on timeout."""
         entry = (asyncio.get_running_loop(), asyncio.Event())

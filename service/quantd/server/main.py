@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from types import FrameType
 
 from .logging import configure_logging
 from .settings import Settings
@@ -28,9 +29,17 @@ def run_server(settings: Settings) -> None:
     configure_logging(settings.log_level)
     keep_kernel_cache_in(settings.data_dir)
     app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            state = getattr(app.state, "quantd", None)
+            if state is not None:  # before uvicorn waits for open connections: end the event streams
+                state.jobs.close_streams()
+            super().handle_exit(sig, frame)
+
     # log_config=None keeps our JSON handlers; the access log is ours (RequestMiddleware).
-    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                log_level=settings.log_level.lower(), timeout_graceful_shutdown=30)
+    Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                          log_level=settings.log_level.lower(), timeout_graceful_shutdown=30)).run()
 
 
 def run_worker(settings: Settings) -> None:
