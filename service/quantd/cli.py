@@ -51,6 +51,11 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+def _cosine(v: float | None) -> str | None:
+    """Cosines to 6 decimals: at 4 significant digits an int8 tensor's 0.99998 read as 1."""
+    return None if v is None else f"{v:.6f}"
+
+
 def format_summary(s: Summary) -> str:
     return table(["summary", "value"], [
         ["tensors quantized", s.tensors_quantized], ["tensors skipped", s.tensors_skipped],
@@ -66,7 +71,7 @@ def format_report(r: Report) -> str:
         st = t.stats
         scheme = f"{t.scheme.dtype}/{t.scheme.granularity}" if t.scheme else f"skipped: {t.reason}"
         rows.append([t.name, "x".join(map(str, t.shape)), scheme, st.sqnr_db if st else None,
-                     st.mse if st else None, st.cosine if st else None, st.bits_per_weight if st else None])
+                     st.mse if st else None, _cosine(st.cosine) if st else None, st.bits_per_weight if st else None])
     return table(["tensor", "shape", "scheme", "SQNR dB", "MSE", "cosine", "bits/w"], rows) + "\n\n" + \
         format_summary(r.summary)
 
@@ -100,8 +105,9 @@ def format_analysis(resp: AnalyzeResponse) -> str:
     blocks = []
     for metric, title in (("sqnr_db", "SQNR dB"), ("mse", "MSE"), ("cosine", "cosine"),
                           ("bits_per_weight", "bits/weight")):
-        rows = [[t.name, *[getattr(r.stats, metric) for r in t.results]] for t in resp.tensors]
-        rows.append(["(overall)", *[overall(resp, k)[metric] for k in range(len(schemes))]])
+        shown = _cosine if metric == "cosine" else (lambda v: v)
+        rows = [[t.name, *[shown(getattr(r.stats, metric)) for r in t.results]] for t in resp.tensors]
+        rows.append(["(overall)", *[shown(overall(resp, k)[metric]) for k in range(len(schemes))]])
         blocks.append(title + "\n" + table(["tensor", *labels], rows))
     for t in resp.tensors:
         a = t.analyses
@@ -237,6 +243,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     config = build_config(args)
+    if Path(args.output).resolve() == Path(args.input).resolve():
+        raise UsageError(f"-o {args.output} is the input file: it would be overwritten")
     if args.server:  # as a job: no sync size limit, and the same Report as in-process
         progress = False if args.json else None  # bars on a TTY only
         with make_client(args) as c:

@@ -217,3 +217,16 @@ def test_bad_settings_are_one_line_naming_the_variable_and_never_its_value(monke
     assert main(["serve", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("quantd serve: settings: QUANTD_MAX_UPLOAD_BYTES:") and err.count("\n") == 1
+
+
+def test_output_that_is_the_input_is_refused(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = model.read_bytes()
+    assert main(["quantize", str(model), "-o", str(model), "--device", "cpu"]) == 2
+    assert "is the input file" in capsys.readouterr().err and model.read_bytes() == before
+
+
+def test_cosines_are_shown_to_six_decimals(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["analyze", str(model), "--dtype", "int8", "--granularity", "channel", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    block = text.split("cosine\n", 1)[1].split("\n\n", 1)[0]
+    assert re.search(r"layer\.weight\s+0\.99\d{4}\b", block)  # it read "1" at 4 significant digits
