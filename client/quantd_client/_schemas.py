@@ -106,7 +106,8 @@ class Scheme(_Strict):
 
 
 class SchemeOverride(_Strict):
-    """A partial scheme in a rule: the fields given replace the config's default scheme."""
+    """A partial scheme in a rule: the fields given replace the config's default scheme (a new ``dtype``
+    without ``symmetric`` takes its own default; a ``group_size`` without ``granularity`` means "group")."""
 
     dtype: DType | None = None
     symmetric: bool | None = None

@@ -25,6 +25,11 @@ class UsageError(Exception):
     """A bad flag value or config: exit status 2."""
 
 
+# What the server extra adds to the SDK-only install (a missing one: "install quantd[server]").
+SERVER_PACKAGES = frozenset({"torch", "fastapi", "uvicorn", "safetensors", "pydantic_settings", "starlette",
+                             "quantd"})
+
+
 class JobFailed(Exception):
     """A job on the server that failed or was cancelled: exit status 1."""
 
@@ -145,7 +150,7 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
             data = json.loads(Path(args.config).read_text())
         except (OSError, ValueError) as e:
             raise UsageError(f"--config {args.config}: {e}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("scheme") or {}, dict):
+        if not isinstance(data, dict) or not isinstance(data.get("scheme", {}), dict):
             raise UsageError(f"--config {args.config}: a QuantConfig is a JSON object whose \"scheme\" is an object, "
                              f'e.g. {{"scheme": {{"dtype": "int4", "group_size": 128}}}}')
     scheme = dict(data.get("scheme") or {})
@@ -217,7 +222,10 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
     except pydantic.ValidationError as e:  # one line per field, and never the value (it may be a key)
         def line(err: Any) -> str:
             msg = str(err["msg"]).removeprefix("Value error, ")
-            return f"QUANTD_{str(err['loc'][0]).upper()}: {msg}" if err["loc"] else msg
+            if not err["loc"]:
+                return msg
+            field = str(err["loc"][0])  # a flag given on the command line, else its environment variable
+            return f"--{field.replace('_', '-')}: {msg}" if field in given else f"QUANTD_{field.upper()}: {msg}"
 
         raise UsageError("settings: " + "; ".join(map(line, e.errors(include_input=False, include_url=False)))) from None
     except ValueError as e:
@@ -248,7 +256,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.server:  # as a job: no sync size limit, and the same Report as in-process
         progress = False if args.json else None  # bars on a TTY only
         with make_client(args) as c:
-            job = c.submit(args.input, config, progress=progress).wait(progress=progress)
+            job = c.submit(args.input, config, progress=progress)
+            # On stderr, so that --json stays one document: the id to follow or fetch the job by if this
+            # command is interrupted (quantd jobs show|download ID).
+            print(f"quantd quantize: job {job.id} submitted to {c.base_url}", file=sys.stderr)
+            job = job.wait(timeout=args.wait_timeout, progress=progress)
             if job.status != "succeeded":
                 why = f": {job.error.title}: {job.error.detail}" if job.error is not None else ""
                 raise JobFailed(f"job {job.id} {job.status}{why}")
@@ -297,7 +309,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         elif args.jobs_cmd == "cancel":
             job = c.cancel(args.id)
             status = job.status if job else "cancelled"
-            note = " (it had finished: its artifact and report are deleted)" if status in ("succeeded", "failed") else ""
+            note = (" (it had finished: its artifact and report are deleted)"
+                    if job is not None and status == "succeeded" and job.model.expired_at is not None else "")
             print(json.dumps(job.model.model_dump(mode="json")) if job and args.json else f"{args.id}: {status}{note}")
         else:
             job = c.get_job(args.id)
@@ -363,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True)
     p.add_argument("--config", help="a QuantConfig JSON file; flags override its scheme")
+    p.add_argument("--wait-timeout", type=float, default=None,
+                   help="with --server: seconds to wait for the job (default: no limit); the job id is on stderr")
     _scheme_flags(p, many_dtypes=False)
     p.add_argument("--device", default=os.environ.get("QUANTD_DEVICE", "auto"), help=DEVICE_HELP)
     p.set_defaults(func=cmd_quantize)
@@ -414,9 +429,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobFailed as e:
         print(f"quantd {args.command}: {e}", file=sys.stderr)
         return 1
-    except ImportError as e:  # the SDK-only install: no torch / server packages for in-process work
-        print(f"quantd {args.command}: {e}; in-process work needs the server extra "
-              f"(pip install 'quantd[server]'), or pass --server URL", file=sys.stderr)
+    except ModuleNotFoundError as e:  # the SDK-only install: no torch or server packages
+        if e.name is None or e.name.split(".")[0] not in SERVER_PACKAGES:
+            raise
+        hint = ", or pass --server URL" if args.command in ("quantize", "analyze") else ""
+        print(f"quantd {args.command}: {e}; this needs the server extra (pip install 'quantd[server]'){hint}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

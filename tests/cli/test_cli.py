@@ -143,7 +143,9 @@ def test_server_paths(cli_server: str, model: Path, tmp_path: Path, capsys: pyte
     out = tmp_path / "s.safetensors"
     assert main(["quantize", str(model), "-o", str(out), "--dtype", "int8", "--group-size", "32",
                  "--server", cli_server, "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)  # the job's Report: the same shape as in-process
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # the job's Report: the same shape as in-process
+    assert re.search(r"job [0-9a-f]+ submitted", captured.err)  # the id, to follow the job if interrupted
     summary = report["summary"]
     assert summary["tensors_quantized"] == 1 and summary["tensors_skipped"] == 1
     assert main(["quantize", str(model), "-o", str(tmp_path / "l.safetensors"), "--dtype", "int8", "--group-size",

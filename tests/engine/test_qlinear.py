@@ -137,3 +137,15 @@ def test_state_dict_round_trip_into_a_placeholder_layer() -> None:
                             input_scale=1.0)
     fresh.load_state_dict(q_nobias.state_dict())
     assert fresh.bias_codes is None and torch.equal(fresh(x), q_nobias(x))
+
+
+def test_older_and_partial_state_dicts_load() -> None:
+    lin, x = _layer(seed=4)
+    q = QuantizedLinear.from_float(lin, input_scale=0.05)
+    old = {k: v for k, v in q.state_dict().items() if k != "_extra_state"}  # saved before it carried the scales
+    fresh = QuantizedLinear(torch.zeros(24, 64, dtype=torch.int8), torch.ones(24), torch.zeros(24, dtype=torch.int32),
+                            input_scale=0.05)
+    fresh.load_state_dict(old)  # strict: no "missing _extra_state"
+    assert torch.equal(fresh(x), q(x))
+    fresh.load_state_dict({"weight_scale": q.weight_scale}, strict=False)  # a partial load keeps the bias
+    assert fresh.bias_codes is not None and torch.equal(fresh.bias_codes, q.bias_codes)  # type: ignore[arg-type]

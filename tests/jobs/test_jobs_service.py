@@ -384,8 +384,8 @@ async def test_a_worker_that_lost_its_lease_leaves_the_finished_job_alone(make_s
     assert svc.store.complete(job.id, "B#2", {"artifact_bytes": theirs.bytes, "artifact_sha256": theirs.sha256,
                                               "summary": summary})
     release.set()
+    # Its artifact and report drafts go after its completion was refused: an empty tmp dir is its end.
     await asyncio.to_thread(wait_for, lambda: not any(svc.storage.tmp.iterdir()), what="the stalled worker to end")
-    await asyncio.sleep(0.2)
     done = await svc.get("a", job.id)
     assert done.status == "succeeded" and done.result is not None
     assert done.result.artifact_sha256 == theirs.sha256

@@ -375,7 +375,8 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -
 def _nf4_level(codes: torch.Tensor) -> torch.Tensor:
     """The float32 nf4 level of each code (0…15), ``NF4_LEVELS[codes]`` by a tree of selects on the code's
     4 bits, taken by comparisons in float32: vector code where a gather from the 16 levels is not (decoding
-    and summing 16M codes: 3x faster; bits taken by integer ``&`` instead vectorised worse still)."""
+    and summing 16M codes in isolation: ~3x faster; dequantizing a 4096² nf4 weight, 31 → 23–26 ms; bits
+    taken by integer ``&`` instead vectorised worse still)."""
     f = codes.float()
     bits = []
     for weight in (8.0, 4.0, 2.0, 1.0):

@@ -146,10 +146,14 @@ class QuantizedLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # A layer with a bias loads into one made without (and the reverse): the buffer follows the checkpoint.
+        # A whole layer's state (its weight codes) decides; a partial one (strict=False) keeps the bias.
         bias = state_dict.get(prefix + "bias_codes")
         if bias is not None:
             _check_bias(bias, tuple(state_dict.get(prefix + "weight_codes", self.weight_codes).shape))
-        self.bias_codes = None if bias is None else torch.empty_like(bias, device=self.weight_codes.device)
+        if bias is not None or prefix + "weight_codes" in state_dict:
+            self.bias_codes = None if bias is None else torch.empty_like(bias, device=self.weight_codes.device)
+        # A state dict saved before the input/output quantization was part of it keeps this layer's.
+        state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:

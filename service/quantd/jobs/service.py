@@ -226,7 +226,7 @@ class JobService:
         if rec.terminal:
             self.storage.delete_job_files(job_id)
             self.store.mark_expired(job_id)
-            return rec.to_job()
+            return self._record(tenant, job_id).to_job()  # with its expired_at
         after = self.store.request_cancel(job_id) or rec
         if after.status == "cancelled":
             run = self._prepared.pop(job_id) if self._prepared is not None else None

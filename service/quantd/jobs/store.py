@@ -253,13 +253,16 @@ class SQLiteJobStore:
         return "cancel" if rows[0][0] else "ok"
 
     def _finish(self, job_id: str, owner: str, status: str, *, result: dict[str, Any] | None = None,
-                error: dict[str, Any] | None = None, extra_where: str = "") -> bool:
+                error: dict[str, Any] | None = None, extra_where: str = "",
+                before_commit: Callable[[], None] | None = None) -> bool:
         with self._tx() as db:
             row = db.execute(
                 "UPDATE jobs SET status = ?, result = ?, error = ?, finished_at = ?, lease_owner = NULL,"
                 " lease_expires_at = NULL WHERE id = ? AND lease_owner = ? AND status = 'running'"
                 f"{extra_where} RETURNING id",
                 (status, _js(result), _js(error), self.clock(), job_id, owner)).fetchone()
+            if row is not None and before_commit is not None:
+                before_commit()
         return row is not None
 
     def complete(self, job_id: str, owner: str, result: dict[str, Any],
@@ -268,16 +271,10 @@ class SQLiteJobStore:
         cancel was asked meanwhile. ``before_commit`` (moving artifact and report into place) runs in the
         same transaction, after the lease is found held: the lease owner is a fencing token, and a worker
         that lost its lease (stalled past it while another finished the job) never replaces the files
-        of the job it no longer owns. Raising rolls the completion back."""
-        with self._tx() as db:
-            row = db.execute(
-                "UPDATE jobs SET status = 'succeeded', result = ?, finished_at = ?, lease_owner = NULL,"
-                " lease_expires_at = NULL WHERE id = ? AND lease_owner = ? AND status = 'running'"
-                " AND cancel_requested = 0 RETURNING id",
-                (_js(result), self.clock(), job_id, owner)).fetchone()
-            if row is not None and before_commit is not None:
-                before_commit()
-        return row is not None
+        of the job it no longer owns. If it raises, the job stays running (files it already moved stay
+        moved: the attempt that finishes the job replaces them)."""
+        return self._finish(job_id, owner, "succeeded", result=result, extra_where=" AND cancel_requested = 0",
+                            before_commit=before_commit)
 
     def fail(self, job_id: str, owner: str, error: dict[str, Any]) -> bool:
         return self._finish(job_id, owner, "failed", error=error)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -34,7 +36,10 @@ def run_server(settings: Settings) -> None:
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             state = getattr(app.state, "quantd", None)
             if state is not None:  # before uvicorn waits for open connections: end the event streams
-                state.jobs.close_streams()
+                # Scheduled, not called: this signal handler runs on the event loop's thread, which may
+                # hold the streams' lock right now (JobSignals.wait): calling in would deadlock.
+                with contextlib.suppress(RuntimeError):  # no loop running: nothing is streaming
+                    asyncio.get_running_loop().call_soon_threadsafe(state.jobs.close_streams)
             super().handle_exit(sig, frame)
 
     # log_config=None keeps our JSON handlers; the access log is ours (RequestMiddleware).

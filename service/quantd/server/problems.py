@@ -176,14 +176,18 @@ _EXAMPLES: dict[int, tuple[str, str]] = {
 }
 
 
-def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses=`` entries for the given problem statuses, with an example each."""
+def problem_responses(*statuses: int, examples: dict[int, tuple[str, str, str]] | None = None
+                      ) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` entries for the given problem statuses, with an example each; ``examples``:
+    a route's own ``(type, title, detail)`` for a status where the common one does not fit."""
     out: dict[int | str, dict[str, Any]] = {}
     for s in statuses:
         title, detail = _EXAMPLES.get(s, (_phrase(s), _phrase(s)))
-        example: dict[str, Any] = {"type": _EXAMPLE_TYPES.get(s, "about:blank"), "title": title, "status": s,
-                                   "detail": detail}
-        if s == 422:
+        type_ = _EXAMPLE_TYPES.get(s, "about:blank")
+        if examples and s in examples:
+            type_, title, detail = examples[s]
+        example: dict[str, Any] = {"type": type_, "title": title, "status": s, "detail": detail}
+        if s == 422 and not (examples and s in examples):
             example["errors"] = [{"loc": ["body", "config", "scheme", "group_size"], "msg": detail}]
         out[s] = {"description": title, "content": {PROBLEM_JSON: {"schema": PROBLEM_SCHEMA, "example": example}}}
         if s in (429, 503):  # both come with Retry-After (the SDK waits that long)
