@@ -234,17 +234,22 @@ def test_corrupt_legacy_pickle(tmp_path: Path) -> None:
         open_model(p)
 
 
+class _Evil:
+    """Unpickled, it would run ``touch marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
 def test_protocol_4_code_pickle_is_refused_as_unsafe(tmp_path: Path) -> None:
     import pickle
 
     marker = tmp_path / "pwned"
-
-    class Evil:
-        def __reduce__(self) -> tuple[object, tuple[str]]:
-            return (os.system, (f"touch {marker}",))
-
     p = tmp_path / "m.pt"
-    p.write_bytes(pickle.dumps({"w": Evil()}, protocol=4))
+    p.write_bytes(pickle.dumps({"w": _Evil(marker)}, protocol=4))
     with fast_error(UnsafeInputError, "nothing was executed"):
         open_model(p)
     assert not marker.exists()
@@ -268,13 +273,8 @@ def test_duplicate_header_key(tmp_path: Path) -> None:
 
 def test_a_refused_code_pickle_names_the_global_not_torchs_advice(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
-
-    class Evil:
-        def __reduce__(self) -> tuple[object, tuple[str]]:
-            return (os.system, (f"touch {marker}",))
-
     p = tmp_path / "m.pt"
-    torch.save({"w": Evil()}, p)
+    torch.save({"w": _Evil(marker)}, p)
     with pytest.raises(UnsafeInputError) as info:
         open_model(p)
     assert "GLOBAL" in info.value.detail and "system" in info.value.detail  # what was refused
