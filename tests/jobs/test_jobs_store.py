@@ -216,3 +216,19 @@ def test_worker_registry(store: SQLiteJobStore, clock: Clock) -> None:
     assert store.live_workers(100.0) == [store.live_workers(10.0)[0]]
     store.unregister_worker("b")
     assert store.live_workers(10.0) == []
+
+
+def test_a_requeued_job_keeps_its_progress_totals(store: SQLiteJobStore, clock: Clock) -> None:
+    # Re-queued (lease expired) or released, its progress was reset to {}: tensors_total read 0.
+    job_id = add(store)[0].id
+    a = store.claim("A", "cpu", 10.0)
+    assert a is not None
+    store.heartbeat(job_id, a.lease_owner, 10.0, {"tensors_done": 3, "tensors_total": 8, "bytes_done": 30,
+                                                  "bytes_total": 80, "fraction": 0.375})
+    clock.t += 11
+    store.reap(lambda owner: False)
+    assert store.get(job_id).progress == {"tensors_done": 0, "tensors_total": 8, "bytes_done": 0,
+                                          "bytes_total": 80, "fraction": 0.0}
+    b = store.claim("B", "cpu", 10.0)
+    assert b is not None and store.release(job_id, b.lease_owner)
+    assert store.get(job_id).progress["tensors_total"] == 8

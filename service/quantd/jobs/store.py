@@ -99,6 +99,12 @@ class JobStore(Protocol):
     def prune_workers(self, older_than_s: float) -> int: ...
 
 
+# A job back in the queue starts its progress again, keeping its totals (they were reset to {}: a re-queued
+# job showed tensors_total 0, and its event stream's progress went backwards to nothing).
+_PROGRESS_RESTART = ("json_set(COALESCE(progress, '{}'), '$.tensors_done', 0, '$.bytes_done', 0,"
+                     " '$.fraction', 0.0)")
+
+
 def _js(value: Any) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"))
 
@@ -287,7 +293,7 @@ class SQLiteJobStore:
         with self._tx() as db:
             row = db.execute(
                 "UPDATE jobs SET status = 'queued', attempts = attempts - 1, lease_owner = NULL,"
-                " lease_expires_at = NULL, device = NULL, progress = '{}'"
+                " lease_expires_at = NULL, device = NULL, progress = " + _PROGRESS_RESTART +
                 " WHERE id = ? AND lease_owner = ? AND status = 'running' RETURNING id",
                 (job_id, owner)).fetchone()
         return row is not None
@@ -318,7 +324,7 @@ class SQLiteJobStore:
                     status, error = "failed", worker_lost_error(r["attempts"])
                 else:
                     db.execute("UPDATE jobs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL,"
-                               " device = NULL, progress = '{}' WHERE id = ?", (r["id"],))
+                               " device = NULL, progress = " + _PROGRESS_RESTART + " WHERE id = ?", (r["id"],))
                     continue
                 row = db.execute("UPDATE jobs SET status = ?, error = ?, finished_at = ?, lease_owner = NULL,"
                                  " lease_expires_at = NULL WHERE id = ? RETURNING *",
