@@ -138,3 +138,14 @@ def test_start_writeback_is_a_harmless_hint(tmp_path: Path) -> None:
         start_writeback(f.fileno(), 0, 100_000)
         start_writeback(f.fileno(), 50_000, 10**12)  # past the end: still fine
     assert p.stat().st_size == 100_000
+
+
+def test_deleting_a_jobs_files_takes_its_attempts_drafts(storage: LocalStorage) -> None:
+    # A dead attempt's partial artifact stayed in tmp/ until the 24 h sweep, after its job had ended.
+    draft = storage.artifact_tmp_path(ID)
+    draft.write_bytes(b"partial")
+    report = storage.stage_report(ID, "{}")
+    other = storage.artifact_tmp_path("f" * 32)
+    other.write_bytes(b"another job's")
+    storage.delete_job_files(ID)
+    assert not draft.exists() and not report.exists() and other.exists()

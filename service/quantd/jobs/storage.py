@@ -225,9 +225,15 @@ class LocalStorage:
             return None
 
     def delete_job_files(self, job_id: str) -> None:
+        """The job's upload, artifact and report, and the drafts of its attempts in tmp/ (a dead attempt's
+        partial artifact stayed there until the 24 h sweep; an attempt still writing one fails to seal it,
+        and its worker lives on)."""
         for path in (self.upload_path(job_id, "input"), self.upload_path(job_id, "calibration"),
                      self.artifact_path(job_id), self._job_file(self.reports, job_id, ".json")):
-            path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)  # (upload_path checked that job_id is a job id: safe in a glob)
+        for pattern in (f"artifact-{job_id}-*.part", f"report-{job_id}-*.part"):
+            for draft in self.tmp.glob(pattern):
+                draft.unlink(missing_ok=True)
 
     def writable(self) -> bool:
         probe = self.tmp / f"probe-{uuid.uuid4().hex}"
