@@ -185,13 +185,14 @@ class QuantConfig(_Strict):
         for i, rule in enumerate(self.rules):
             if rule.scheme is not None:
                 try:
-                    self._merge(rule.scheme)
+                    self.override_scheme(rule.scheme)
                 except ValidationError as e:  # its own messages, not pydantic's multi-line summary
                     why = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
                     raise ValueError(f"rules[{i}] (the tensors matching {rule.match!r}): {why}") from None
         return self
 
-    def _merge(self, override: SchemeOverride) -> Scheme:
+    def override_scheme(self, override: SchemeOverride) -> Scheme:
+        """The default scheme with ``override``'s fields (a rule's, or the CLI's flags) on top."""
         base = self.scheme.model_dump(exclude_unset=True)
         patch = override.model_dump(exclude_none=True)
         new_dtype = "dtype" in patch and patch["dtype"] != base.get("dtype", "int4")
@@ -212,7 +213,7 @@ class QuantConfig(_Strict):
             if fnmatch.fnmatchcase(name, rule.match):
                 if rule.skip:
                     return None, f"rule {rule.match!r}: skip"
-                return (self._merge(rule.scheme) if rule.scheme else self.scheme), None
+                return (self.override_scheme(rule.scheme) if rule.scheme else self.scheme), None
         if self.skip_1d and len(shape) <= 1:
             return None, "1-D tensor (skip_1d)"
         return self.scheme, None

@@ -142,7 +142,11 @@ def _print_json(obj: Any) -> None:
 # -- config and clients ---------------------------------------------------------------------------
 
 def build_config(args: argparse.Namespace) -> QuantConfig:
+    """The ``--config`` file's QuantConfig with the scheme flags on top, merged as a rule's scheme is (a new
+    ``--dtype`` brings its own symmetric default, ``--group-size`` asks for groups)."""
     import pydantic
+
+    from quantd_client._schemas import SchemeOverride
 
     data: dict[str, Any] = {}
     if args.config:
@@ -153,18 +157,14 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
         if not isinstance(data, dict) or not isinstance(data.get("scheme", {}), dict):
             raise UsageError(f"--config {args.config}: a QuantConfig is a JSON object whose \"scheme\" is an object, "
                              f'e.g. {{"scheme": {{"dtype": "int4", "group_size": 128}}}}')
-    scheme = dict(data.get("scheme") or {})
-    for key in ("dtype", "group_size", "granularity", "observer", "symmetric"):
-        value = getattr(args, key, None)
-        if value is not None:
-            if key == "dtype" and value != scheme.get("dtype") and args.symmetric is None:
-                scheme.pop("symmetric", None)  # a new dtype brings its own default
-            scheme[key] = value
-    if getattr(args, "group_size", None) is not None and getattr(args, "granularity", None) is None:
-        scheme["granularity"] = "group"  # --group-size asks for groups, whatever the config file's granularity
-    data["scheme"] = scheme
+    flags = {key: getattr(args, key) for key in ("dtype", "group_size", "granularity", "observer", "symmetric")
+             if getattr(args, key, None) is not None}
     try:
-        return QuantConfig.model_validate(data)
+        config = QuantConfig.model_validate(data)
+        if flags:
+            scheme = config.override_scheme(SchemeOverride.model_validate(flags))
+            config = QuantConfig.model_validate({**data, "scheme": scheme.model_dump(exclude_unset=True)})
+        return config
     except pydantic.ValidationError as e:
         raise UsageError("config: " + "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
                                                 for x in e.errors())) from None

@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quantd.errors import QuantdError
+from quantd.errors import ConfigError, InputTooLargeError, QuantdError, UnsupportedFormatError
+from quantd.jobs.errors import JobExpired, JobNotFound, JobNotReady, QueueFull
 
 log = logging.getLogger("quantd.server")
 
@@ -153,12 +154,10 @@ PROBLEM_SCHEMA: dict[str, Any] = {
     },
 }
 
-# The examples' problem types: what these statuses carry most often (400/401/416 and /readyz's 503 are about:blank).
-_EXAMPLE_TYPES: dict[int, str] = {
-    404: "urn:quantd:job-not-found", 409: "urn:quantd:job-not-ready", 410: "urn:quantd:job-expired",
-    413: "urn:quantd:too-large", 415: "urn:quantd:unsupported-format", 422: "urn:quantd:config-error",
-    429: "urn:quantd:queue-full",
-}
+# The examples' problem types: those of the errors these statuses carry most often, from the error classes
+# themselves (400/401/416 and /readyz's 503 are about:blank).
+_EXAMPLE_TYPES: dict[int, str] = {cls.status: cls.type_ for cls in (
+    JobNotFound, JobNotReady, JobExpired, InputTooLargeError, UnsupportedFormatError, ConfigError, QueueFull)}
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 
 _EXAMPLES: dict[int, tuple[str, str]] = {
@@ -176,18 +175,20 @@ _EXAMPLES: dict[int, tuple[str, str]] = {
 }
 
 
-def problem_responses(*statuses: int, examples: dict[int, tuple[str, str, str]] | None = None
+def problem_responses(*statuses: int, examples: Mapping[type[QuantdError], str] | None = None
                       ) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses=`` entries for the given problem statuses, with an example each; ``examples``:
-    a route's own ``(type, title, detail)`` for a status where the common one does not fit."""
+    a route's own error class (its status, type and title) and an example detail, where the common
+    example of that status does not fit."""
+    own = {cls.status: (cls.type_, cls.title, detail) for cls, detail in (examples or {}).items()}
     out: dict[int | str, dict[str, Any]] = {}
     for s in statuses:
         title, detail = _EXAMPLES.get(s, (_phrase(s), _phrase(s)))
         type_ = _EXAMPLE_TYPES.get(s, "about:blank")
-        if examples and s in examples:
-            type_, title, detail = examples[s]
+        if s in own:
+            type_, title, detail = own[s]
         example: dict[str, Any] = {"type": type_, "title": title, "status": s, "detail": detail}
-        if s == 422 and not (examples and s in examples):
+        if s == 422 and s not in own:
             example["errors"] = [{"loc": ["body", "config", "scheme", "group_size"], "msg": detail}]
         out[s] = {"description": title, "content": {PROBLEM_JSON: {"schema": PROBLEM_SCHEMA, "example": example}}}
         if s in (429, 503):  # both come with Retry-After (the SDK waits that long)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from quantd.errors import naming
+from quantd.jobs.errors import IdempotencyConflict, InvalidListQuery
 from quantd_client import Job, JobList, QuantConfig, Report
 from quantd_client._schemas import JobStatus
 
@@ -107,9 +108,8 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
              responses={202: {**json_example("Accepted: the job is persisted and queued", JOB_EXAMPLE),
                               "headers": {"Location": {"schema": {"type": "string"},
                                                        "description": "/v1/jobs/{id}"}}},
-                        **UPLOAD_ERRORS, **problem_responses(409, 429, examples={409: (
-                            "urn:quantd:idempotency-conflict", "Idempotency key reused",
-                            "Idempotency-Key 'k1' was used for another input or config")})})
+                        **UPLOAD_ERRORS, **problem_responses(409, 429, examples={
+                            IdempotencyConflict: "Idempotency-Key 'k1' was used for another input or config"})})
 async def submit_job(
     request: Request, state: StateDep, tenant: TenantDep,
     idempotency_key: Annotated[str | None, Header(max_length=_IDEM_MAX,
@@ -121,8 +121,8 @@ async def submit_job(
 
 @router.get("", response_model=JobList, summary="The caller's jobs, newest first",
             responses={200: json_example("A page of jobs", {"items": [JOB_EXAMPLE], "next_cursor": "WzE3MDAw..."}),
-                       **problem_responses(401, 422, examples={422: (
-                           "urn:quantd:invalid-query", "Invalid query", "cursor is not one this server issued")})})
+                       **problem_responses(401, 422, examples={
+                           InvalidListQuery: "cursor is not one this server issued"})})
 async def list_jobs(
     state: StateDep, tenant: TenantDep,
     status: Annotated[JobStatus | None, Query(description="only jobs with this status")] = None,
