@@ -241,8 +241,19 @@ def _quantize_minmax(blocks: torch.Tensor, kind: str, dtype: str, symmetric: boo
     else:
         lo, hi = x.amin(dim=1), x.amax(dim=1)
     finite, scale, s, z, *zp = _qparams_columns(lo, hi, dtype, symmetric, scale_dtype)
-    codes = _encode_nf4(x, s, NF4_MIDPOINTS) if kind == "nf4" else _encode_int(x, s, z, qmin, qmax, out_dtype)
-    return (codes, finite, scale, *zp)
+    if kind == "nf4":
+        codes = _encode_nf4(x, s, NF4_MIDPOINTS)
+    elif symmetric:
+        # |x| ≤ absmax ≤ s·(qmax + ½), so round(x / s) ≥ qmin (−qmax − ½ rounds to the even −qmax − 1) and only
+        # the top needs the clamp: each clamp is three vector ops (a NaN-propagating min or max), and the
+        # encode of a bfloat16 weight is compute-bound: 13–15 % faster on a 4096² one (float32: 2 %).
+        codes = torch.round(x / s).clamp(max=qmax).to(out_dtype)
+    else:
+        codes = _encode_int(x, s, z, qmin, qmax, out_dtype)
+    # s is returned (and dropped by the caller) to make it a float32 buffer: otherwise the encode loop reads the
+    # float16 scale and converts it anew for each vector it stores (its int8 stores may alias the scale, so the
+    # compiler cannot hoist the load): 3–8 % of a bfloat16 weight's time.
+    return (codes, finite, scale, s, *zp)
 
 
 def quantize_minmax(blocks: torch.Tensor, info: DTypeInfo, *, dtype: str, symmetric: bool, scale_dtype: str,
@@ -260,7 +271,7 @@ def quantize_minmax(blocks: torch.Tensor, info: DTypeInfo, *, dtype: str, symmet
                        blocks, info.kind, dtype, symmetric, scale_dtype, lo_q, hi_q, out_dtype)
     if out is None:
         return None
-    codes, finite, scale, *zp = out
+    codes, finite, scale, _, *zp = out
     return codes, bool(finite), scale, (zp[0] if zp else None)
 
 
