@@ -253,6 +253,23 @@ def test_compiled_stats_equal_eager(compiled: None, scheme: Scheme, chunk: int,
         assert got.clipped_fraction > 0
 
 
+@pytest.mark.parametrize("first", [None, 1e6, -3e6])
+def test_compiled_variance_with_a_large_mean_and_an_extreme_first_value(compiled: None, first: float | None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiled sums shift each chunk by its first value instead of centring it on its mean: as exact,
+    # also when the data sit far from 0 and when that first value is an extreme outlier.
+    monkeypatch.setattr(stats, "_CHUNK", 96)
+    x = torch.randn(24, 96, generator=torch.Generator().manual_seed(8)) + 1e4
+    if first is not None:
+        x[0, 0] = first
+        x[5, 0] = first  # also the first value of a later chunk
+    qt = quantize(x, _scheme(dtype="int8", granularity="channel"))
+    assert stats._moments_from_codes(x, qt) is not None
+    std = float(x.double().std(unbiased=False))
+    for st in (stats.quantized_error_stats(x, qt), error_stats(x, dequantize(qt, dtype=torch.float64), qt)):
+        assert st.outlier_threshold == pytest.approx(3 * std, rel=1e-11)
+
+
 def test_shape_mismatch_is_an_error() -> None:
     x = torch.randn(4, 8)
     qt = quantize(x, _scheme(dtype="int8", granularity="channel"))

@@ -4,7 +4,9 @@ Sums are accumulated in float64 over chunks, so memory stays bounded and precisi
 the tensor's size: one pass over ``x`` and ``x_hat`` for the sums (each chunk converted once into a
 float64 buffer that stays in cache; sums stay on the device until one sync at the end), one more over
 ``x`` for the outliers (their threshold needs the global std). Mean and variance are merged per chunk
-(Chan et al.) rather than taken as ``E[x²] − E[x]²``, which cancels badly when the mean is large.
+(Chan et al.) rather than taken as ``E[x²] − E[x]²``, which cancels badly when the mean is large; each
+chunk's ``Σ (x − mean_c)²`` is centred on its mean (eager) or shifted by its first value (the compiled
+kernels, in one pass: :func:`quantd.engine.kernels._moments`).
 The clipped count reads only the per-block extremes unless a block actually clips.
 """
 
