@@ -412,6 +412,26 @@ async def test_a_killed_worker_process_stops_counting_as_live_at_once(make_servi
     assert svc.live_workers() == 1 and svc.busy_workers() == 1
 
 
+def test_a_gone_pid_is_dead_only_in_our_own_pid_namespace() -> None:
+    """An owner whose pid is not running is dead only when it is of this host and PID namespace: a container
+    sharing our hostname (``network_mode: host``) has pids of its own, and its live worker's pid may be free here."""
+    import socket
+    import subprocess
+    import sys
+
+    from quantd.jobs.worker import BOOT, HOST, owner_is_dead
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert owner_is_dead(f"{HOST}/{gone.pid}/{BOOT}/w0#1")
+    assert not owner_is_dead(f"{HOST}/{os.getppid()}/{BOOT}/w0#1")
+    if sys.platform.startswith("linux"):
+        assert f"{socket.gethostname()}@{os.stat('/proc/self/ns/pid').st_ino}" == HOST
+        other_namespace = f"{socket.gethostname()}@{os.stat('/proc/self/ns/pid').st_ino + 1}"
+        assert not owner_is_dead(f"{other_namespace}/{gone.pid}/{BOOT}/w0#1")
+        assert not owner_is_dead(f"{socket.gethostname()}/{gone.pid}/{BOOT}/w0#1")  # no namespace: not ours
+
+
 async def test_close_streams_ends_the_event_streams_of_running_jobs(make_service: MakeService,
                                                                    model_file: Path) -> None:
     """A stopping server ends its event streams at once (uvicorn waits for open connections before it

@@ -33,7 +33,19 @@ from .store import JobStore
 
 log = logging.getLogger("quantd.jobs")
 
-HOST = socket.gethostname()
+
+def host_identity() -> str:
+    """This host's name and, on Linux, the inode of our PID namespace: the pids of lease owners with this
+    identity are ours to look up. Two containers can share a hostname (``network_mode: host``, a pod) but
+    not a PID namespace, and another's pid that is not running here may be a live worker there."""
+    name = socket.gethostname().replace("/", "_")
+    try:
+        return f"{name}@{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # no /proc (not Linux): the hostname alone
+        return name
+
+
+HOST = host_identity()
 BOOT = uuid.uuid4().hex[:12]  # this process's identity: a restarted process with the same pid differs
 
 
@@ -56,8 +68,8 @@ def new_worker_id(index: int) -> str:
 
 def owner_is_dead(owner: str | None) -> bool:
     """True when a lease owner (``host/pid/boot/wN#attempt``) is a process on this host that is gone:
-    its pid is not running, or the pid is ours but from an earlier boot. Unknown hosts: False
-    (their leases expire instead)."""
+    its pid is not running, or the pid is ours but from an earlier boot. Unknown hosts (another
+    :func:`host_identity`: another hostname or PID namespace): False (their leases expire instead)."""
     if not owner:
         return True
     parts = owner.split("/")
