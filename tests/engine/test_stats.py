@@ -270,6 +270,28 @@ def test_compiled_variance_with_a_large_mean_and_an_extreme_first_value(compiled
         assert st.outlier_threshold == pytest.approx(3 * std, rel=1e-11)
 
 
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_outlier_count_in_float32_is_the_float64_count(compiled: None, in_dtype: torch.dtype) -> None:
+    # The compiled count compares float32 values with the float32 ends of the interval that is not outlying;
+    # exactly the float64 |x − mean| > threshold, also for values on and next to mean ± threshold.
+    from quantd.engine import kernels
+
+    gen = torch.Generator().manual_seed(21)
+    cases = [(0.0, 0.0), (0.1, 0.0), (0.0123, 2.5), (-3.7, 1e-3), (1e4, 7.25), (0.5, 65504.0), (0.0, 3.4e38)]
+    for mean, threshold in cases:
+        edges = torch.tensor([mean - threshold, mean + threshold, mean, 0.0], dtype=torch.float64).float()
+        near = torch.cat([edges, torch.nextafter(edges, torch.tensor(math.inf)),
+                          torch.nextafter(edges, torch.tensor(-math.inf))])
+        x = torch.cat([near, torch.randn(5000, generator=gen) * max(threshold, 1.0) + mean]).to(in_dtype)
+        x = x[torch.isfinite(x)]
+        want = int(((x.double() - mean).abs() > threshold).sum())
+        got = kernels.outlier_count(x, mean, threshold)
+        assert got is not None and int(got) == want, (mean, threshold)
+        assert stats._outlier_count(x, mean, threshold) == want
+    assert kernels._float32_interval(0.1, 0.0) is None  # no float32 value is 0.1 exactly: the float64 count
+    assert kernels._float32_interval(0.5, 0.0) == (0.5, 0.5)
+
+
 def test_shape_mismatch_is_an_error() -> None:
     x = torch.randn(4, 8)
     qt = quantize(x, _scheme(dtype="int8", granularity="channel"))

@@ -491,8 +491,55 @@ def _outliers(x: torch.Tensor, mean: torch.Tensor, threshold: torch.Tensor) -> t
     return ((x.double() - mean).abs() > threshold).sum()
 
 
+def _outside(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return ((xf < lo) | (xf > hi)).sum()
+
+
+# Steps of one float32 ulp tried from the rounded bound before giving up on float32 bounds (they are found within 1).
+_BOUND_STEPS = 8
+
+
+def _float32_interval(mean: float, threshold: float) -> tuple[float, float] | None:
+    """The float32 values ``lo ≤ hi`` with ``|v − mean| ≤ threshold`` (in float64, as the outlier count computes it)
+    exactly for the float32 ``v`` in ``[lo, hi]``; None when there are none, or they were not found near
+    ``mean ∓ threshold`` (then the count stays in float64). ``v − mean`` rounded to float64 is monotone in ``v``,
+    so these ``v`` are an interval, and its ends are within an ulp of ``mean ∓ threshold`` rounded to float32."""
+    import numpy as np
+
+    top = float(np.finfo(np.float32).max)
+
+    def inside(v: np.float32) -> bool:
+        return abs(float(v) - mean) <= threshold
+
+    def end(start: float, outward: float) -> float | None:
+        v = np.float32(min(max(start, -top), top))
+        toward_mean = np.float32(-outward)
+        for _ in range(_BOUND_STEPS):
+            if inside(v):
+                beyond = np.nextafter(v, np.float32(outward))
+                if not inside(beyond) or not math.isfinite(float(beyond)):
+                    return float(v)
+                v = beyond
+            else:
+                v = np.nextafter(v, toward_mean)
+        return None
+
+    if not (math.isfinite(mean) and math.isfinite(threshold)):
+        return None
+    hi, lo = end(mean + threshold, math.inf), end(mean - threshold, -math.inf)
+    return None if hi is None or lo is None or lo > hi else (lo, hi)
+
+
 def outlier_count(x: torch.Tensor, mean: float, threshold: float) -> torch.Tensor | None:
-    """``#{|x − mean| > threshold}`` computed in float64 (a 0-d int64 tensor)."""
+    """``#{|x − mean| > threshold}`` computed in float64 (a 0-d int64 tensor). For float32, bfloat16 and float16
+    ``x`` the same count by two float32 comparisons against the ends of the interval that is not outlying
+    (:func:`_float32_interval`): no float64 per element (bfloat16 weights 4.6 → 0.9 ms for 4096², float32 7 %)."""
+    flat = x.reshape(-1)
+    bounds = _float32_interval(mean, threshold) if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+    if bounds is not None:
+        lo, hi = (torch.tensor(b, dtype=torch.float32) for b in bounds)
+        return KERNELS.call("outside", _outside, (x.dtype,), flat, lo, hi)
     m = torch.tensor(mean, dtype=torch.float64)
     t = torch.tensor(threshold, dtype=torch.float64)
-    return KERNELS.call("outliers", _outliers, (x.dtype,), x.reshape(-1), m, t)
+    return KERNELS.call("outliers", _outliers, (x.dtype,), flat, m, t)
