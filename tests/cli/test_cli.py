@@ -195,13 +195,18 @@ def test_in_process_work_without_the_server_extra_says_what_to_install(model: Pa
 def test_serve_keeps_compiled_kernels_in_its_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Inductor's default cache is /tmp/torchinductor_<user>: outside the data dir (found by an audit).
     import os
+    import platform
+
+    import torch
 
     from quantd.server.main import keep_kernel_cache_in
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "recorded")  # so that teardown restores the original
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     keep_kernel_cache_in(tmp_path / "data")
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "data").resolve() / ".inductor-cache")
+    # one directory per CPU vector ISA: Inductor's graph cache does not key on it
+    tag = f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}".lower()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "data").resolve() / ".inductor-cache" / tag)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
     keep_kernel_cache_in(tmp_path / "data")  # an explicit setting wins
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"

