@@ -111,6 +111,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
+        "cpu_isa": torch.backends.cpu.get_cpu_capability(),  # the vector ISA of ATen's and Inductor's CPU code
         "torch_threads": torch.get_num_threads(),
         "ram_bytes": ram_bytes,
         "python": platform.python_version(),

@@ -133,7 +133,8 @@ def main() -> None:
     default_threads = torch.get_num_threads()
     result: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "torch": torch.__version__, "loadavg_before": os.getloadavg()},
+                    "cpu_isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+                    "loadavg_before": os.getloadavg()},
         "kernels": "compiled" if kernels.KERNELS.available() else "eager",
         "inductor_cache": inductor_cache,
         "shape": [args.size, args.size],

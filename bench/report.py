@@ -202,7 +202,8 @@ def machine_section(m: dict[str, Any]) -> str:
     ram = m.get("ram_bytes") or 0
     return "\n".join(
         [
-            f"- CPU: {m.get('cpu')}, {m.get('cores')} cores (torch threads: {m.get('torch_threads')}), "
+            f"- CPU: {m.get('cpu')}, {m.get('cores')} cores, vector ISA {m.get('cpu_isa', 'not recorded')} "
+            f"(torch threads: {m.get('torch_threads')}), "
             f"RAM {ram / 2**30:.1f} GiB",
             f"- Python {m.get('python')}, torch {m.get('torch')}, {m.get('platform')}",
             f"- Date (UTC): {m.get('date')}; load average (1, 5, 15 min) when the results were written: "
@@ -479,7 +480,8 @@ def engine_section(data: Any) -> str:
         return generic_section(data)
     m = data.get("machine", {})
     out = [
-        f"Machine: {m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}; load average before "
+        f"Machine: {m.get('cpu')}, {m.get('cores')} cores, vector ISA {m.get('cpu_isa', 'not recorded')}, "
+        f"torch {m.get('torch')}; load average before "
         f"{m.get('loadavg_before')}, after {m.get('loadavg_after')}; shape {data.get('shape')}. "
         "Best of the repeats (see bench/engine.py)."
     ]
