@@ -253,6 +253,30 @@ def test_compiled_stats_equal_eager(compiled: None, scheme: Scheme, chunk: int,
         assert got.clipped_fraction > 0
 
 
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "nf4"])
+def test_compiled_stats_of_half_precision_weights_equal_eager(compiled: None, in_dtype: torch.dtype, dtype: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # bfloat16/float16 weights reach the compiled sums through float32 (their direct float64 conversion is not
+    # vectorised) and the outlier count through float32 bounds: the same statistics as eager.
+    from quantd.engine import kernels
+
+    monkeypatch.setattr(stats, "_CHUNK", 96)
+    x = (torch.randn(24, 96, generator=torch.Generator().manual_seed(6)) * 2 + 0.75).to(in_dtype)
+    qt = quantize(x, _scheme(dtype=dtype, granularity="group", group_size=32))
+    assert stats._moments_from_codes(x, qt) is not None
+    got = stats.quantized_error_stats(x, qt)
+    kernels.KERNELS.reset(available=False)
+    want = stats.quantized_error_stats(x, qt)
+    kernels.KERNELS.reset(available=True)
+    for field, value in want.model_dump().items():
+        if isinstance(value, float) and math.isfinite(value):
+            assert getattr(got, field) == pytest.approx(value, rel=1e-12, abs=1e-300), field
+        else:
+            assert getattr(got, field) == value, field
+    assert got.outlier_rate > 0
+
+
 @pytest.mark.parametrize("first", [None, 1e6, -3e6])
 def test_compiled_variance_with_a_large_mean_and_an_extreme_first_value(compiled: None, first: float | None,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
