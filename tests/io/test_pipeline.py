@@ -370,6 +370,6 @@ def test_warm_up_builds_the_kernels_of_its_schemes(compiled: None) -> None:
     assert took is not None and took > 0
     warm = {key[0] for key in kernels.KERNELS._warm}
     # quantize (min-max in one kernel), stats (clipping reads the ranges), packing
-    assert {"minmax", "range", "pack", "moments_codes", "outliers"} <= warm, warm
+    assert {"minmax", "range", "pack", "moments_codes", "outside"} <= warm, warm
     kernels.KERNELS.reset(available=False)
     assert warm_up() is None  # compiled kernels off: nothing to warm
