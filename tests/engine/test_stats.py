@@ -302,8 +302,10 @@ def test_outlier_count_in_float32_is_the_float64_count(compiled: None, in_dtype:
     from quantd.engine import kernels
 
     gen = torch.Generator().manual_seed(21)
-    cases = [(0.0, 0.0), (0.1, 0.0), (0.0123, 2.5), (-3.7, 1e-3), (1e4, 7.25), (0.5, 65504.0), (0.0, 3.4e38)]
+    cases = [(0.0, 0.0), (0.1, 0.0), (0.0123, 2.5), (-3.7, 1e-3), (1e4, 7.25), (0.5, 65504.0), (0.0, 3.4e38),
+             (0.0, 3.5e38), (-1e39, 2e39)]  # the last two: past float32's largest value
     for mean, threshold in cases:
+        assert (kernels._float32_interval(mean, threshold) is None) == (threshold == 0.0 and mean == 0.1)
         edges = torch.tensor([mean - threshold, mean + threshold, mean, 0.0], dtype=torch.float64).float()
         near = torch.cat([edges, torch.nextafter(edges, torch.tensor(math.inf)),
                           torch.nextafter(edges, torch.tensor(-math.inf))])
