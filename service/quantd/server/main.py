@@ -17,12 +17,24 @@ log = logging.getLogger("quantd.server")
 
 def cpu_kernel_tag() -> str:
     """The machine and the vector ISA that compiled CPU kernels are generated for (``x86_64-avx512``,
-    ``x86_64-avx2``, ``aarch64-default``, ...): ATen's CPU capability, which Inductor's choice follows."""
+    ``x86_64-avx2``, ``aarch64-default``, ...: ATen's CPU capability, which Inductor's choice follows), and on
+    Linux a short hash of the CPU's feature flags: Inductor compiles with ``-march=native`` and keys its
+    compiled libraries on that literal flag, so two AVX-512 CPUs with other extensions (AMX, BF16) must not
+    share them (an instruction the other lacks is a SIGILL, which no fallback catches)."""
+    import hashlib
     import platform
 
     import torch
 
-    return f"{platform.machine() or 'cpu'}-{torch.backends.cpu.get_cpu_capability()}".lower()
+    tag = f"{platform.machine() or 'cpu'}-{torch.backends.cpu.get_cpu_capability()}".lower()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line.split(":", 1)[1] for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    if flags:
+        tag += "-" + hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
+    return tag
 
 
 def keep_kernel_cache_in(data_dir: Path) -> None:
