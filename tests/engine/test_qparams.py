@@ -92,3 +92,26 @@ def test_qparams_columns_compiled_equal_eager(compiled: None, dtype: str, symmet
         side[7] = bad
         assert not kernels.qparams_columns(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)[0]
         side[7] = keep
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int3", "int2", "nf4", "fp8_e4m3", "fp8_e5m2"])
+def test_symmetric_half_scales_in_float32_equal_the_float64_route(dtype: str, scale_dtype: str) -> None:
+    """Symmetric float16/bfloat16 scales of float32 ranges are computed in float32 (``q = absmax / divisor``,
+    one step up where ``q`` is a scale value below the quotient): the float64 route's scales exactly, at every
+    scale value times the divisor, next to it on either side, and over float32's whole range."""
+    from quantd.engine.qparams import _absmax_divisor
+
+    sdt = getattr(torch, scale_dtype)
+    values = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(sdt).float()
+    values = values[torch.isfinite(values) & (values >= 0)]
+    on = (values.double() * _absmax_divisor(dtype)).float()
+    gen = torch.Generator().manual_seed(3)
+    spread = torch.rand(50_000, generator=gen) * torch.exp2(torch.randint(-149, 128, (50_000,), generator=gen).float())
+    absmax = torch.cat([on, torch.nextafter(on, torch.tensor(torch.inf)), torch.nextafter(on, torch.tensor(0.0)),
+                        spread, torch.tensor([0.0, 1e-45, 3.4e38, torch.inf, torch.nan])])
+    for lo, hi in ((-absmax, torch.zeros_like(absmax)), (torch.zeros_like(absmax), absmax), (-absmax, absmax / 2)):
+        fast, zp = choose_qparams(lo, hi, dtype=dtype, symmetric=True, scale_dtype=scale_dtype)
+        slow, _ = choose_qparams(lo.double(), hi.double(), dtype=dtype, symmetric=True, scale_dtype=scale_dtype)
+        assert zp is None and fast.dtype == slow.dtype == sdt
+        assert torch.equal(fast.float().nan_to_num(nan=-1.0), slow.float().nan_to_num(nan=-1.0))

@@ -7,7 +7,8 @@ Integer dtypes, with the range made to include 0 (``lo = min(lo, 0)``, ``hi = ma
 
 nf4: ``scale = max(|lo|, |hi|)``; fp8: ``scale = max(|lo|, |hi|) / max_finite``.
 
-The scale is computed in float64 and rounded UP to ``scale_dtype`` (never below the exact value),
+The scale is computed in float64 (symmetric float16/bfloat16 scales of float32 ranges: the same value in
+float32 arithmetic, :func:`_half_scale_of_absmax`) and rounded UP to ``scale_dtype`` (never below the exact value),
 then clamped to ``[smallest positive, largest finite]`` of ``scale_dtype``: the observed range is
 always representable (minmax never clips), and zero blocks get a tiny scale and quantize exactly
 to 0. The zero point is computed from the rounded scale, so stored scale and codes agree exactly.
@@ -105,6 +106,10 @@ def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric:
     """
     info = dtype_info(dtype)
     sdt = scale_torch_dtype(scale_dtype)
+    if (work_dtype == torch.float64 and sdt in _HALF_DROPPED_BITS and lo.dtype == hi.dtype == torch.float32
+            and (info.kind in ("nf4", "fp8") or (info.kind == "int" and symmetric))):
+        absmax = torch.maximum(-lo.clamp(max=0.0), hi.clamp(min=0.0))
+        return _half_scale_of_absmax(absmax, _absmax_divisor(dtype), sdt).to(sdt), None
     lo64 = lo.to(work_dtype).clamp(max=0.0)
     hi64 = hi.to(work_dtype).clamp(min=0.0)
     scale = round_up_to(exact_scale(lo64, hi64, dtype=dtype, symmetric=symmetric), sdt)
@@ -114,6 +119,39 @@ def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric:
         return scale, None
     zp = torch.round(info.qmin - lo64 / scale.to(work_dtype)).clamp_(info.qmin, info.qmax)
     return scale, zp.to(zero_point_dtype(dtype))
+
+
+def _absmax_divisor(dtype: str) -> float:
+    """What a symmetric scale divides ``absmax`` by: 1 (nf4), ``max_finite`` (fp8), ``(qmax − qmin) / 2``
+    (integers); at most 8 significant bits each (255/2, 448, 57344 = 7·2¹³)."""
+    info = dtype_info(dtype)
+    if info.kind == "nf4":
+        return 1.0
+    if info.kind == "fp8":
+        return float(info.max_finite)
+    return (info.qmax - info.qmin) / 2.0
+
+
+def _half_scale_of_absmax(absmax: torch.Tensor, divisor: float, dtype: torch.dtype) -> torch.Tensor:
+    """``round_up_to(absmax / divisor, dtype)`` for float32 ``absmax`` and a float16/bfloat16 ``dtype``, in
+    float32 arithmetic, as float32 (the float64 route's value exactly, tested against it).
+
+    ``q = absmax / divisor`` rounded to nearest float32; the smallest ``dtype`` value ≥ ``q`` is the answer
+    unless ``q`` fell below the exact quotient and is itself a ``dtype`` value: then it is the next one up.
+    (When ``q`` is not a ``dtype`` value, the next ``dtype`` value above it is at least a float32 ulp above
+    ``q``, so above the quotient too.) For a ``dtype`` value ``q`` (≤ 11 significant bits) ``q · divisor``
+    (≤ 8 bits) is exact in float32, so ``q · divisor < absmax`` tells exactly whether ``q`` fell below.
+    Against the float64 route (its conversions do not vectorise well), min-max of a 4096² weight, timed in
+    alternation: g64 12–14 % faster (float32 and bfloat16 weights), g32 19–20 %, nf4 g64 6 %, per channel
+    the same; the qparams of 262 144 blocks alone 0.62 → 0.31 ms."""
+    q = absmax / divisor
+    up = _round_up_to_half(q, dtype)
+    low = (up == q) & (q * divisor < absmax)  # q is a dtype value below the quotient: one step up
+    step = 1 << _HALF_DROPPED_BITS[dtype]
+    nxt = (up.view(torch.int32) + step).view(torch.float32)  # the next normal value (bit pattern + one unit)
+    if dtype == torch.float16:
+        nxt = torch.where(up < _FLOAT16_MIN_NORMAL, up + 2.0**-24, nxt)  # subnormals: multiples of 2⁻²⁴
+    return torch.where(low, nxt, up).clamp(max=torch.finfo(dtype).max)
 
 
 def exact_scale(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool) -> torch.Tensor:
