@@ -215,6 +215,28 @@ def test_serve_keeps_compiled_kernels_in_its_data_dir(tmp_path: Path, monkeypatc
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
 
 
+def test_in_process_runs_keep_compiled_kernels_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       model: Path) -> None:
+    # The CLI's in-process engine uses Inductor's default cache dir, one subdirectory per kind of CPU: that
+    # dir outlives machines in images and snapshots (kernels made for an AVX2 CPU ran 2-3x slower on AVX-512).
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from quantd.server.main import cpu_kernel_tag
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "recorded")  # so that teardown restores the original
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setattr("quantd.io.pipeline.quantize_file", _refuse)  # only the cache dir is looked at
+    with pytest.raises(RuntimeError, match="not run"):
+        main(["quantize", str(model), "-o", str(tmp_path / "o"), "--device", "cpu"])
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path(default_cache_dir()) / cpu_kernel_tag())
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("not run")
+
+
 def test_bad_settings_are_one_line_naming_the_variable_and_never_its_value(monkeypatch: pytest.MonkeyPatch,
                                                                            capsys: pytest.CaptureFixture[str]) -> None:
     # It was pydantic's multi-line dump, with input_value={'api_keys': 'tenant-a:sk-live-…'}: part of a secret.

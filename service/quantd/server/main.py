@@ -37,6 +37,17 @@ def cpu_kernel_tag() -> str:
     return tag
 
 
+def keep_kernel_cache_per_cpu() -> None:
+    """For the engine run in-process outside a data dir (the CLI's ``quantize``/``analyze``): Inductor's default
+    cache directory, one subdirectory per kind of CPU (:func:`cpu_kernel_tag`), unless ``TORCHINDUCTOR_CACHE_DIR``
+    is set. The default (``/tmp/torchinductor_<user>``) outlives a machine in images and snapshots; this one's held
+    kernels generated on an AVX2 CPU, 2–3x slower on the AVX-512 one that later served them."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(default_cache_dir()) / cpu_kernel_tag())
+
+
 def keep_kernel_cache_in(data_dir: Path) -> None:
     """Inductor's cache of compiled kernels under ``data_dir/.inductor-cache/<machine-isa>`` unless
     ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: the service writes nothing outside its data dir (Inductor's
