@@ -268,9 +268,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             report = job.report()
     else:
         from quantd.io.pipeline import quantize_file
-        from quantd.server.main import keep_kernel_cache_per_cpu
+        from quantd.server.main import keep_kernel_cache_in
 
-        keep_kernel_cache_per_cpu()
+        keep_kernel_cache_in(None)  # Inductor's default dir, per kind of CPU
         report = quantize_file(args.input, args.output, config, device=resolve_device(args.device))
     if args.json:
         _print_json(report.model_dump(mode="json"))
@@ -286,9 +286,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             resp = c.analyze(args.input, schemes, analyses=args.analyses)
     else:
         from quantd.io.pipeline import analyze_file
-        from quantd.server.main import keep_kernel_cache_per_cpu
+        from quantd.server.main import keep_kernel_cache_in
 
-        keep_kernel_cache_per_cpu()
+        keep_kernel_cache_in(None)  # Inductor's default dir, per kind of CPU
         resp = analyze_file(args.input, schemes, device=resolve_device(args.device), analyses=args.analyses)
     if args.json:
         _print_json({**resp.model_dump(mode="json"),

@@ -37,26 +37,23 @@ def cpu_kernel_tag() -> str:
     return tag
 
 
-def keep_kernel_cache_per_cpu() -> None:
-    """For the engine run in-process outside a data dir (the CLI's ``quantize``/``analyze``): Inductor's default
-    cache directory, one subdirectory per kind of CPU (:func:`cpu_kernel_tag`), unless ``TORCHINDUCTOR_CACHE_DIR``
-    is set. The default (``/tmp/torchinductor_<user>``) outlives a machine in images and snapshots; this one's held
-    kernels generated on an AVX2 CPU, 2–3x slower on the AVX-512 one that later served them."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+def keep_kernel_cache_in(data_dir: Path | None) -> None:
+    """Inductor's cache of compiled kernels in ``<base>/<cpu>`` (:func:`cpu_kernel_tag`) unless
+    ``TORCHINDUCTOR_CACHE_DIR`` says otherwise; ``<base>`` is ``data_dir/.inductor-cache`` for ``serve`` and
+    ``worker`` (the service writes nothing outside its data dir, and a restart finds its kernels), and
+    Inductor's default (``/tmp/torchinductor_<user>``) for the CLI's in-process runs (``data_dir`` None).
+    One directory per kind of CPU: Inductor's graph cache does not key on the vector ISA, and a cache that
+    outlives its machine (a moved data dir, an image, a snapshot) served this one kernels generated on an
+    AVX2 CPU, 2–3x slower on AVX-512 (measured here)."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    if data_dir is None:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(default_cache_dir()) / cpu_kernel_tag())
-
-
-def keep_kernel_cache_in(data_dir: Path) -> None:
-    """Inductor's cache of compiled kernels under ``data_dir/.inductor-cache/<machine-isa>`` unless
-    ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: the service writes nothing outside its data dir (Inductor's
-    default is ``/tmp/torchinductor_<user>``), and a restart finds its kernels. One directory per vector ISA
-    (:func:`cpu_kernel_tag`): Inductor's graph cache does not key on it, and a data dir moved to a CPU with
-    another one got the first CPU's code (bfloat16 kernels made on an AVX2 machine ran 2–3x slower on an
-    AVX-512 one, measured here)."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(data_dir).resolve() / ".inductor-cache" / cpu_kernel_tag())
+        base = Path(default_cache_dir())
+    else:
+        base = Path(data_dir).resolve() / ".inductor-cache"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / cpu_kernel_tag())
 
 
 def run_server(settings: Settings) -> None:
