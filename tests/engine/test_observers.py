@@ -503,6 +503,37 @@ def test_search_qparams_are_choose_qparams_in_float32(path: str, dtype: str, sym
     assert bool(torch.isfinite(inv).all()) and torch.equal(inv, scale.reciprocal().clamp(max=3.4028234663852886e38))
 
 
+@pytest.mark.parametrize("cols", [64, 72])  # a fixed block length (its loop unrolled) and a symbolic one
+def test_nf4_error_kernel_at_the_midpoints(cols: int) -> None:
+    """The compiled nf4 candidate error of values at, and an ulp either side of, every midpoint between
+    two levels, at the levels, at 0 and past ±1, under scales 1 and 2 (t = x and x / 2, exact): each
+    value's squared distance to its nearest level, to float32 rounding. A midpoint is as far from both
+    its levels, so the side its comparison counts it on does not matter."""
+    from quantd.engine import kernels
+    from quantd_client._dtypes import dtype_info
+
+    mids = torch.tensor(kernels.NF4_MIDPOINTS)
+    levels = torch.tensor(kernels.NF4_LEVELS)
+    values = torch.cat([mids, torch.nextafter(mids, torch.tensor(math.inf)), torch.nextafter(mids, torch.tensor(-math.inf)),
+                        levels, torch.tensor([0.0, -0.0, 1.5, -3.0, 1e-30, -7e-39])])
+    x = torch.zeros(values.numel(), cols)
+    x[:, 7] = values  # the other values are 0, a level: no error
+    scale = torch.tensor([[1.0], [2.0]]).expand(2, values.numel()).contiguous()
+
+    def nf4_error(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        none = torch.zeros(())
+        return kernels.candidate_error(x, scale, inv, torch.zeros_like(scale), none, none, "nf4", (0.0, 0, 0), 2.0)
+
+    kernels.fix_block_length(x)
+    got = _compile(nf4_error)(x, scale, 1 / scale)
+    t = values.double() / scale.double()
+    want = (t.unsqueeze(-1) - levels.double()).square().amin(-1) * scale.double().square()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-12)
+    eager = obs._candidate_errors(x, scale, 1 / scale, torch.zeros_like(scale), Scheme(dtype="nf4"),
+                                  dtype_info("nf4"), 2.0)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype,symmetric,norm", [("int4", False, 2.0), ("int8", True, 2.4), ("nf4", True, 2.0),
                                                   ("fp8_e4m3", True, 2.0), ("fp8_e5m2", True, 1.0)])
 def test_fused_search_step_is_the_three_kernels_in_turn(compiled: None, monkeypatch: pytest.MonkeyPatch, dtype: str,

@@ -319,6 +319,8 @@ def search_step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Te
     three kernels called in turn); otherwise, or when compiling is off, eager, with the chunked
     :func:`_candidate_errors`."""
     if compiled:
+        if info.kind == "nf4":
+            kernels.fix_block_length(x)
         out = kernels.KERNELS.call(
             "mse_step", _step, (x.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype, float(norm)),
             x, lo, hi, b, offsets, e_best, grid.start, grid.step, grid.last, scheme.dtype, scheme.symmetric,
