@@ -52,11 +52,14 @@ CONFIG = {
 }
 
 # The in-process run, in a fresh interpreter so that its time and peak memory are its own; like the
-# server (which gets one warm-up job), it first quantizes a small file untimed.
+# server (which gets one warm-up job), it first quantizes a small file untimed, and it sets malloc as the
+# server does.
 INPROCESS = r"""
 import json, sys, time
 from quantd_client import QuantConfig
 from quantd.io.pipeline import quantize_file
+from quantd.server.main import keep_freed_memory_as_configured
+keep_freed_memory_as_configured()  # as the server does (QUANTD_KEEP_FREED_MEMORY)
 cfg = QuantConfig.model_validate(json.loads(sys.argv[4]))
 quantize_file(sys.argv[3], sys.argv[2], cfg, device="cpu")  # warm-up on the small file, untimed
 t0 = time.perf_counter()

@@ -268,8 +268,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             report = job.report()
     else:
         from quantd.io.pipeline import quantize_file
-        from quantd.server.main import keep_kernel_cache_in
+        from quantd.server.main import keep_freed_memory_as_configured, keep_kernel_cache_in
 
+        keep_freed_memory_as_configured()
         keep_kernel_cache_in(None)  # Inductor's default dir, per kind of CPU
         report = quantize_file(args.input, args.output, config, device=resolve_device(args.device))
     if args.json:
@@ -286,8 +287,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             resp = c.analyze(args.input, schemes, analyses=args.analyses)
     else:
         from quantd.io.pipeline import analyze_file
-        from quantd.server.main import keep_kernel_cache_in
+        from quantd.server.main import keep_freed_memory_as_configured, keep_kernel_cache_in
 
+        keep_freed_memory_as_configured()
         keep_kernel_cache_in(None)  # Inductor's default dir, per kind of CPU
         resp = analyze_file(args.input, schemes, device=resolve_device(args.device), analyses=args.analyses)
     if args.json:

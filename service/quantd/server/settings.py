@@ -76,6 +76,9 @@ class Settings(BaseSettings):
         "quantize a safetensors job upload tensor by tensor while it streams in (when its config comes "
         "first and an embedded worker is idle); auto = on when the workers use CUDA (on CPU workers it "
         "competes with receiving the upload for the cores)"))
+    keep_freed_memory: bool = Field(default=True, description=(
+        "glibc malloc: blocks up to 1 GiB come from one heap, and up to 1 GiB freed stays there for the next "
+        "tensors, instead of each large tensor being mapped anew (and its pages faulted in) and returned"))
     warmup: bool = Field(default=True, description=(
         "compile the engine's CPU kernels for the common schemes in the background at start, so that the "
         "first request does not pay for it"))
