@@ -232,10 +232,24 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
         raise UsageError(f"settings: {e}") from None
 
 
+def _prepare_in_process() -> None:
+    """Before the CLI's in-process engine runs (and imports torch): glibc's malloc as
+    ``QUANTD_KEEP_FREED_MEMORY`` says, and Inductor's kernel cache per kind of CPU in its default dir."""
+    from quantd.server.main import keep_freed_memory_as_configured, keep_kernel_cache_in
+    from quantd.server.settings import SettingsError
+
+    try:
+        keep_freed_memory_as_configured()
+    except SettingsError as e:
+        raise UsageError(f"settings: {e}") from None
+    keep_kernel_cache_in(None)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from quantd.server.main import run_server
+    from quantd.server.main import keep_freed_memory, run_server
 
     settings = _settings(args)
+    keep_freed_memory(settings.keep_freed_memory)  # before torch (resolve_device) starts any thread
     if settings.device.startswith("cuda"):  # workers' and sync endpoints' device: refused here, not in a
         resolve_device(settings.device)  # traceback (auto and cpu need no check, nor torch imported yet)
     run_server(settings)
@@ -267,11 +281,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             job.download(args.output, progress=progress)
             report = job.report()
     else:
+        _prepare_in_process()
         from quantd.io.pipeline import quantize_file
-        from quantd.server.main import keep_freed_memory_as_configured, keep_kernel_cache_in
 
-        keep_freed_memory_as_configured()
-        keep_kernel_cache_in(None)  # Inductor's default dir, per kind of CPU
         report = quantize_file(args.input, args.output, config, device=resolve_device(args.device))
     if args.json:
         _print_json(report.model_dump(mode="json"))
@@ -286,11 +298,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         with make_client(args) as c:
             resp = c.analyze(args.input, schemes, analyses=args.analyses)
     else:
+        _prepare_in_process()
         from quantd.io.pipeline import analyze_file
-        from quantd.server.main import keep_freed_memory_as_configured, keep_kernel_cache_in
 
-        keep_freed_memory_as_configured()
-        keep_kernel_cache_in(None)  # Inductor's default dir, per kind of CPU
         resp = analyze_file(args.input, schemes, device=resolve_device(args.device), analyses=args.analyses)
     if args.json:
         _print_json({**resp.model_dump(mode="json"),

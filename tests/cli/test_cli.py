@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import subprocess
@@ -238,8 +239,7 @@ def test_in_process_runs_keep_compiled_kernels_per_cpu(tmp_path: Path, monkeypat
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="sets glibc's malloc")
 def test_keep_freed_memory_serves_large_blocks_from_the_heap_in_worker_threads() -> None:
-    # By default glibc maps every block from 32 MiB up anew (a thread's arena: 64 MiB) and unmaps it when
-    # freed: each large tensor faulted its pages in again, ~0.9 µs per 4 KiB page on the VM this was
+    # By default glibc maps every block of 32 MiB and more anew and unmaps it when freed: each large tensor faulted its pages in again, ~0.9 µs per 4 KiB page on the VM this was
     # measured on, more than the kernels that filled them. With the setting a worker thread's 96 MiB tensor
     # comes from the one heap (below the program break), where a freed block stays to be reused.
     script = (
@@ -260,13 +260,16 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap_in_worker_threads()
         "t.join()\n"
         "print(done, *where)\n"
     )
+    env = {k: v for k, v in os.environ.items()  # another allocator or glibc tunables would decide instead
+           if k not in ("LD_PRELOAD", "GLIBC_TUNABLES") and not k.startswith("MALLOC_")}
     runs = {mode: subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120,
-                                 check=True).stdout.split() for mode in ("on", "off")}
+                                 check=True, env=env).stdout.split() for mode in ("on", "off")}
     assert runs == {"on": ["True", "heap", "heap", "heap"], "off": ["False", "mapped", "mapped", "mapped"]}
 
 
 def test_keep_freed_memory_follows_its_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     from quantd.server import main as server_main
+    from quantd.server.settings import SettingsError
 
     seen: list[bool] = []
     monkeypatch.setattr(server_main, "keep_freed_memory", lambda enabled: seen.append(enabled) or enabled)
@@ -277,6 +280,18 @@ def test_keep_freed_memory_follows_its_setting(monkeypatch: pytest.MonkeyPatch) 
         assert server_main.keep_freed_memory_as_configured() is want
     assert seen == [True, False, False, True, True]
     assert server_main.Settings(keep_freed_memory="no").keep_freed_memory is False  # serve and worker
+    monkeypatch.setenv("QUANTD_KEEP_FREED_MEMORY", "sometimes")
+    with pytest.raises(SettingsError, match="QUANTD_KEEP_FREED_MEMORY: not a boolean"):
+        server_main.keep_freed_memory_as_configured()
+
+
+def test_a_bad_keep_freed_memory_value_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("QUANTD_KEEP_FREED_MEMORY", "sometimes")
+    monkeypatch.setattr("quantd.io.pipeline.quantize_file", _refuse)
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err == "quantd quantize: settings: QUANTD_KEEP_FREED_MEMORY: not a boolean (1/0, true/false, on/off, yes/no)\n"
 
 
 def _refuse(*args: object, **kwargs: object) -> None:

@@ -503,6 +503,28 @@ def test_search_qparams_are_choose_qparams_in_float32(path: str, dtype: str, sym
     assert bool(torch.isfinite(inv).all()) and torch.equal(inv, scale.reciprocal().clamp(max=3.4028234663852886e38))
 
 
+def test_only_nf4_mse_steps_fix_the_usual_block_lengths(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nf4's search step is compiled for the usual group sizes as constants (its own compiled function, one
+    variant per length, each in the call's key); other lengths and the other dtypes keep one symbolic variant."""
+    from quantd.engine import kernels
+    from quantd_client._dtypes import dtype_info
+
+    calls: list[tuple[str, object]] = []
+    real = kernels.KERNELS.call
+    monkeypatch.setattr(kernels.KERNELS, "call",
+                        lambda name, fn, key, *a, **k: calls.append((name, key[-1])) or real(name, fn, key, *a, **k))
+    for dtype, cols in (("nf4", 64), ("nf4", 72), ("int4", 64)):
+        x = _heavy(rows=80, cols=cols, seed=3)
+        scheme = Scheme(dtype=dtype, granularity="group", group_size=cols, observer="mse")
+        hi = x.abs().amax(1)
+        obs.search_step(x, -hi, hi, torch.zeros(80, dtype=torch.long), torch.tensor([10, 40, 70, 99]),
+                        torch.full((80,), math.inf), obs._Grid(0.2, 100, x.device), scheme, dtype_info(dtype), 2.0,
+                        compiled=True)
+        assert (1 in getattr(x, "_dynamo_static_indices", set())) == (dtype == "nf4" and cols == 64)
+    assert calls == [("mse_step_nf4", 64), ("mse_step_nf4", None), ("mse_step", None)]
+    assert kernels.FIXED_BLOCK_LENGTHS == (32, 64, 128, 256)
+
+
 @pytest.mark.parametrize("cols", [64, 72])  # a fixed block length (its loop unrolled) and a symbolic one
 def test_nf4_error_kernel_at_the_midpoints(cols: int) -> None:
     """The compiled nf4 candidate error of values at, and an ulp either side of, every midpoint between
@@ -559,7 +581,7 @@ def test_fused_search_step_is_the_three_kernels_in_turn(compiled: None, monkeypa
     real = kernels.KERNELS.call
     monkeypatch.setattr(kernels.KERNELS, "call", lambda name, *a, **k: calls.append(name) or real(name, *a, **k))
     got_b, got_e = obs.search_step(x, lo, hi, b, offsets, e_best, grid, scheme, info, norm, compiled=True)
-    assert calls == ["mse_step"]
+    assert calls == ["mse_step_nf4" if dtype == "nf4" else "mse_step"]
     idx, scale, inv, zp = obs.stage_candidates(lo, hi, b, offsets, grid, scheme)
     err = obs._candidate_errors(x, scale, inv, zp, scheme, info, norm)
     want_b, want_e = obs.pick_best(err, idx, b, e_best)

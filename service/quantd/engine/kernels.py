@@ -357,19 +357,23 @@ def fp8_format(dtype: str) -> tuple[int, int]:
 NO_REALIZE: dict[str, Any] = {"realize_cpu_opcount_threshold": 1000}
 
 
-# Block lengths (values per block) that :func:`fix_block_length` makes a compiled kernel's constant.
-FIXED_BLOCK_LENGTHS = range(16, 257, 16)
+# Block lengths (values per block) that :func:`fix_block_length` makes a compiled kernel's constant: the usual
+# group sizes. Each is a variant of its own, compiled on first use (seconds).
+FIXED_BLOCK_LENGTHS = (32, 64, 128, 256)
 
 
-def fix_block_length(blocks: torch.Tensor) -> None:
+def fix_block_length(blocks: torch.Tensor) -> int | None:
     """Have the kernels called on ``blocks[B, K]`` compiled for its block length ``K`` as a constant when it
-    is a multiple of 16 up to 256 (the usual group sizes): one variant per such length; other lengths stay
-    symbolic. The C++ compiler then unrolls the loop over a block's values, which the nf4 error kernel's
+    is one of :data:`FIXED_BLOCK_LENGTHS`, and return it (None: ``K`` stays symbolic, one variant for every
+    other length). The C++ compiler then unrolls the loop over a block's values, which the nf4 error kernel's
     long body needs: a 4-candidate mse step of nf4 g64 on a 4096² weight took 9.5–9.8 against 14.0–14.1 ms
     (2 threads, three runs each). The integer dtypes' mse steps gained nothing from it (4096², g64/g128)
     and keep one variant for every length."""
-    if blocks.shape[1] in FIXED_BLOCK_LENGTHS:
-        torch._dynamo.mark_static(blocks, 1)
+    k = int(blocks.shape[1])
+    if k not in FIXED_BLOCK_LENGTHS:
+        return None
+    torch._dynamo.mark_static(blocks, 1)
+    return k
 
 
 def error_args(info: DTypeInfo, dtype: str) -> tuple[torch.Tensor, torch.Tensor, str, tuple[float, int, int]]:

@@ -28,6 +28,7 @@ Observers (``scheme.observer``, arguments in ``scheme.observer_args``):
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -310,6 +311,10 @@ def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, 
     return pick_best(err, idx, b, e_best)
 
 
+def _step_nf4(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return _step(*args)
+
+
 def search_step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                 e_best: torch.Tensor, grid: _Grid, scheme: Scheme, info: DTypeInfo, norm: float, *,
                 compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,10 +324,11 @@ def search_step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Te
     three kernels called in turn); otherwise, or when compiling is off, eager, with the chunked
     :func:`_candidate_errors`."""
     if compiled:
-        if info.kind == "nf4":
-            kernels.fix_block_length(x)
+        # nf4: its own compiled function (and Dynamo's budget of variants), one variant per fixed block length
+        name, fn, fixed = ("mse_step_nf4", _step_nf4, kernels.fix_block_length(x)) if info.kind == "nf4" else (
+            "mse_step", _step, None)
         out = kernels.KERNELS.call(
-            "mse_step", _step, (x.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype, float(norm)),
+            name, fn, (x.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype, float(norm), fixed),
             x, lo, hi, b, offsets, e_best, grid.start, grid.step, grid.last, scheme.dtype, scheme.symmetric,
             scheme.scale_dtype, *kernels.error_args(info, scheme.dtype), float(norm), options=kernels.NO_REALIZE)
         if out is not None:

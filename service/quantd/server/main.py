@@ -65,15 +65,18 @@ KEPT_BYTES = 1 << 30
 def keep_freed_memory(enabled: bool) -> bool:
     """Have glibc's malloc serve blocks up to :data:`KEPT_BYTES` from its heap, keep up to that much freed
     memory there (not returned to the system), and give every thread the one heap (arena); True when set.
+    Process-wide, and to be called before threads start: a thread that took an arena of its own keeps it
+    (and a new thread may inherit one an exited thread left).
 
-    By default glibc maps each block from 32 MiB up (thread arenas: from 64 MiB) anew and unmaps it when
-    freed, so every large tensor (codes, a float32 copy, x̂ for the statistics) faults its pages in again:
+    By default glibc maps every block of 32 MiB and more anew (its largest dynamic threshold) and unmaps it
+    when freed, so every large tensor (codes, a float32 copy, x̂ for the statistics) faults its pages in again:
     ~0.9 µs per 4 KiB page on this VM, more than the kernel that fills it. Measured here (2 threads, in a
     worker thread): one 11008×4096 float32 weight quantized int8 per-channel 18.5 → 8.1 ms, with its
     dequantize 59.3 → 13.8 ms; a 720 MB model of four such weights, warm, 12 runs cycling int4 g128 /
     int8 per-channel / nf4 g64: 0.39–0.40 → 0.25, 0.34–0.47 → 0.26 and 0.47–0.55 → 0.38 s, with peak RSS
     719 → 820 MB, steady over the runs (RSS between jobs: ~500 → 820 MB). The price: the process keeps
-    freed memory (up to 1 GiB at the heap's top, and holes that blocks of other sizes leave), as
+    freed memory (up to 1 GiB at the heap's top, and without bound the holes that blocks of other sizes
+    leave below it), as
     jemalloc and tcmalloc setups for PyTorch on CPU do. Other C libraries: nothing is done."""
     if not enabled or not sys.platform.startswith("linux"):
         return False
@@ -94,21 +97,26 @@ def keep_freed_memory(enabled: bool) -> bool:
 def keep_freed_memory_as_configured() -> bool:
     """:func:`keep_freed_memory` as ``QUANTD_KEEP_FREED_MEMORY`` says (the setting's default when unset),
     for the CLI's in-process runs, which read no other setting."""
-    from pydantic import TypeAdapter
+    from pydantic import TypeAdapter, ValidationError
 
-    raw = os.environ.get("QUANTD_KEEP_FREED_MEMORY")
-    enabled = Settings.model_fields["keep_freed_memory"].default if raw is None else TypeAdapter(bool).validate_python(raw)
+    from .settings import SettingsError
+
+    raw = next((v for k, v in os.environ.items() if k.upper() == "QUANTD_KEEP_FREED_MEMORY"), None)  # as Settings
+    try:
+        enabled = Settings.model_fields["keep_freed_memory"].default if raw is None else TypeAdapter(bool).validate_python(raw)
+    except ValidationError:
+        raise SettingsError("QUANTD_KEEP_FREED_MEMORY: not a boolean (1/0, true/false, on/off, yes/no)") from None
     return keep_freed_memory(enabled)
 
 
 def run_server(settings: Settings) -> None:
     """Serve the API with uvicorn (one process; its embedded workers run inside it)."""
+    keep_freed_memory(settings.keep_freed_memory)  # first: before the imports below start any thread
     import uvicorn
 
     from .app import create_app
 
     configure_logging(settings.log_level)
-    keep_freed_memory(settings.keep_freed_memory)  # before any thread takes an arena of its own
     keep_kernel_cache_in(settings.data_dir)
     app = create_app(settings)
 
@@ -130,13 +138,13 @@ def run_server(settings: Settings) -> None:
 def run_worker(settings: Settings) -> None:
     """Workers only (no HTTP) over the same data dir; stops gracefully on SIGINT/SIGTERM.
     ``settings.workers`` of 0 or unset = one per device."""
+    keep_freed_memory(settings.keep_freed_memory)  # first: before the imports below start any thread
     from quantd.jobs import run_worker as run_jobs_worker
 
     from .app import jobs_config, start_warm_up
 
     configure_logging(settings.log_level)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    keep_freed_memory(settings.keep_freed_memory)
     keep_kernel_cache_in(settings.data_dir)
     if settings.warmup:
         start_warm_up()

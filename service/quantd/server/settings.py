@@ -77,8 +77,9 @@ class Settings(BaseSettings):
         "first and an embedded worker is idle); auto = on when the workers use CUDA (on CPU workers it "
         "competes with receiving the upload for the cores)"))
     keep_freed_memory: bool = Field(default=True, description=(
-        "glibc malloc: blocks up to 1 GiB come from one heap, and up to 1 GiB freed stays there for the next "
-        "tensors, instead of each large tensor being mapped anew (and its pages faulted in) and returned"))
+        "glibc malloc: blocks up to 1 GiB come from one heap for all threads, and freed memory stays there for "
+        "the next tensors (up to 1 GiB at the heap's top, and the holes below it), instead of each large tensor "
+        "being mapped anew (its pages faulted in) and given back"))
     warmup: bool = Field(default=True, description=(
         "compile the engine's CPU kernels for the common schemes in the background at start, so that the "
         "first request does not pay for it"))
