@@ -76,8 +76,8 @@ def keep_freed_memory(enabled: bool) -> bool:
     int8 per-channel / nf4 g64: 0.39–0.40 → 0.25, 0.34–0.47 → 0.26 and 0.47–0.55 → 0.38 s, with peak RSS
     719 → 820 MB, steady over the runs (RSS between jobs: ~500 → 820 MB). The price: the process keeps
     freed memory (up to 1 GiB at the heap's top, and without bound the holes that blocks of other sizes
-    leave below it), as
-    jemalloc and tcmalloc setups for PyTorch on CPU do. Other C libraries: nothing is done."""
+    leave below it), as jemalloc and tcmalloc setups for PyTorch on CPU do. Other C libraries: nothing
+    is done."""
     if not enabled or not sys.platform.startswith("linux"):
         return False
     import ctypes
