@@ -257,9 +257,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from quantd.server.main import run_worker
+    from quantd.server.main import keep_freed_memory, run_worker
 
-    run_worker(_settings(args))
+    settings = _settings(args)
+    keep_freed_memory(settings.keep_freed_memory)  # before torch starts any thread
+    run_worker(settings)
     return 0
 
 

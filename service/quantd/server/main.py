@@ -110,8 +110,8 @@ def keep_freed_memory_as_configured() -> bool:
 
 
 def run_server(settings: Settings) -> None:
-    """Serve the API with uvicorn (one process; its embedded workers run inside it)."""
-    keep_freed_memory(settings.keep_freed_memory)  # first: before the imports below start any thread
+    """Serve the API with uvicorn (one process; its embedded workers run inside it). The CLI has set malloc
+    (:func:`keep_freed_memory`) before this imports torch."""
     import uvicorn
 
     from .app import create_app
@@ -137,8 +137,8 @@ def run_server(settings: Settings) -> None:
 
 def run_worker(settings: Settings) -> None:
     """Workers only (no HTTP) over the same data dir; stops gracefully on SIGINT/SIGTERM.
-    ``settings.workers`` of 0 or unset = one per device."""
-    keep_freed_memory(settings.keep_freed_memory)  # first: before the imports below start any thread
+    ``settings.workers`` of 0 or unset = one per device. The CLI has set malloc (:func:`keep_freed_memory`)
+    before this imports torch."""
     from quantd.jobs import run_worker as run_jobs_worker
 
     from .app import jobs_config, start_warm_up
