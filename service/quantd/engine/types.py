@@ -19,6 +19,12 @@ class QuantizedTensor:
     is None when symmetric, else integers in the code domain (int8 storage for signed dtypes,
     uint8 for unsigned). Dequantization: ``x̂ = (code − zero_point) · scale`` (nf4:
     ``codebook[code] · scale``; fp8: ``code.float() · scale``).
+
+    Methods beyond round-to-nearest (CONTRACT §10) may add: ``zero_point_domain == "float"`` (HQQ:
+    ``zero_point`` is a float tensor in ``scale``'s dtype, same formula); ``g_idx`` (int32 ``[cols]`` of the
+    ``[rows, cols]`` view: column ``j`` uses group ``g_idx[j]``'s scale and zero point, GPTQ act-order);
+    ``channel_scale`` (float32 ``[cols]``, AWQ scales not folded into a preceding layer: column ``j`` of
+    ``x̂`` is divided by ``channel_scale[j]``).
     """
 
     codes: torch.Tensor
@@ -33,3 +39,6 @@ class QuantizedTensor:
     symmetric: bool
     method: str = "rtn"
     observer: str = "minmax"
+    zero_point_domain: str = "int"  # int | float
+    g_idx: torch.Tensor | None = None
+    channel_scale: torch.Tensor | None = None
