@@ -145,7 +145,7 @@ def test_mse_search_with_tiny_chunks_equals_default(monkeypatch: pytest.MonkeyPa
     x = _heavy(rows=8, cols=256, seed=5)
     scheme = Scheme(dtype="int4", granularity="tensor", observer="mse")
     lo, hi = observe_range(x.reshape(1, -1), scheme)
-    monkeypatch.setattr(obs, "MSE_CHUNK_ELEMENTS", 100)  # forces column chunks of one row
+    monkeypatch.setattr(obs.mse, "MSE_CHUNK_ELEMENTS", 100)  # forces column chunks of one row
     lo2, hi2 = observe_range(x.reshape(1, -1), scheme)
     torch.testing.assert_close((lo, hi), (lo2, hi2))
 
@@ -178,7 +178,7 @@ def test_entropy_per_group_and_zero_blocks() -> None:
 def test_entropy_calibrates_many_blocks_in_chunks_of_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     # the histograms of all blocks were one [B, nbins] int64 tensor: 32 GiB for 65 536 blocks × 65 536 bins
     x = _heavy(rows=300, cols=64, seed=6)
-    rows_of = obs._entropy_rows
+    rows_of = obs.entropy._entropy_rows
     seen: list[int] = []
 
     def counted(v: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,8 +189,8 @@ def test_entropy_calibrates_many_blocks_in_chunks_of_bounded_memory(monkeypatch:
         scheme = Scheme(dtype="int8", symmetric=symmetric, granularity="group", group_size=64, observer="entropy",
                         observer_args={"quant_bins": 128, "bins": 512})
         whole = observe_range(x, scheme)
-        monkeypatch.setattr(obs, "ENTROPY_HIST_ENTRIES", 7 * 256)  # 7 blocks of 256 bins (K = 64) at a time
-        monkeypatch.setattr(obs, "_entropy_rows", counted)
+        monkeypatch.setattr(obs.entropy, "ENTROPY_HIST_ENTRIES", 7 * 256)  # 7 blocks of 256 bins (K = 64) at a time
+        monkeypatch.setattr(obs.entropy, "_entropy_rows", counted)
         seen.clear()
         chunked = observe_range(x, scheme)
         monkeypatch.undo()
@@ -348,7 +348,7 @@ def test_kl_divergences_match_plain_reference() -> None:
     hist[1, :20] = 0
     widths = torch.tensor([8, 13, 24, 40])
     start = torch.tensor([[0, 0, 0, 0], [3, 10, 16, 0], [32, 27, 5, 0]])
-    kl = obs.kl_divergences(hist, start, widths, 8)
+    kl = obs.entropy.kl_divergences(hist, start, widths, 8)
     for b in range(3):
         for c in range(4):
             ref = _kl_reference([float(v) for v in hist[b]], int(start[b, c]), int(widths[c]), 8)
@@ -359,8 +359,8 @@ def test_mse_search_in_row_steps_equals_one_step(monkeypatch: pytest.MonkeyPatch
     x = _heavy(rows=40, cols=128, seed=8)
     scheme = Scheme(dtype="int3", granularity="group", observer="mse")
     ref = observe_range(x, scheme)
-    monkeypatch.setattr(obs, "MSE_QPARAM_ENTRIES", 30)  # two rows per search step
-    monkeypatch.setattr(obs, "MSE_CHUNK_ELEMENTS", 1000)
+    monkeypatch.setattr(obs.mse, "MSE_QPARAM_ENTRIES", 30)  # two rows per search step
+    monkeypatch.setattr(obs.mse, "MSE_CHUNK_ELEMENTS", 1000)
     torch.testing.assert_close(observe_range(x, scheme), ref)
 
 
@@ -404,12 +404,12 @@ def test_mse_int4_g128_heavy_tails_within_1pct_of_exhaustive(data: str) -> None:
 
 
 def test_mse_search_indices_coarse_grid_and_stages() -> None:
-    assert obs.mse_search_indices(10) == (list(range(10)), [])
-    coarse, stages = obs.mse_search_indices(100)
+    assert obs.mse.mse_search_indices(10) == (list(range(10)), [])
+    coarse, stages = obs.mse.mse_search_indices(100)
     assert coarse == [24, 49, 74, 99]
     assert stages == [[-16, -8, 8, 16], [-3, 3], [-1, 1]]
     for grid, points in [(100, 4), (100, 8), (17, 4), (1000, 4), (37, 3)]:
-        coarse, stages = obs.mse_search_indices(grid, points)
+        coarse, stages = obs.mse.mse_search_indices(grid, points)
         assert coarse[-1] == grid - 1 and len(coarse) in (points, points + 1)
         # each stage steps a third of the spacing before it (±1, ±2 of it first, ±1 after), down to 1
         spacing = coarse[1] - coarse[0]
@@ -431,21 +431,21 @@ def test_compiled_mse_steps_match_eager(monkeypatch: pytest.MonkeyPatch, dtype: 
     scheme = Scheme(dtype=dtype, symmetric=symmetric, granularity="group", group_size=128, observer="mse",
                     observer_args={"norm": norm})
     lo, hi = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
-    grid = obs._Grid(0.3, 6, x.device)
+    grid = obs.mse._Grid(0.3, 6, x.device)
     b = torch.randint(0, 6, (32,), generator=torch.Generator().manual_seed(5))
     offsets = torch.tensor([-7, -2, -1, 0, 1, 3, 6])  # clamped to the grid at both ends
     info = dtype_info(dtype)
 
     def fused(*args: object) -> tuple[torch.Tensor, ...]:  # the compiled search step's first two parts
-        idx, scale, inv, zp = obs._stage_candidates(*args[:10])  # type: ignore[arg-type]
-        return idx, scale, inv, zp, kernels.candidate_error(x, scale, inv, zp, *args[10:])  # type: ignore[arg-type]
+        idx, scale, inv, zp = obs.mse._stage_candidates(*args[:10])  # type: ignore[arg-type]
+        return idx, scale, inv, zp, kernels.mse.candidate_error(x, scale, inv, zp, *args[10:])  # type: ignore[arg-type]
 
     def step(compiled: bool) -> tuple[torch.Tensor, ...]:
         if compiled:
             return _compile(fused)(lo, hi, b, offsets, grid.start, grid.step, grid.last, scheme.dtype,
-                                   scheme.symmetric, scheme.scale_dtype, *kernels.error_args(info, dtype), norm)
-        idx, scale, inv, zp = obs.stage_candidates(lo, hi, b, offsets, grid, scheme)
-        return idx, scale, inv, zp, obs._candidate_errors(x, scale, inv, zp, scheme, info, norm)
+                                   scheme.symmetric, scheme.scale_dtype, *kernels.mse.error_args(info, dtype), norm)
+        idx, scale, inv, zp = obs.mse.stage_candidates(lo, hi, b, offsets, grid, scheme)
+        return idx, scale, inv, zp, obs.mse._candidate_errors(x, scale, inv, zp, scheme, info, norm)
 
     kernels.KERNELS.reset(available=False)
     want = step(False)
@@ -479,9 +479,9 @@ def test_search_qparams_are_choose_qparams_in_float32(path: str, dtype: str, sym
     hi = torch.rand(3000, generator=gen) * 3
     lo[:7], hi[3:9] = 0.0, 0.0  # zero-sided and all-zero blocks
     hi[20:30] = torch.tensor([1e-30, 3e-8, 6e-5, 65504 * 7, 1e38, 2.0**-24, 2.0**-14, 1.0, 7.5, 1e-44])
-    grid = obs._Grid(0.2, 100, lo.device)
+    grid = obs.mse._Grid(0.2, 100, lo.device)
     b = torch.randint(0, 100, (3000,), generator=gen)
-    stage = _compile(obs._stage_candidates) if path == "compiled" else obs._stage_candidates
+    stage = _compile(obs.mse._stage_candidates) if path == "compiled" else obs.mse._stage_candidates
     idx, scale, inv, zp = stage(lo, hi, b, torch.tensor([-5, 0, 5, 100]), grid.start, grid.step, grid.last,
                                 dtype, symmetric, scale_dtype)
     assert scale.dtype == inv.dtype == zp.dtype == torch.float32
@@ -517,12 +517,12 @@ def test_only_nf4_mse_steps_fix_the_usual_block_lengths(compiled: None, monkeypa
         x = _heavy(rows=80, cols=cols, seed=3)
         scheme = Scheme(dtype=dtype, granularity="group", group_size=cols, observer="mse")
         hi = x.abs().amax(1)
-        obs.search_step(x, -hi, hi, torch.zeros(80, dtype=torch.long), torch.tensor([10, 40, 70, 99]),
-                        torch.full((80,), math.inf), obs._Grid(0.2, 100, x.device), scheme, dtype_info(dtype), 2.0,
+        obs.mse.search_step(x, -hi, hi, torch.zeros(80, dtype=torch.long), torch.tensor([10, 40, 70, 99]),
+                        torch.full((80,), math.inf), obs.mse._Grid(0.2, 100, x.device), scheme, dtype_info(dtype), 2.0,
                         compiled=True)
         assert (1 in getattr(x, "_dynamo_static_indices", set())) == (dtype == "nf4" and cols == 64)
     assert calls == [("mse_step_nf4", 64), ("mse_step_nf4", None), ("mse_step", None)]
-    assert kernels.FIXED_BLOCK_LENGTHS == (32, 64, 128, 256)
+    assert kernels.mse.FIXED_BLOCK_LENGTHS == (32, 64, 128, 256)
 
 
 @pytest.mark.parametrize("cols", [64, 72])  # a fixed block length (its loop unrolled) and a symbolic one
@@ -534,8 +534,8 @@ def test_nf4_error_kernel_at_the_midpoints(cols: int) -> None:
     from quantd.engine import kernels
     from quantd_client._dtypes import dtype_info
 
-    mids = torch.tensor(kernels.NF4_MIDPOINTS)
-    levels = torch.tensor(kernels.NF4_LEVELS)
+    mids = torch.tensor(kernels.quantize.NF4_MIDPOINTS)
+    levels = torch.tensor(kernels.quantize.NF4_LEVELS)
     values = torch.cat([mids, torch.nextafter(mids, torch.tensor(math.inf)), torch.nextafter(mids, torch.tensor(-math.inf)),
                         levels, torch.tensor([0.0, -0.0, 1.5, -3.0, 1e-30, -7e-39])])
     x = torch.zeros(values.numel(), cols)
@@ -544,14 +544,14 @@ def test_nf4_error_kernel_at_the_midpoints(cols: int) -> None:
 
     def nf4_error(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         none = torch.zeros(())
-        return kernels.candidate_error(x, scale, inv, torch.zeros_like(scale), none, none, "nf4", (0.0, 0, 0), 2.0)
+        return kernels.mse.candidate_error(x, scale, inv, torch.zeros_like(scale), none, none, "nf4", (0.0, 0, 0), 2.0)
 
-    kernels.fix_block_length(x)
+    kernels.mse.fix_block_length(x)
     got = _compile(nf4_error)(x, scale, 1 / scale)
     t = values.double() / scale.double()
     want = (t.unsqueeze(-1) - levels.double()).square().amin(-1) * scale.double().square()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-12)
-    eager = obs._candidate_errors(x, scale, 1 / scale, torch.zeros_like(scale), Scheme(dtype="nf4"),
+    eager = obs.mse._candidate_errors(x, scale, 1 / scale, torch.zeros_like(scale), Scheme(dtype="nf4"),
                                   dtype_info("nf4"), 2.0)
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-12)
 
@@ -572,7 +572,7 @@ def test_fused_search_step_is_the_three_kernels_in_turn(compiled: None, monkeypa
     if symmetric:
         hi = torch.maximum(-lo, hi)
         lo = -hi
-    grid = obs._Grid(0.2, 100, x.device)
+    grid = obs.mse._Grid(0.2, 100, x.device)
     b = torch.randint(0, 100, (300,), generator=torch.Generator().manual_seed(2))
     e_best = torch.where(torch.arange(300) % 3 == 0, 0.0, float("inf"))  # a third already unbeatable
     offsets = torch.tensor([-18, -9, 9, 18])
@@ -580,11 +580,11 @@ def test_fused_search_step_is_the_three_kernels_in_turn(compiled: None, monkeypa
     calls: list[str] = []
     real = kernels.KERNELS.call
     monkeypatch.setattr(kernels.KERNELS, "call", lambda name, *a, **k: calls.append(name) or real(name, *a, **k))
-    got_b, got_e = obs.search_step(x, lo, hi, b, offsets, e_best, grid, scheme, info, norm, compiled=True)
+    got_b, got_e = obs.mse.search_step(x, lo, hi, b, offsets, e_best, grid, scheme, info, norm, compiled=True)
     assert calls == ["mse_step_nf4" if dtype == "nf4" else "mse_step"]
-    idx, scale, inv, zp = obs.stage_candidates(lo, hi, b, offsets, grid, scheme)
-    err = obs._candidate_errors(x, scale, inv, zp, scheme, info, norm)
-    want_b, want_e = obs.pick_best(err, idx, b, e_best)
+    idx, scale, inv, zp = obs.mse.stage_candidates(lo, hi, b, offsets, grid, scheme)
+    err = obs.mse._candidate_errors(x, scale, inv, zp, scheme, info, norm)
+    want_b, want_e = obs.mse.pick_best(err, idx, b, e_best)
     torch.testing.assert_close(got_e, want_e, rtol=1e-5, atol=0)
     assert torch.equal(got_b[e_best == 0], b[e_best == 0])
     # a different pick only where the eager errors of the two picks are within rounding
@@ -607,7 +607,7 @@ def test_pick_best_takes_the_first_least_error_when_strictly_better(path: str, c
     new_e, j = err.min(0)  # torch.min: the first index of the least value
     better = new_e < e_best
     want_b = torch.where(better, idx.gather(0, j.unsqueeze(0)).squeeze(0), b)
-    got_b, got_e = (_compile(obs.pick_best) if path == "compiled" else obs.pick_best)(err, idx, b, e_best)
+    got_b, got_e = (_compile(obs.mse.pick_best) if path == "compiled" else obs.mse.pick_best)(err, idx, b, e_best)
     assert torch.equal(got_b, want_b) and torch.equal(got_e, torch.minimum(new_e, e_best))
 
 

@@ -418,7 +418,7 @@ def test_compiled_nf4_codes_count_the_midpoints_below(compiled: None) -> None:
     m = torch.tensor(NF4_MIDPOINTS)
     v = torch.cat([m, torch.nextafter(m, torch.tensor(2.0)), torch.nextafter(m, torch.tensor(-2.0)), NF4_CODEBOOK_F32,
                    torch.tensor([-5.0, -1.0, -0.0, 0.0, 1.0, 5.0, float("nan")]), torch.linspace(-1.1, 1.1, 4001)])
-    got = kernels.encode_nf4(v.reshape(1, -1), torch.ones(1, 1), NF4_MIDPOINTS)
+    got = kernels.quantize.encode_nf4(v.reshape(1, -1), torch.ones(1, 1), NF4_MIDPOINTS)
     assert got is not None and got.dtype == torch.uint8
     assert torch.equal(got.reshape(-1), (v.unsqueeze(1) > m).sum(1).to(torch.uint8))
 
@@ -431,8 +431,8 @@ def test_fp8_rounding_in_arithmetic_is_the_float8_cast(dtype: str, compile_it: b
     the subnormals and at ±0, eager and compiled."""
     from quantd.engine import kernels
 
-    f8 = kernels.FP8_TORCH_DTYPES[dtype]
-    mant, emin = kernels.fp8_format(dtype)
+    f8 = kernels.quantize.FP8_TORCH_DTYPES[dtype]
+    mant, emin = kernels.mse.fp8_format(dtype)
     top = torch.finfo(f8).max
     values = torch.arange(256, dtype=torch.uint8).view(f8).float()
     values = values[torch.isfinite(values)].sort().values
@@ -442,7 +442,7 @@ def test_fp8_rounding_in_arithmetic_is_the_float8_cast(dtype: str, compile_it: b
                    torch.nextafter(values, up), torch.nextafter(values, down), torch.tensor([0.0, -0.0]),
                    torch.randn(20_000) * torch.logspace(emin - mant - 4, math.log2(top), 20_000, base=2)])
     v = v.clamp(-top, top)
-    fn = kernels._round_fp8
+    fn = kernels.mse._round_fp8
     if compile_it:
         fn = torch.compile(fn, dynamic=True, fullgraph=True, options=kernels.INDUCTOR_OPTIONS)
     with warnings.catch_warnings():  # the compiler's own deprecation warnings
@@ -488,10 +488,9 @@ def test_a_compiler_failure_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch,
         raise RuntimeError("no C++ compiler here")
 
     monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(kernels, "_Compiled", kernels._Compiled)  # restore nothing; we use a fresh instance
-    fresh = kernels._Compiled()
-    fresh.reset(available=True)
-    monkeypatch.setattr(kernels, "KERNELS", fresh)
+    fresh = kernels.KERNELS  # the process's switch, with nothing compiled yet and restored afterwards
+    for attr, value in (("_fns", {}), ("_warm", set()), ("_broken", None), ("_available", True)):
+        monkeypatch.setattr(fresh, attr, value)
     monkeypatch.setattr(torch, "compile", broken)
     x = torch.randn(6, 32, generator=torch.Generator().manual_seed(13))
     scheme = _scheme("int4", "group", 0, 8)
@@ -540,7 +539,7 @@ import torch
 torch.set_num_threads(2)
 from quantd.engine import kernels
 tiny = torch.randn(8, 64).to(torch.bfloat16)  # a kernel's first call on a tiny tensor (tests do that)
-assert kernels.row_range(tiny) is not None
+assert kernels.quantize.row_range(tiny) is not None
 """
 
 
@@ -568,8 +567,8 @@ def test_minmax_schemes_take_the_one_call_kernel(compiled: None, monkeypatch: py
     from quantd.engine import kernels
 
     calls: list[int] = []
-    real = kernels.quantize_minmax
-    monkeypatch.setattr(kernels, "quantize_minmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernels.quantize.quantize_minmax
+    monkeypatch.setattr(kernels.quantize, "quantize_minmax", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(19)) * 3
     x[0] = 0.0  # an all-zero row: the smallest scale, exact zeros
     for gran in ("channel", "group"):

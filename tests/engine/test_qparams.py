@@ -78,7 +78,7 @@ def test_qparams_columns_compiled_equal_eager(compiled: None, dtype: str, symmet
     mag = 10.0 ** torch.empty(n).uniform_(-30, 30, generator=gen)
     lo, hi = -torch.rand(n, generator=gen) * mag, torch.rand(n, generator=gen) * mag
     lo[:10], hi[5:15], lo[20:25] = 0.0, 0.0, 1.0  # zero sides, all-zero blocks, ranges not containing 0
-    finite, scale, zp, s_col, z_col = kernels.qparams_columns(lo, hi, dtype=dtype, symmetric=symmetric,
+    finite, scale, zp, s_col, z_col = kernels.quantize.qparams_columns(lo, hi, dtype=dtype, symmetric=symmetric,
                                                               scale_dtype=scale_dtype)
     want_scale, want_zp = choose_qparams(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)
     assert finite and torch.equal(scale, want_scale)
@@ -90,7 +90,7 @@ def test_qparams_columns_compiled_equal_eager(compiled: None, dtype: str, symmet
     for side, bad in ((hi, float("nan")), (lo, float("-inf")), (hi, float("inf"))):
         keep = float(side[7])
         side[7] = bad
-        assert not kernels.qparams_columns(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)[0]
+        assert not kernels.quantize.qparams_columns(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)[0]
         side[7] = keep
 
 

@@ -305,18 +305,18 @@ def test_outlier_count_in_float32_is_the_float64_count(compiled: None, in_dtype:
     cases = [(0.0, 0.0), (0.1, 0.0), (0.0123, 2.5), (-3.7, 1e-3), (1e4, 7.25), (0.5, 65504.0), (0.0, 3.4e38),
              (0.0, 3.5e38), (-1e39, 2e39)]  # the last two: past float32's largest value
     for mean, threshold in cases:
-        assert (kernels._float32_interval(mean, threshold) is None) == (threshold == 0.0 and mean == 0.1)
+        assert (kernels.stats._float32_interval(mean, threshold) is None) == (threshold == 0.0 and mean == 0.1)
         edges = torch.tensor([mean - threshold, mean + threshold, mean, 0.0], dtype=torch.float64).float()
         near = torch.cat([edges, torch.nextafter(edges, torch.tensor(math.inf)),
                           torch.nextafter(edges, torch.tensor(-math.inf))])
         x = torch.cat([near, torch.randn(5000, generator=gen) * max(threshold, 1.0) + mean]).to(in_dtype)
         x = x[torch.isfinite(x)]
         want = int(((x.double() - mean).abs() > threshold).sum())
-        got = kernels.outlier_count(x, mean, threshold)
+        got = kernels.stats.outlier_count(x, mean, threshold)
         assert got is not None and int(got) == want, (mean, threshold)
         assert stats._outlier_count(x, mean, threshold) == want
-    assert kernels._float32_interval(0.1, 0.0) is None  # no float32 value is 0.1 exactly: the float64 count
-    assert kernels._float32_interval(0.5, 0.0) == (0.5, 0.5)
+    assert kernels.stats._float32_interval(0.1, 0.0) is None  # no float32 value is 0.1 exactly: the float64 count
+    assert kernels.stats._float32_interval(0.5, 0.0) == (0.5, 0.5)
 
 
 def test_shape_mismatch_is_an_error() -> None:

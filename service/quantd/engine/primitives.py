@@ -7,7 +7,7 @@ cast (values beyond the largest finite value become ±max, never inf). Inputs ar
 
 Speed: on CPU, tensors of at least ``kernels.MIN_ELEMENTS`` elements (``kernels.SMALL_MIN_ELEMENTS`` for
 min-max integer and nf4 schemes) go through fused compiled kernels
-(:mod:`quantd.engine.kernels`: the per-block range in one pass, the qparams of all blocks in one more
+(:mod:`quantd.engine.kernels.quantize`: the per-block range in one pass, the qparams of all blocks in one more
 over ``[B]``, the encode in one more; for min-max integer and nf4 schemes all three in one compiled call), which
 compute exactly the formulas above. Otherwise (CUDA, small tensors, no C++ compiler) the eager path
 below runs: the blocks are processed in chunks of rows small enough to stay in cache across the passes,
@@ -35,6 +35,7 @@ from quantd.engine.granularity import (
     granularity_of,
     unblock,
 )
+from quantd.engine.kernels import quantize as compiled
 from quantd.engine.observers import observe_range
 from quantd.engine.qparams import choose_qparams, code_dtype, exact_scale, scale_torch_dtype
 from quantd.engine.types import QuantizedTensor
@@ -55,8 +56,8 @@ Range = tuple[torch.Tensor, torch.Tensor]
 
 # The nf4 levels in float32 (on the host: the compiled CPU kernels take it as an input), and the midpoints
 # between consecutive levels, computed in float32 (host constants).
-NF4_CODEBOOK_F32 = torch.tensor(kernels.NF4_LEVELS, dtype=torch.float32)
-NF4_MIDPOINTS: tuple[float, ...] = kernels.NF4_MIDPOINTS
+NF4_CODEBOOK_F32 = torch.tensor(compiled.NF4_LEVELS, dtype=torch.float32)
+NF4_MIDPOINTS: tuple[float, ...] = compiled.NF4_MIDPOINTS
 
 
 def _chunks(rows: int, cols: int) -> Iterator[tuple[slice, slice]]:
@@ -209,10 +210,10 @@ def _encode_compiled(blocks: torch.Tensor, info: DTypeInfo, codes_dtype: torch.d
     """All blocks encoded by one fused kernel (:mod:`quantd.engine.kernels`) from float32 scale and zero
     point columns ``[B, 1]``; None when not compiled."""
     if info.kind == "int":
-        return kernels.encode_int(blocks, s_col, z_col, info.qmin, info.qmax, codes_dtype)
+        return compiled.encode_int(blocks, s_col, z_col, info.qmin, info.qmax, codes_dtype)
     if info.kind == "nf4":
-        return kernels.encode_nf4(blocks, s_col, NF4_MIDPOINTS)
-    return kernels.encode_fp8(blocks, s_col, info.max_finite, codes_dtype)
+        return compiled.encode_nf4(blocks, s_col, NF4_MIDPOINTS)
+    return compiled.encode_fp8(blocks, s_col, info.max_finite, codes_dtype)
 
 
 def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, codes_dtype: torch.dtype,
@@ -222,8 +223,8 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
     if rng is not None:  # given by the caller: the weights themselves are not checked by observing
         if not bool(torch.isfinite(blocks).all()):
             raise NonFiniteError("NaN or Inf in the weights", tensor=name)
-    elif scheme.observer == "minmax" and info.kind in kernels.ONE_CALL_MINMAX_KINDS:  # NaN/Inf reach the ranges
-        whole = kernels.quantize_minmax(blocks, info, dtype=scheme.dtype, symmetric=scheme.symmetric,
+    elif scheme.observer == "minmax" and info.kind in compiled.ONE_CALL_MINMAX_KINDS:  # NaN/Inf reach the ranges
+        whole = compiled.quantize_minmax(blocks, info, dtype=scheme.dtype, symmetric=scheme.symmetric,
                                         scale_dtype=scheme.scale_dtype, out_dtype=codes_dtype)
         if whole is None:
             return None
@@ -231,13 +232,13 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
             raise _non_finite_range(name)
         return whole[0], whole[2], whole[3]
     elif scheme.observer == "minmax":  # NaN/Inf propagate into the range, which is checked below
-        rng = kernels.row_range(blocks)
+        rng = compiled.row_range(blocks)
         if rng is None:
             return None
     else:
         rng = observe_range(blocks.float(), scheme, name=name)
     lo, hi = _range_per_block(rng, blocks.shape[0], name=name)
-    finite, scale, zp, s_col, z_col = kernels.qparams_columns(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
+    finite, scale, zp, s_col, z_col = compiled.qparams_columns(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
                                                               scale_dtype=scheme.scale_dtype)
     if not finite:
         raise _non_finite_range(name)
@@ -327,7 +328,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor",
     gran = granularity_of(scheme)
     axis = check_applicable(tuple(x.shape), gran, name=name)
     blocks, sshape = block_view(x, gran, name=name)
-    codes_dtype = kernels.FP8_TORCH_DTYPES[scheme.dtype] if info.kind == "fp8" else code_dtype(scheme.dtype)
+    codes_dtype = compiled.FP8_TORCH_DTYPES[scheme.dtype] if info.kind == "fp8" else code_dtype(scheme.dtype)
     done = None
     small = observer_range is None and scheme.observer == "minmax" and info.kind in ("int", "nf4")
     if kernels.KERNELS.wants(blocks, small=small):
@@ -353,10 +354,10 @@ def _dequantize_compiled(blocks: torch.Tensor, scale: torch.Tensor, zero_point: 
                          info: DTypeInfo) -> torch.Tensor | None:
     """The float32 blocks of ``dequantize`` through one fused kernel; None: run eager."""
     if info.kind == "nf4":
-        return kernels.decode_nf4(blocks, scale)
+        return compiled.decode_nf4(blocks, scale)
     # (c − 0) · s is c · s exactly: symmetric codes take the same kernel with a zero column.
     zp = torch.zeros_like(scale) if zero_point is None else zero_point.reshape(-1, 1).float()
-    return kernels.decode(blocks, scale, zp)
+    return compiled.decode(blocks, scale, zp)
 
 
 def dequantize(qt: QuantizedTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:

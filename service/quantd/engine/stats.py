@@ -6,7 +6,7 @@ float64 buffer that stays in cache; sums stay on the device until one sync at th
 ``x`` for the outliers (their threshold needs the global std). Mean and variance are merged per chunk
 (Chan et al.) rather than taken as ``E[x²] − E[x]²``, which cancels badly when the mean is large; each
 chunk's ``Σ (x − mean_c)²`` is centred on its mean (eager) or shifted by its first value (the compiled
-kernels, in one pass: :func:`quantd.engine.kernels._moments`).
+kernels, in one pass: :func:`quantd.engine.kernels.stats._moments`).
 The clipped count reads only the per-block extremes unless a block actually clips.
 """
 
@@ -21,6 +21,8 @@ import torch
 
 from quantd.engine import kernels
 from quantd.engine.granularity import block_view, granularity_of, is_row_major
+from quantd.engine.kernels import quantize as compiled_quantize
+from quantd.engine.kernels import stats as compiled
 from quantd.engine.primitives import FLOAT_TORCH_DTYPES, NF4_CODEBOOK_F32, dequantize
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError
@@ -130,7 +132,7 @@ def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
     blocks, _ = block_view(x, granularity_of(qt), name="x")
     lo_b, hi_b = _block_bounds(qt)
     scale = qt.scale.reshape(-1, 1).float()  # type: ignore[union-attr]  # _block_bounds checked it
-    rng = kernels.row_range(blocks) if kernels.KERNELS.wants(blocks) else None
+    rng = compiled_quantize.row_range(blocks) if kernels.KERNELS.wants(blocks) else None
     lo_r, hi_r = rng if rng is not None else (blocks.amin(dim=1), blocks.amax(dim=1))
     lo_x = lo_r.unsqueeze(1).float() / scale
     hi_x = hi_r.unsqueeze(1).float() / scale
@@ -199,7 +201,7 @@ def _moments(x: torch.Tensor, x_hat: torch.Tensor) -> _Moments:
     start = 0
     if kernels.KERNELS.wants(fx):  # the whole chunks in one fused pass, the tail below
         whole = fx.numel() // _CHUNK * _CHUNK
-        fused = kernels.moments(fx[:whole].view(-1, _CHUNK), fh[:whole].view(-1, _CHUNK))
+        fused = compiled.moments(fx[:whole].view(-1, _CHUNK), fh[:whole].view(-1, _CHUNK))
         if fused is not None:
             rows.append(fused)
             start = whole
@@ -228,7 +230,7 @@ def _outlier_count(x: torch.Tensor, mean: float, threshold: float) -> int:
     """``#{|x − mean| > threshold}`` in float64, chunked, one host sync."""
     flat = x.reshape(-1)
     if kernels.KERNELS.wants(flat):
-        fused = kernels.outlier_count(flat, mean, threshold)
+        fused = compiled.outlier_count(flat, mean, threshold)
         if fused is not None:
             return int(fused)
     step = min(_CHUNK, flat.numel())
@@ -280,7 +282,7 @@ def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None
         rows = _chunk_rows(n_blocks, width)
         shape3 = (n_blocks // rows, rows, width)
         scale3, zp3 = scale.reshape(shape3[0], rows, 1), zp.reshape(shape3[0], rows, 1)
-    fused = kernels.moments_from_codes(blocks.reshape(shape3), codes.reshape(shape3), scale3, zp3, NF4_CODEBOOK_F32,
+    fused = compiled.moments_from_codes(blocks.reshape(shape3), codes.reshape(shape3), scale3, zp3, NF4_CODEBOOK_F32,
                                        nf4=info.kind == "nf4")
     return None if fused is None else _merge(fused)
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from quantd.engine.granularity import check_applicable, granularity_of, scale_shape
-from quantd.engine.kernels import NF4_LEVELS
+from quantd.engine.kernels.quantize import NF4_LEVELS
 from quantd.engine.packing import packed_nbytes
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import MalformedInputError
@@ -84,12 +84,13 @@ def quantized_meta(shape: tuple[int, ...], orig_dtype: torch.dtype, scheme: Sche
 
 def _packed_codes(codes: torch.Tensor, qmin: int, bits: int) -> torch.Tensor:
     """The CONTRACT §5 bitstream of ``codes − qmin``: one fused pass on CPU, else offsets then ``pack``."""
-    from quantd.engine import kernels
+    from quantd.engine.kernels import KERNELS
+    from quantd.engine.kernels.packing import pack_codes
     from quantd.engine.packing import pack
 
     flat = codes.reshape(-1)
-    if flat.numel() % 8 == 0 and kernels.KERNELS.wants(flat):
-        fused = kernels.pack_codes(flat, qmin, bits)
+    if flat.numel() % 8 == 0 and KERNELS.wants(flat):
+        fused = pack_codes(flat, qmin, bits)
         if fused is not None:
             return fused
     return pack((flat.to(torch.int16) - qmin).to(torch.uint8), bits)

@@ -1,0 +1,117 @@
+"""Compiled CPU kernels: the engine's hot loops fused by ``torch.compile`` (Inductor's C++ backend).
+
+One module here per eager module it accelerates, each kernel beside the others of its concern:
+:mod:`.quantize` for ``primitives``/``qparams`` (range, qparams, encode, decode), :mod:`.packing` for
+``packing``, :mod:`.stats` for ``stats``' sums and :mod:`.mse` for the mse observer's candidate errors;
+this module is the switch that compiles them or sends the caller back to eager torch.
+
+Eager torch makes one pass over memory per op; a compiled kernel makes one pass per stage (the range, the
+qparams of all blocks, the encode). The kernels compute exactly what the eager formulas compute (IEEE
+division, round half to even, the same clamp; tests compare them bit for bit), so whether a tensor took the
+compiled or the eager path never shows in its codes, scales, packed bytes or ``x̂``. The statistics' float64
+sums may differ from the eager ones in the last bits (another summation order; tests hold them to 1e-12
+relative); the counts are exact.
+
+When they run: on CPU tensors of at least :data:`MIN_ELEMENTS` elements, when a C++ compiler is found and
+``QUANTD_COMPILE`` is not ``0``. CUDA tensors stay on the eager ops. The first call of each kernel compiles
+it (Inductor caches the result on disk for later processes); any failure to compile or run switches the
+process to the eager path for good, with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Compiled variants kept per kernel (input dtype × output dtype × layout); past Dynamo's default of 8 a
+# kernel would silently run eager.
+RECOMPILE_LIMIT = 64
+
+# Below this many elements the eager path's per-call cost is small, and a cold compile is not worth it.
+MIN_ELEMENTS = 1 << 18
+# Kernels that beat eager torch on small tensors too take them from this size: the one-call min-max
+# kernel of integer and nf4 dtypes, and the mse search, which runs a dozen kernels per tensor.
+SMALL_MIN_ELEMENTS = 1 << 12
+
+T = TypeVar("T")
+
+# dynamic_threads: every kernel gets an OpenMP parallel loop and the OpenMP runtime picks the threads.
+# Otherwise Inductor decides serial vs parallel once, from the sizes of a kernel's first call: one first
+# compiled on a tiny tensor stays serial for every later tensor of any size, in this process and, through
+# Inductor's disk cache, in every later one. Per compiled function (``options``), not a global config patch.
+INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.dynamic_threads": True}
+
+
+class _Compiled:
+    """Lazily compiled kernels, one lock for compiling, and the switch back to eager."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fns: dict[str, Callable[..., Any]] = {}
+        self._warm: set[tuple[Any, ...]] = set()
+        self._broken: str | None = None
+        self._available: bool | None = None
+        self._exhausted: set[str] = set()  # kernels past their recompile limit: eager from then on
+
+    def available(self) -> bool:
+        if self._available is None:
+            setting = os.environ.get("QUANTD_COMPILE", "auto").strip().lower()
+            compiler = os.environ.get("CXX") or "c++"
+            self._available = setting not in ("0", "false", "off", "no") and shutil.which(compiler) is not None
+        return self._available and self._broken is None
+
+    def wants(self, x: torch.Tensor, *, small: bool = False) -> bool:
+        """Whether ``x`` takes the compiled kernels: a CPU tensor of at least ``MIN_ELEMENTS`` elements
+        (``SMALL_MIN_ELEMENTS`` for the kernels that pay off on ``small`` ones), when compiling is on."""
+        least = min(MIN_ELEMENTS, SMALL_MIN_ELEMENTS) if small else MIN_ELEMENTS
+        return x.device.type == "cpu" and x.numel() >= least and self.available()
+
+    def call(self, name: str, fn: Callable[..., T], key: tuple[Any, ...], *args: Any,
+             options: dict[str, Any] | None = None) -> T | None:
+        """``fn(*args)`` compiled (with Inductor ``options`` on top of :data:`INDUCTOR_OPTIONS`), or None when
+        compiling is off or failed (the caller runs eager)."""
+        if not self.available() or name in self._exhausted:
+            return None
+        key = (*key, torch.get_num_threads())  # Dynamo recompiles when the thread count changes
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                if (name, *key) in self._warm:
+                    return self._fns[name](*args)  # type: ignore[no-any-return]
+                with self._lock:  # the first call of a variant compiles: one thread at a time
+                    compiled = self._fns.get(name)
+                    if compiled is None:
+                        compiled = self._fns[name] = torch.compile(fn, dynamic=True, fullgraph=True,
+                                                                   options={**INDUCTOR_OPTIONS, **(options or {})})
+                    with warnings.catch_warnings():  # the compiler's own warnings are not ours to raise
+                        warnings.simplefilter("ignore")
+                        out = compiled(*args)
+                    self._warm.add((name, *key))
+                    return out  # type: ignore[no-any-return]
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # this kernel's variants are used up, not the toolchain
+            self._exhausted.add(name)
+            log.warning("compiled kernel %r has %d variants in this process: it runs eager from now on",
+                        name, RECOMPILE_LIMIT)
+            return None
+        except Exception as e:  # any compiler or toolchain failure: fall back, never fail the job
+            self._broken = f"{type(e).__name__}: {e}"
+            log.warning("compiled kernels disabled, using eager torch: %s", self._broken.splitlines()[0][:300])
+            return None
+
+    def reset(self, *, available: bool | None = None) -> None:
+        """Forget the failure state (and optionally force availability): for tests."""
+        self._broken = None
+        self._available = available
+        self._exhausted.clear()
+
+
+KERNELS = _Compiled()
+
