@@ -58,7 +58,7 @@ INPROCESS = r"""
 import json, sys, time
 from quantd_client import QuantConfig
 from quantd.io.pipeline import quantize_file
-from quantd.server.main import keep_freed_memory_as_configured
+from quantd.runtime import keep_freed_memory_as_configured
 keep_freed_memory_as_configured()  # as the server does (QUANTD_KEEP_FREED_MEMORY)
 cfg = QuantConfig.model_validate(json.loads(sys.argv[4]))
 quantize_file(sys.argv[3], sys.argv[2], cfg, device="cpu")  # warm-up on the small file, untimed

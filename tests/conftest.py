@@ -13,7 +13,7 @@ import pytest
 # leaving such kernels to the servers and benchmarks of this machine. Subprocesses inherit it.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       str(Path(tempfile.gettempdir()) / f"quantd-tests-inductor-{os.getuid()}"))
-# The CLI's in-process runs set glibc's malloc for the whole process (quantd.server.main.keep_freed_memory):
+# The CLI's in-process runs set glibc's malloc for the whole process (quantd.runtime.keep_freed_memory):
 # not for pytest's own, which runs everything else. Its test turns it on in subprocesses.
 os.environ.setdefault("QUANTD_KEEP_FREED_MEMORY", "0")
 

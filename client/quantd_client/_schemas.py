@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ._dtypes import DTYPES
 
+# The names of dtypes, granularities, observers, methods and formats, defined once: `/v1/info`, the CLI's
+# choices and the engine's tables are derived from these (`typing.get_args`), and tests pin the engine's
+# registries to them.
 DType = Literal[
     "int8", "int4", "int3", "int2", "uint8", "uint4", "nf4", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16"
 ]
@@ -23,6 +26,7 @@ MethodName = Literal["rtn"]
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 InputFormat = Literal["safetensors", "pytorch", "npy", "npz"]
+OutputFormat = Literal["safetensors"]
 
 _OBSERVER_ARGS: dict[str, set[str]] = {
     "minmax": set(),
@@ -165,7 +169,7 @@ class QuantConfig(_Strict):
     rules: list[Rule] = Field(default_factory=list)
     skip_1d: bool = True
     min_numel: int = Field(0, ge=0)
-    output: Literal["safetensors"] = "safetensors"
+    output: OutputFormat = "safetensors"
     activations: ObserverSpec | None = Field(
         None, description="how activation ranges are observed when a job comes with a calibration file "
                           "(default: int8 affine min-max per tensor); the ranges land in the report and "

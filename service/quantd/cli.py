@@ -14,9 +14,20 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from quantd_client._schemas import AnalyzeResponse, QuantConfig, Report, Scheme, Summary
+from quantd_client._schemas import (
+    AnalysisName,
+    AnalyzeResponse,
+    DType,
+    GranularityName,
+    JobStatus,
+    ObserverName,
+    QuantConfig,
+    Report,
+    Scheme,
+    Summary,
+)
 
 DEFAULT_ANALYZE_DTYPES = ("int8", "int4")
 
@@ -235,18 +246,18 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
 def _prepare_in_process() -> None:
     """Before the CLI's in-process engine runs (and imports torch): glibc's malloc as
     ``QUANTD_KEEP_FREED_MEMORY`` says, and Inductor's kernel cache per kind of CPU in its default dir."""
-    from quantd.server.main import keep_freed_memory_as_configured, keep_kernel_cache_in
-    from quantd.server.settings import SettingsError
+    from quantd.runtime import keep_freed_memory_as_configured, keep_kernel_cache_in
 
     try:
         keep_freed_memory_as_configured()
-    except SettingsError as e:
+    except ValueError as e:
         raise UsageError(f"settings: {e}") from None
     keep_kernel_cache_in(None)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from quantd.server.main import keep_freed_memory, run_server
+    from quantd.runtime import keep_freed_memory
+    from quantd.server.main import run_server
 
     settings = _settings(args)
     keep_freed_memory(settings.keep_freed_memory)  # before torch (resolve_device) starts any thread
@@ -257,7 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from quantd.server.main import keep_freed_memory, run_worker
+    from quantd.runtime import keep_freed_memory, run_worker
 
     settings = _settings(args)
     keep_freed_memory(settings.keep_freed_memory)  # before torch starts any thread
@@ -361,13 +372,13 @@ def _scheme_flags(p: argparse.ArgumentParser, *, many_dtypes: bool) -> None:
     if many_dtypes:
         p.add_argument("--dtype", action="append", help="a scheme's dtype; repeat to compare (default int8, int4)")
     else:
-        p.add_argument("--dtype", help="int8|int4|int3|int2|uint8|uint4|nf4|fp8_e4m3|fp8_e5m2|float16|bfloat16")
+        p.add_argument("--dtype", help="|".join(get_args(DType)))
     p.add_argument("--group-size", type=int, help="elements sharing one scale (granularity group)")
-    p.add_argument("--granularity", choices=["tensor", "channel", "group"])
+    p.add_argument("--granularity", choices=get_args(GranularityName))
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
-    p.add_argument("--observer", choices=["minmax", "percentile", "meanstd", "ema", "mse", "entropy"])
+    p.add_argument("--observer", choices=get_args(ObserverName))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -404,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", type=Path)
     _scheme_flags(p, many_dtypes=True)
     p.add_argument("--analysis", action="append", default=[], dest="analyses",
-                   choices=["bit_widths", "outlier_impact", "scale_sensitivity"],
+                   choices=get_args(AnalysisName),
                    help="also run this analysis on the first scheme (repeatable)")
     p.add_argument("--device", default=os.environ.get("QUANTD_DEVICE", "auto"), help=DEVICE_HELP)
     p.set_defaults(func=cmd_analyze)
@@ -412,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("jobs", help="list, show, cancel and download jobs")
     jobs = p.add_subparsers(dest="jobs_cmd", required=True)
     q = jobs.add_parser("list", parents=[client])
-    q.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    q.add_argument("--status", choices=get_args(JobStatus))
     q.add_argument("--limit", type=int, default=50)
     helps = {"show": "the job as JSON", "download": "the artifact (sha256-checked, resumable)",
              "cancel": "cancel a queued or running job and delete its files (a finished job: its artifact and "

@@ -1,7 +1,8 @@
 """Domain errors: raised by the engine, the readers and the jobs layer; mapped to HTTP by the routes.
 
-Nothing below the routes raises ``HTTPException``. Each error carries a problem ``title`` and a
-``status`` the routes use, and a ``detail`` that names the tensor/field at fault.
+Nothing below the routes raises ``HTTPException``, and no error here knows an HTTP status: the HTTP layer
+maps each class to one (``quantd.server.problems``). Each carries a ``title``, a ``type_`` URN and a
+``detail`` that names the tensor/field at fault.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from collections.abc import Iterator
 
 
 class QuantdError(Exception):
-    status: int = 400
     title: str = "Bad request"
     type_: str = "about:blank"
     location: str = "body"  # where a 422's field is: "body" (the multipart form) or "query"
@@ -26,7 +26,6 @@ class QuantdError(Exception):
 class ConfigError(QuantdError):
     """A config that cannot apply to a tensor (group_size not dividing, bad axis, ...)."""
 
-    status = 422
     title = "Config cannot apply"
     type_ = "urn:quantd:config-error"
 
@@ -36,7 +35,6 @@ class ConfigError(QuantdError):
 
 
 class UnsupportedFormatError(QuantdError):
-    status = 415
     title = "Unsupported media type"
     type_ = "urn:quantd:unsupported-format"
 
@@ -44,7 +42,6 @@ class UnsupportedFormatError(QuantdError):
 class UnsafeInputError(QuantdError):
     """A pickle that would need code to load: refused, never executed."""
 
-    status = 415
     title = "Unsafe input refused"
     type_ = "urn:quantd:unsafe-input"
 
@@ -52,7 +49,6 @@ class UnsafeInputError(QuantdError):
 class MalformedInputError(QuantdError):
     """Truncated files, lying headers, overlapping or out-of-range offsets, shape mismatches."""
 
-    status = 422
     title = "Malformed input"
     type_ = "urn:quantd:malformed-input"
 
@@ -63,13 +59,11 @@ class NonFiniteError(MalformedInputError):
 
 
 class InputTooLargeError(QuantdError):
-    status = 413
     title = "Payload too large"
     type_ = "urn:quantd:too-large"
 
 
 class JobCancelled(QuantdError):
-    status = 409
     title = "Job cancelled"
     type_ = "urn:quantd:cancelled"
 

@@ -197,13 +197,13 @@ def test_in_process_work_without_the_server_extra_says_what_to_install(model: Pa
 
 
 def test_serve_keeps_compiled_kernels_in_its_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Inductor's default cache is /tmp/torchinductor_<user>: outside the data dir (found by an audit).
+    # Inductor's default cache is /tmp/torchinductor_<user>: outside the data dir.
     import os
     import platform
 
     import torch
 
-    from quantd.server.main import keep_kernel_cache_in
+    from quantd.runtime import keep_kernel_cache_in
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "recorded")  # so that teardown restores the original
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
@@ -222,12 +222,12 @@ def test_serve_keeps_compiled_kernels_in_its_data_dir(tmp_path: Path, monkeypatc
 def test_in_process_runs_keep_compiled_kernels_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        model: Path) -> None:
     # The CLI's in-process engine uses Inductor's default cache dir, one subdirectory per kind of CPU: that
-    # dir outlives machines in images and snapshots (kernels made for an AVX2 CPU ran 2-3x slower on AVX-512).
+    # dir outlives machines in images and snapshots.
     import os
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from quantd.server.main import cpu_kernel_tag
+    from quantd.runtime import cpu_kernel_tag
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "recorded")  # so that teardown restores the original
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
@@ -246,7 +246,7 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap_in_worker_threads()
     script = (
         "import ctypes, sys, threading\n"
         "import torch\n"
-        "from quantd.server.main import keep_freed_memory\n"
+        "from quantd.runtime import keep_freed_memory\n"
         "libc = ctypes.CDLL(None)\n"
         "libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]\n"
         "done = keep_freed_memory(sys.argv[1] == 'on')\n"
@@ -269,21 +269,22 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap_in_worker_threads()
 
 
 def test_keep_freed_memory_follows_its_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quantd.server import main as server_main
-    from quantd.server.settings import SettingsError
+    from quantd import runtime
+    from quantd.server.settings import Settings
 
     seen: list[bool] = []
-    monkeypatch.setattr(server_main, "keep_freed_memory", lambda enabled: seen.append(enabled) or enabled)
+    monkeypatch.setattr(runtime, "keep_freed_memory", lambda enabled: seen.append(enabled) or enabled)
     monkeypatch.delenv("QUANTD_KEEP_FREED_MEMORY")
-    assert server_main.keep_freed_memory_as_configured() is True  # on by default
+    assert runtime.keep_freed_memory_as_configured() is True  # on by default
     for raw, want in (("0", False), ("off", False), ("true", True), ("1", True)):
         monkeypatch.setenv("QUANTD_KEEP_FREED_MEMORY", raw)
-        assert server_main.keep_freed_memory_as_configured() is want
+        assert runtime.keep_freed_memory_as_configured() is want
     assert seen == [True, False, False, True, True]
-    assert server_main.Settings(keep_freed_memory="no").keep_freed_memory is False  # serve and worker
+    assert Settings(keep_freed_memory="no").keep_freed_memory is False  # serve and worker
+    assert Settings.model_fields["keep_freed_memory"].default is runtime.KEEP_FREED_MEMORY_DEFAULT
     monkeypatch.setenv("QUANTD_KEEP_FREED_MEMORY", "sometimes")
-    with pytest.raises(SettingsError, match="QUANTD_KEEP_FREED_MEMORY: not a boolean"):
-        server_main.keep_freed_memory_as_configured()
+    with pytest.raises(ValueError, match="QUANTD_KEEP_FREED_MEMORY: not a boolean"):
+        runtime.keep_freed_memory_as_configured()
 
 
 def test_a_bad_keep_freed_memory_value_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantd.errors import JobCancelled
+from quantd.io.files import sha256_file
 from quantd.jobs import JobService, StoredUpload
-from quantd.jobs.storage import sha256_file
 from quantd_client import Progress, QuantConfig, Report, Scheme, Summary, TensorReport
 
 CONFIG = QuantConfig(scheme=Scheme(dtype="int4", group_size=32))

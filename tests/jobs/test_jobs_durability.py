@@ -13,8 +13,8 @@ from pathlib import Path
 from jobs_support import CONFIG, make_upload, wait_for
 from safetensors.torch import load_file
 
+from quantd.io.files import sha256_file
 from quantd.jobs import JobService
-from quantd.jobs.storage import sha256_file
 
 MakeService = Callable[..., JobService]
 HERE = Path(__file__).parent

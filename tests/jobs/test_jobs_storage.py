@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from jobs_support import CONFIG, make_upload, wait_for
 
+from quantd.io.files import sha256_file
 from quantd.jobs import JobService, LocalStorage, StorageError, StoredUpload
-from quantd.jobs.storage import sha256_file
 
 ID = "0123456789abcdef0123456789abcdef"
 
@@ -129,7 +129,7 @@ def test_adopted_uploads_and_artifacts_are_made_durable(storage: LocalStorage,
 
 
 def test_start_writeback_is_a_harmless_hint(tmp_path: Path) -> None:
-    from quantd.jobs.storage import start_writeback
+    from quantd.io.files import start_writeback
 
     p = tmp_path / "f"
     with open(p, "wb") as f:

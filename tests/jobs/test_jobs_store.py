@@ -178,7 +178,7 @@ def test_queue_full(store: SQLiteJobStore) -> None:
     add(store, max_queue=2)
     with pytest.raises(QueueFull) as e:
         add(store, max_queue=2)
-    assert e.value.status == 429 and e.value.retry_after == 7
+    assert type(e.value) is QueueFull and e.value.retry_after == 7
     assert store.queue_depth() == 2
 
 

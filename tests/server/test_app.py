@@ -170,10 +170,10 @@ async def test_ops_endpoints_need_no_key(make_server, path):
 
 @pytest.mark.parametrize("warmup", [True, False])
 async def test_kernel_warm_up_starts_with_the_app_when_enabled(make_server, monkeypatch, warmup):
-    import quantd.server.app as app_module
+    from quantd import runtime
 
     started: list[int] = []
-    monkeypatch.setattr(app_module, "start_warm_up", lambda: started.append(1))
+    monkeypatch.setattr(runtime, "start_warm_up", lambda: started.append(1))
     async with make_server(warmup=warmup) as server:
         assert (await server.client.get("/healthz")).status_code == 200
     assert started == ([1] if warmup else [])

@@ -1,4 +1,4 @@
-"""Errors of the jobs layer. Each carries the HTTP ``status`` and problem ``title`` the routes use."""
+"""Errors of the jobs layer; the HTTP layer maps each class to a status (``quantd.server.problems``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from quantd.errors import QuantdError
 class JobNotFound(QuantdError):
     """No such job for this tenant (another tenant's job is reported the same way)."""
 
-    status = 404
     title = "Job not found"
     type_ = "urn:quantd:job-not-found"
 
@@ -16,7 +15,6 @@ class JobNotFound(QuantdError):
 class JobNotReady(QuantdError):
     """The report or artifact was asked for before the job succeeded."""
 
-    status = 409
     title = "Job not ready"
     type_ = "urn:quantd:job-not-ready"
 
@@ -24,7 +22,6 @@ class JobNotReady(QuantdError):
 class JobExpired(QuantdError):
     """The job's files were deleted (TTL sweep, or DELETE after it finished); the job row stays."""
 
-    status = 410
     title = "Job files expired"
     type_ = "urn:quantd:job-expired"
 
@@ -32,15 +29,13 @@ class JobExpired(QuantdError):
 class IdempotencyConflict(QuantdError):
     """An idempotency key reused with a different input or config."""
 
-    status = 409
     title = "Idempotency key reused"
     type_ = "urn:quantd:idempotency-conflict"
 
 
 class QueueFull(QuantdError):
-    """Too many queued jobs; the routes answer 429 with ``Retry-After: retry_after``."""
+    """Too many queued jobs; retry after ``retry_after`` seconds."""
 
-    status = 429
     title = "Queue full"
     type_ = "urn:quantd:queue-full"
 
@@ -52,7 +47,6 @@ class QueueFull(QuantdError):
 class InvalidListQuery(QuantdError):
     """A bad ``status``, ``limit`` or ``cursor`` in a job listing."""
 
-    status = 422
     title = "Invalid query"
     type_ = "urn:quantd:invalid-query"
     location = "query"
@@ -61,6 +55,5 @@ class InvalidListQuery(QuantdError):
 class StorageError(QuantdError):
     """A storage path outside the data dir, or a file the job needs that is gone: a server fault."""
 
-    status = 500
     title = "Storage error"
     type_ = "urn:quantd:storage-error"

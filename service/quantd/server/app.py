@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, get_args
@@ -19,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 import quantd
+from quantd import runtime
 from quantd_client import DeviceInfo
 from quantd_client._schemas import JobStatus
 
@@ -36,25 +36,6 @@ DESCRIPTION = """Quantization service for ML weights.
 
 Errors are RFC 9457 `application/problem+json`. When API keys are configured every `/v1` call needs
 `Authorization: Bearer <key>`. Uploads are multipart, streamed to disk; see each endpoint's request body."""
-
-
-def start_warm_up() -> threading.Thread:
-    """Compile the engine's CPU kernels in a background thread (``Settings.warmup``); requests and jobs
-    are served meanwhile (one that needs a kernel being built waits for it)."""
-    def run() -> None:
-        from quantd.io.pipeline import warm_up
-
-        try:
-            took = warm_up()
-        except Exception:  # a failed warm-up only means the first real tensor compiles (or runs eager)
-            log.exception("kernel warm-up failed")
-            return
-        if took is not None:
-            log.info("compiled CPU kernels ready", extra={"warmup_s": round(took, 1)})
-
-    thread = threading.Thread(target=run, name="quantd-warmup", daemon=True)
-    thread.start()
-    return thread
 
 
 def jobs_config(settings: Settings, *, workers: int | None) -> Any:
@@ -139,7 +120,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         _register_gauges(metrics, state)
         app.state.quantd = state
         if settings.warmup:
-            start_warm_up()
+            runtime.start_warm_up()
         log.info("quantd started", extra={"data_dir": str(settings.data_dir), "auth": bool(keys),
                                           "embedded_workers": embedded_worker_count(settings),
                                           "sync_device": device})

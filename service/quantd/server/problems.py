@@ -13,8 +13,24 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quantd.errors import ConfigError, InputTooLargeError, QuantdError, UnsupportedFormatError
-from quantd.jobs.errors import JobExpired, JobNotFound, JobNotReady, QueueFull
+from quantd.errors import (
+    ConfigError,
+    InputTooLargeError,
+    JobCancelled,
+    MalformedInputError,
+    QuantdError,
+    UnsafeInputError,
+    UnsupportedFormatError,
+)
+from quantd.jobs.errors import (
+    IdempotencyConflict,
+    InvalidListQuery,
+    JobExpired,
+    JobNotFound,
+    JobNotReady,
+    QueueFull,
+    StorageError,
+)
 
 log = logging.getLogger("quantd.server")
 
@@ -81,13 +97,40 @@ def form_validation_problem(field: str, exc: ValidationError) -> ProblemExceptio
                             errors=errs)
 
 
+# The HTTP status of each domain error class (``quantd.errors``, ``quantd.jobs.errors``): the one place where
+# they meet HTTP. A subclass answers with its nearest mapped ancestor's status.
+STATUS_OF: dict[type[QuantdError], int] = {
+    QuantdError: 400,
+    ConfigError: 422,
+    MalformedInputError: 422,
+    UnsupportedFormatError: 415,
+    UnsafeInputError: 415,
+    InputTooLargeError: 413,
+    JobCancelled: 409,
+    JobNotFound: 404,
+    JobNotReady: 409,
+    JobExpired: 410,
+    IdempotencyConflict: 409,
+    QueueFull: 429,
+    InvalidListQuery: 422,
+    StorageError: 500,
+}
+
+
+def status_of(error: QuantdError | type[QuantdError]) -> int:
+    """The HTTP status a domain error answers with (:data:`STATUS_OF`, by the class's MRO)."""
+    cls = error if isinstance(error, type) else type(error)
+    return next(STATUS_OF[c] for c in cls.__mro__ if c in STATUS_OF)  # QuantdError is always there
+
+
 def _quantd_error(request: Request, exc: QuantdError) -> JSONResponse:
-    if exc.status >= 500:  # a server fault: its detail may name internal paths; log it, answer plainly
+    status = status_of(exc)
+    if status >= 500:  # a server fault: its detail may name internal paths; log it, answer plainly
         log.error("server error: %s", exc.detail, exc_info=exc, extra={"request_id": request_id_of(request)})
-        return problem_response(exc.status, "internal server error; quote the request id when reporting it",
+        return problem_response(status, "internal server error; quote the request id when reporting it",
                                 title=exc.title, type_=exc.type_, request_id=request_id_of(request))
     errors = None
-    if exc.status == 422:
+    if status == 422:
         loc: list[str | int] = [exc.location]
         if exc.tensor:
             loc += ["tensors", exc.tensor]
@@ -98,7 +141,7 @@ def _quantd_error(request: Request, exc: QuantdError) -> JSONResponse:
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, int(retry_after + 0.999)))
-    return problem_response(exc.status, exc.detail, title=exc.title, type_=exc.type_, errors=errors,
+    return problem_response(status, exc.detail, title=exc.title, type_=exc.type_, errors=errors,
                             headers=headers, request_id=request_id_of(request))
 
 
@@ -156,7 +199,7 @@ PROBLEM_SCHEMA: dict[str, Any] = {
 
 # The examples' problem types: those of the errors these statuses carry most often, from the error classes
 # themselves (400/401/416 and /readyz's 503 are about:blank).
-_EXAMPLE_TYPES: dict[int, str] = {cls.status: cls.type_ for cls in (
+_EXAMPLE_TYPES: dict[int, str] = {status_of(cls): cls.type_ for cls in (
     JobNotFound, JobNotReady, JobExpired, InputTooLargeError, UnsupportedFormatError, ConfigError, QueueFull)}
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 
@@ -180,7 +223,7 @@ def problem_responses(*statuses: int, examples: Mapping[type[QuantdError], str] 
     """OpenAPI ``responses=`` entries for the given problem statuses, with an example each; ``examples``:
     a route's own error class (its status, type and title) and an example detail, where the common
     example of that status does not fit."""
-    own = {cls.status: (cls.type_, cls.title, detail) for cls, detail in (examples or {}).items()}
+    own = {status_of(cls): (cls.type_, cls.title, detail) for cls, detail in (examples or {}).items()}
     out: dict[int | str, dict[str, Any]] = {}
     for s in statuses:
         title, detail = _EXAMPLES.get(s, (_phrase(s), _phrase(s)))

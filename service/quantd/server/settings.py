@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from quantd.runtime import KEEP_FREED_MEMORY_DEFAULT
+
 log = logging.getLogger("quantd.server")
 
 GiB = 1024**3
@@ -76,7 +78,7 @@ class Settings(BaseSettings):
         "quantize a safetensors job upload tensor by tensor while it streams in (when its config comes "
         "first and an embedded worker is idle); auto = on when the workers use CUDA (on CPU workers it "
         "competes with receiving the upload for the cores)"))
-    keep_freed_memory: bool = Field(default=True, description=(
+    keep_freed_memory: bool = Field(default=KEEP_FREED_MEMORY_DEFAULT, description=(
         "glibc malloc: blocks up to 1 GiB come from one heap for all threads, and freed memory stays there for "
         "the next tensors (up to 1 GiB at the heap's top, and the holes below it), instead of each large tensor "
         "being mapped anew (its pages faulted in) and given back"))

@@ -25,7 +25,7 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
-from quantd.jobs.storage import start_writeback
+from quantd.io.files import start_writeback
 
 from .problems import ProblemException
 

@@ -7,8 +7,8 @@ from typing import get_args
 from fastapi import APIRouter
 
 import quantd
-from quantd_client import DTYPES, Info, Limits
-from quantd_client._schemas import GranularityName, InputFormat, MethodName, ObserverName
+from quantd_client import Info, Limits
+from quantd_client._schemas import DType, GranularityName, InputFormat, MethodName, ObserverName, OutputFormat
 
 from ..deps import StateDep, TenantDep
 from ..problems import problem_responses
@@ -24,12 +24,12 @@ async def info(state: StateDep, _tenant: TenantDep) -> Info:
     return Info(
         version=quantd.__version__,
         devices=state.devices,
-        dtypes=list(DTYPES),
+        dtypes=list(get_args(DType)),
         observers=list(get_args(ObserverName)),
         methods=list(get_args(MethodName)),
         granularities=list(get_args(GranularityName)),
         input_formats=list(get_args(InputFormat)),
-        output_formats=["safetensors"],
+        output_formats=list(get_args(OutputFormat)),
         limits=Limits(max_upload_bytes=s.max_upload_bytes, max_sync_bytes=s.max_sync_bytes, max_queue=s.max_queue),
         auth=state.auth_enabled,
     )

@@ -49,7 +49,7 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None) -> Any:
     """Format by magic bytes, tensor list, and (for the model) the config planned against it:
     415/422 before the job is accepted. Returns the jobs layer's StoredUpload."""
     from quantd import io
-    from quantd.jobs.storage import StoredUpload
+    from quantd.jobs import StoredUpload
 
     fmt = io.detect_format(up.path)
     with io.open_model(up.path, filename=up.filename) as reader:

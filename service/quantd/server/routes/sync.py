@@ -87,7 +87,7 @@ async def quantize(request: Request, state: StateDep, _tenant: TenantDep) -> Res
         report = await run_engine(state, io.quantize_file, up.path, dst, config, device=state.sync_device,
                                   filename=up.filename)
         state.metrics.inc("quantd_quantized_bytes_total", up.bytes)
-        from quantd.jobs.storage import sha256_file
+        from quantd.io.files import sha256_file
 
         digest = await run_engine(state, sha256_file, dst)
         stem = up.filename.rsplit(".", 1)[0] or "model"

@@ -1,0 +1,178 @@
+"""Process set-up shared by every entry point (``serve``, ``worker`` and the CLI's in-process runs): glibc's
+malloc, the compiled kernels' cache directory, the kernel warm-up, and the worker process's main loop.
+
+Nothing here imports torch at module import: :func:`keep_freed_memory` must run before torch starts threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from quantd.server.settings import Settings
+
+log = logging.getLogger("quantd.runtime")
+
+# QUANTD_KEEP_FREED_MEMORY's default (serve, worker and the CLI's in-process runs).
+KEEP_FREED_MEMORY_DEFAULT = True
+
+
+def cpu_kernel_tag() -> str:
+    """The machine and the vector ISA that compiled CPU kernels are generated for (``x86_64-avx512``,
+    ``x86_64-avx2``, ``aarch64-default``, ...: ATen's CPU capability, which Inductor's choice follows), and on
+    Linux a short hash of the CPU's feature flags: Inductor compiles with ``-march=native`` and keys its
+    compiled libraries on that literal flag, so two AVX-512 CPUs with other extensions (AMX, BF16) must not
+    share them (an instruction the other lacks is a SIGILL, which no fallback catches)."""
+    import hashlib
+    import platform
+
+    import torch
+
+    tag = f"{platform.machine() or 'cpu'}-{torch.backends.cpu.get_cpu_capability()}".lower()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line.split(":", 1)[1] for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    if flags:
+        tag += "-" + hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
+    return tag
+
+
+def default_kernel_cache_base() -> Path:
+    """Inductor's own default cache directory (``$TMPDIR/torchinductor_<user>``), computed as Inductor does
+    without importing it."""
+    import getpass
+    import re
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):  # no name for this uid (a container's arbitrary user)
+        getuid = getattr(os, "getuid", None)
+        user = f"uid_{getuid()}" if callable(getuid) else "unknown_user"
+    return Path(tempfile.gettempdir()) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def keep_kernel_cache_in(data_dir: Path | None) -> None:
+    """Inductor's cache of compiled kernels in ``<base>/<cpu>`` (:func:`cpu_kernel_tag`) unless
+    ``TORCHINDUCTOR_CACHE_DIR`` says otherwise; ``<base>`` is ``data_dir/.inductor-cache`` for ``serve`` and
+    ``worker`` (the service writes nothing outside its data dir, and a restart finds its kernels), and
+    Inductor's default (``/tmp/torchinductor_<user>``) for the CLI's in-process runs (``data_dir`` None).
+    One directory per kind of CPU: Inductor's graph cache does not key on the vector ISA, and a cache that
+    outlives its machine (a moved data dir, an image, a snapshot) would serve kernels generated for another
+    CPU: slower ones, or instructions this CPU lacks."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    base = default_kernel_cache_base() if data_dir is None else Path(data_dir).resolve() / ".inductor-cache"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / cpu_kernel_tag())
+
+
+# glibc's mallopt parameters (malloc.h) and the sizes set by keep_freed_memory.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+KEPT_BYTES = 1 << 30
+
+
+def keep_freed_memory(enabled: bool) -> bool:
+    """Have glibc's malloc serve blocks up to :data:`KEPT_BYTES` from its heap, keep up to that much freed
+    memory there (not returned to the system), and give every thread the one heap (arena); True when set.
+    Process-wide, and to be called before threads start: a thread that took an arena of its own keeps it
+    (and a new thread may inherit one an exited thread left).
+
+    By default glibc maps every block of 32 MiB and more anew (its largest dynamic threshold) and unmaps it
+    when freed, so every large tensor (codes, a float32 copy, x̂ for the statistics) faults its pages in
+    again, which can cost more than the kernel that fills it. The price: the process keeps freed memory
+    (up to 1 GiB at the heap's top, and without bound the holes that blocks of other sizes leave below it),
+    as jemalloc and tcmalloc setups for PyTorch on CPU do. Other C libraries: nothing is done."""
+    if not enabled or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only (musl's mallopt takes none of these)
+        return False
+    mallopt = libc.mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    done = [mallopt(_M_ARENA_MAX, 1), mallopt(_M_MMAP_THRESHOLD, KEPT_BYTES), mallopt(_M_TRIM_THRESHOLD, KEPT_BYTES)]
+    return all(done)
+
+
+def keep_freed_memory_as_configured() -> bool:
+    """:func:`keep_freed_memory` as ``QUANTD_KEEP_FREED_MEMORY`` says (:data:`KEEP_FREED_MEMORY_DEFAULT` when
+    unset), for the CLI's in-process runs, which read no other setting. A value that is not a boolean
+    raises ValueError."""
+    from pydantic import TypeAdapter, ValidationError
+
+    raw = next((v for k, v in os.environ.items() if k.upper() == "QUANTD_KEEP_FREED_MEMORY"), None)  # as Settings
+    try:
+        enabled = KEEP_FREED_MEMORY_DEFAULT if raw is None else TypeAdapter(bool).validate_python(raw)
+    except ValidationError:
+        raise ValueError("QUANTD_KEEP_FREED_MEMORY: not a boolean (1/0, true/false, on/off, yes/no)") from None
+    return keep_freed_memory(enabled)
+
+
+@dataclass
+class WarmUp:
+    """The state of a background kernel warm-up: ``done`` is set when it has ended (built, failed, or
+    nothing to build)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    seconds: float | None = None
+    thread: threading.Thread | None = None
+
+
+def start_warm_up() -> WarmUp:
+    """Build the engine's compiled CPU kernels for the common schemes in a background thread; requests and
+    jobs are served meanwhile (one that needs a kernel being built waits for it). Logs when it starts and
+    when it ends."""
+    state = WarmUp()
+
+    def run() -> None:
+        from quantd.io.pipeline import warm_up
+
+        start = time.perf_counter()
+        log.info("kernel warm-up started")
+        try:
+            took = warm_up()
+        except Exception as e:  # a failed warm-up only means the first real tensor compiles (or runs eager)
+            state.error = f"{type(e).__name__}: {e}"
+            log.exception("kernel warm-up failed")
+        else:
+            state.seconds = time.perf_counter() - start
+            if took is None:
+                log.info("kernel warm-up skipped: compiled kernels are off")
+            else:
+                log.info("compiled CPU kernels ready", extra={"warmup_s": round(took, 1)})
+        finally:
+            state.done.set()
+
+    state.thread = threading.Thread(target=run, name="quantd-warmup", daemon=True)
+    state.thread.start()
+    return state
+
+
+def run_worker(settings: Settings) -> None:
+    """Workers only (no HTTP) over the same data dir; stops gracefully on SIGINT/SIGTERM.
+    ``settings.workers`` of 0 or unset = one per device. The caller has set malloc (:func:`keep_freed_memory`)
+    before this imports torch."""
+    from quantd.jobs import run_worker as run_jobs_worker
+    from quantd.server.app import jobs_config
+    from quantd.server.logging import configure_logging
+
+    configure_logging(settings.log_level)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    keep_kernel_cache_in(settings.data_dir)
+    if settings.warmup:
+        start_warm_up()
+    run_jobs_worker(jobs_config(settings, workers=settings.workers or None))
