@@ -6,7 +6,8 @@ bit ``i % 8`` of byte ``i // 8``. For b = 4 the first offset is the low nibble. 
 is a 1-D uint8 tensor of ``ceil(numel·b / 8)`` bytes; the unused high bits of the last byte are 0.
 
 Widths dividing 8 (1, 2, 4, 8) pack whole offsets into bytes with shifts; the others (3, 5, 6, 7)
-go through a bit matrix: offsets → ``[n, b]`` bits → ``[bytes, 8]`` bits → bytes. Both vectorised.
+pack eight offsets into ``b`` bytes through one int64 word (unpacking goes through a bit matrix:
+bytes → ``[bytes, 8]`` bits → ``[n, b]`` bits → offsets). All vectorised.
 """
 
 from __future__ import annotations
@@ -32,15 +33,24 @@ def _shifts(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, dtype=torch.uint8, device=device)
 
 
-def _pack_aligned(offsets: torch.Tensor, bits: int) -> torch.Tensor:
-    """``bits`` divides 8: ``8 // bits`` offsets per byte, the first in the lowest bits."""
-    per = 8 // bits
+def _lanes(offsets: torch.Tensor, per: int) -> torch.Tensor:
+    """``offsets`` as rows of ``per`` consecutive values, zero-padded to a whole last row."""
     n = offsets.numel()
-    padded = torch.zeros(packed_nbytes(n, bits) * per, dtype=torch.uint8, device=offsets.device)
+    if n % per == 0:
+        return offsets.view(-1, per)
+    padded = torch.zeros(-(-n // per) * per, dtype=offsets.dtype, device=offsets.device)
     padded[:n] = offsets
-    lanes = padded.view(-1, per) << (_shifts(per, offsets.device) * bits)
-    # The lanes occupy disjoint bits, so their sum is their bitwise or.
-    return lanes.sum(dim=1, dtype=torch.uint8)
+    return padded.view(-1, per)
+
+
+def _pack_aligned(offsets: torch.Tensor, bits: int) -> torch.Tensor:
+    """``bits`` divides 8: ``8 // bits`` offsets per byte, the first in the lowest bits: one shift-and-or per
+    lane, elementwise over the bytes (a reduction over lanes this short does not vectorise)."""
+    lanes = _lanes(offsets, 8 // bits)
+    out = lanes[:, 0].clone()
+    for j in range(1, lanes.shape[1]):
+        out |= lanes[:, j] << (j * bits)
+    return out
 
 
 def _unpack_aligned(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -50,12 +60,16 @@ def _unpack_aligned(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor
     return lanes.reshape(-1)[:numel].contiguous()
 
 
-def _pack_bitmatrix(offsets: torch.Tensor, bits: int) -> torch.Tensor:
+def _pack_words(offsets: torch.Tensor, bits: int) -> torch.Tensor:
+    """Other widths: eight offsets are ``8·bits`` bits, exactly ``bits`` bytes of the stream, built in one int64
+    word per eight offsets."""
     n = offsets.numel()
-    nbytes = packed_nbytes(n, bits)
-    stream = torch.zeros(nbytes * 8, dtype=torch.uint8, device=offsets.device)
-    stream[: n * bits] = ((offsets.unsqueeze(1) >> _shifts(bits, offsets.device)) & 1).reshape(-1)
-    return (stream.view(nbytes, 8) << _shifts(8, offsets.device)).sum(dim=1, dtype=torch.uint8)
+    eights = _lanes(offsets, 8).to(torch.int64)
+    word = eights[:, 0].clone()
+    for j in range(1, 8):
+        word |= eights[:, j] << (j * bits)
+    out = torch.stack([(word >> (8 * k)) & 255 for k in range(bits)], dim=1).to(torch.uint8).reshape(-1)
+    return out[:packed_nbytes(n, bits)]
 
 
 def _unpack_bitmatrix(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -75,11 +89,11 @@ def _unpack_bytes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 PACKERS: dict[int, tuple[PackFn, UnpackFn]] = {
     1: (_pack_aligned, _unpack_aligned),
     2: (_pack_aligned, _unpack_aligned),
-    3: (_pack_bitmatrix, _unpack_bitmatrix),
+    3: (_pack_words, _unpack_bitmatrix),
     4: (_pack_aligned, _unpack_aligned),
-    5: (_pack_bitmatrix, _unpack_bitmatrix),
-    6: (_pack_bitmatrix, _unpack_bitmatrix),
-    7: (_pack_bitmatrix, _unpack_bitmatrix),
+    5: (_pack_words, _unpack_bitmatrix),
+    6: (_pack_words, _unpack_bitmatrix),
+    7: (_pack_words, _unpack_bitmatrix),
     8: (_pack_bytes, _unpack_bytes),
 }
 
