@@ -165,7 +165,7 @@ class _Moments:
     sum_e2: float
     sum_abs_e: float
     max_abs_e: float
-    max_abs_x: float | None  # None from the fused codes path (only float casts use it)
+    max_abs_x: float | None  # None from the compiled codes path (only float casts use it)
 
 
 def _chunk_sums(xc: torch.Tensor, hc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -175,6 +175,11 @@ def _chunk_sums(xc: torch.Tensor, hc: torch.Tensor, a: torch.Tensor, b: torch.Te
     """
     a.copy_(xc)
     b.copy_(hc)
+    return _buffer_sums(a, b)
+
+
+def _buffer_sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The sums of :func:`_chunk_sums` of the float64 chunks ``a`` (x) and ``b`` (x̂), both overwritten."""
     n_c = a.numel()
     sum_x = a.sum()
     sum_x2, sum_h2, sum_xh = torch.dot(a, a), torch.dot(b, b), torch.dot(a, b)
@@ -227,13 +232,24 @@ def _merge(s: torch.Tensor) -> _Moments:
 
 
 def _outlier_count(x: torch.Tensor, mean: float, threshold: float) -> int:
-    """``#{|x − mean| > threshold}`` in float64, chunked, one host sync."""
+    """``#{|x − mean| > threshold}`` in float64, chunked, one host sync. For float32, bfloat16 and float16
+    ``x`` the same count by two float32 comparisons against the ends of the interval that is not outlying
+    (``kernels.stats._float32_interval``), with no float64 copy."""
     flat = x.reshape(-1)
     if kernels.KERNELS.wants(flat):
         fused = compiled.outlier_count(flat, mean, threshold)
         if fused is not None:
             return int(fused)
     step = min(_CHUNK, flat.numel())
+    bounds = (compiled._float32_interval(mean, threshold)
+              if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else None)
+    if bounds is not None:
+        lo, hi = bounds
+        outside = torch.zeros((), dtype=torch.int64, device=x.device)
+        for i in range(0, flat.numel(), step):
+            part = flat[i:i + step].float()
+            outside += (part < lo).sum(dtype=torch.int32) + (part > hi).sum(dtype=torch.int32)
+        return int(outside)
     buf = torch.empty(step, dtype=torch.float64, device=x.device)
     flags = torch.empty(step, dtype=torch.bool, device=x.device)
     count = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -263,13 +279,16 @@ def _chunk_rows(blocks: int, width: int) -> int:
 
 def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None:
     """The sums of :func:`_moments` against ``dequantize(qt, dtype=float64)`` without materialising it:
-    each chunk's ``x̂`` is decoded in registers by the fused kernel, with dequantize's float64 formula. None when
-    the fused path does not apply (the caller dequantizes)."""
+    each chunk's ``x̂`` is decoded with dequantize's float64 formula in registers by the fused kernel, or
+    eager into a cache-sized buffer. None when the codes' blocks are not row-major (the caller
+    dequantizes)."""
     info = DTYPES[qt.dtype]
     gran = granularity_of(qt)
-    if (info.kind == "float" or qt.scale is None or not kernels.KERNELS.wants(x)
+    if (info.kind == "float" or qt.scale is None
             or not (is_row_major(x, gran) and is_row_major(qt.codes, gran))):
         return None
+    if not kernels.KERNELS.wants(x):
+        return _moments_from_codes_eager(x, qt)
     blocks, _ = block_view(x, gran, name="x")
     codes, _ = block_view(qt.codes, gran, name="codes")
     scale = qt.scale.reshape(-1, 1).float()
@@ -285,6 +304,40 @@ def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None
     fused = compiled.moments_from_codes(blocks.reshape(shape3), codes.reshape(shape3), scale3, zp3, NF4_CODEBOOK_F32,
                                        nf4=info.kind == "nf4")
     return None if fused is None else _merge(fused)
+
+
+def _moments_from_codes_eager(x: torch.Tensor, qt: QuantizedTensor) -> _Moments:
+    """:func:`_moments_from_codes` in eager torch: chunks of whole block rows (at most ``_CHUNK`` elements
+    unless one row is longer, then pieces of it), each decoded into a float64 buffer, never the whole
+    float64 ``x̂``."""
+    info = DTYPES[qt.dtype]
+    gran = granularity_of(qt)
+    blocks, _ = block_view(x, gran, name="x")
+    codes, _ = block_view(qt.codes, gran, name="codes")
+    assert qt.scale is not None  # (checked by the caller)
+    scale = qt.scale.reshape(-1, 1).double()
+    zp = None if qt.zero_point is None else qt.zero_point.reshape(-1, 1).double()
+    codebook = NF4_CODEBOOK_F32.to(device=x.device, dtype=torch.float64) if info.kind == "nf4" else None
+    n_blocks, width = blocks.shape
+    rows = max(1, min(n_blocks, _CHUNK // max(1, width)))
+    cols = min(width, _CHUNK)
+    a_buf = torch.empty(rows * cols, dtype=torch.float64, device=x.device)
+    b_buf = torch.empty_like(a_buf)
+    parts: list[torch.Tensor] = []
+    for r in range(0, n_blocks, rows):
+        for c in range(0, width, cols):
+            xb, cb = blocks[r:r + rows, c:c + cols], codes[r:r + rows, c:c + cols]
+            a, b = a_buf[: xb.numel()].view(xb.shape), b_buf[: xb.numel()].view(xb.shape)
+            a.copy_(xb)
+            if codebook is not None:
+                torch.index_select(codebook, 0, cb.reshape(-1).long(), out=b.view(-1))
+            else:
+                b.copy_(cb)
+                if zp is not None:
+                    b.sub_(zp[r:r + rows])
+            b.mul_(scale[r:r + rows])
+            parts.append(_buffer_sums(a.view(-1), b.view(-1)).unsqueeze(0))
+    return _merge(torch.cat(parts))
 
 
 def quantized_error_stats(x: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
