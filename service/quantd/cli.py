@@ -243,16 +243,18 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
         raise UsageError(f"settings: {e}") from None
 
 
-def _prepare_in_process() -> None:
+def _prepare_in_process(model: Path) -> None:
     """Before the CLI's in-process engine runs (and imports torch): glibc's malloc as
-    ``QUANTD_KEEP_FREED_MEMORY`` says, and Inductor's kernel cache per kind of CPU in its default dir."""
-    from quantd.runtime import keep_freed_memory_as_configured, keep_kernel_cache_in
+    ``QUANTD_KEEP_FREED_MEMORY`` says, Inductor's kernel cache per kind of CPU in its default dir, and
+    whether compiled kernels can pay off in this one run over ``model``."""
+    from quantd.runtime import keep_freed_memory_as_configured, keep_kernel_cache_in, use_kernels_for
 
     try:
         keep_freed_memory_as_configured()
     except ValueError as e:
         raise UsageError(f"settings: {e}") from None
     keep_kernel_cache_in(None)
+    use_kernels_for(model)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -294,7 +296,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             job.download(args.output, progress=progress)
             report = job.report()
     else:
-        _prepare_in_process()
+        _prepare_in_process(Path(args.input))
         from quantd.io.pipeline import quantize_file
 
         report = quantize_file(args.input, args.output, config, device=resolve_device(args.device))
@@ -311,7 +313,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         with make_client(args) as c:
             resp = c.analyze(args.input, schemes, analyses=args.analyses)
     else:
-        _prepare_in_process()
+        _prepare_in_process(Path(args.input))
         from quantd.io.pipeline import analyze_file
 
         resp = analyze_file(args.input, schemes, device=resolve_device(args.device), analyses=args.analyses)

@@ -121,6 +121,30 @@ def keep_freed_memory_as_configured() -> bool:
     return keep_freed_memory(enabled)
 
 
+# Input bytes from which a one-shot run (the CLI's in-process quantize/analyze) uses the compiled kernels
+# under QUANTD_COMPILE=auto. Below it, importing the compiler stack and tracing each kernel cost the run more
+# than the kernels save over the eager path (bench/oneshot.py measures both on a 91 MB and an 800 MB model).
+ONESHOT_COMPILE_MIN_BYTES = 512 << 20
+
+
+def input_bytes(path: Path) -> int:
+    """The bytes of a model file, or of every file under a model directory."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size if path.exists() else 0
+
+
+def use_kernels_for(path: Path) -> bool:
+    """Decide, for a one-shot run over the model at ``path``, whether the compiled kernels may run: with
+    ``QUANTD_COMPILE=auto`` only for inputs of at least :data:`ONESHOT_COMPILE_MIN_BYTES`; otherwise the
+    run stays eager and never imports the compiler stack. True when they may."""
+    from quantd.engine.kernels import KERNELS, compile_setting
+
+    if compile_setting() == "auto" and input_bytes(path) < ONESHOT_COMPILE_MIN_BYTES:
+        KERNELS.reset(available=False)
+    return KERNELS.available()
+
+
 @dataclass
 class WarmUp:
     """The state of a background kernel warm-up: ``done`` is set when it has ended (built, failed, or
@@ -133,16 +157,17 @@ class WarmUp:
 
 
 def start_warm_up() -> WarmUp:
-    """Build the engine's compiled CPU kernels for the common schemes in a background thread; requests and
-    jobs are served meanwhile (one that needs a kernel being built waits for it). Logs when it starts and
-    when it ends."""
+    """Build the engine's compiled CPU kernels for the common schemes in a background thread. Until it
+    ends, the kernels are held by it (``KERNELS.hold``): requests and jobs meanwhile run on the eager path
+    instead of waiting for a compile. Logs when it starts and when it ends."""
+    from quantd.engine.kernels import KERNELS
+
     state = WarmUp()
 
     def run() -> None:
         from quantd.io.pipeline import warm_up
 
         start = time.perf_counter()
-        log.info("kernel warm-up started")
         try:
             took = warm_up()
         except Exception as e:  # a failed warm-up only means the first real tensor compiles (or runs eager)
@@ -155,9 +180,13 @@ def start_warm_up() -> WarmUp:
             else:
                 log.info("compiled CPU kernels ready", extra={"warmup_s": round(took, 1)})
         finally:
+            KERNELS.release()
             state.done.set()
 
     state.thread = threading.Thread(target=run, name="quantd-warmup", daemon=True)
+    if KERNELS.available():
+        KERNELS.hold(state.thread)  # before any request can arrive
+        log.info("kernel warm-up started: requests run eager until it ends")
     state.thread.start()
     return state
 

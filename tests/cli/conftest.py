@@ -13,3 +13,13 @@ from _live import live_server
 def cli_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with live_server(tmp_path_factory.mktemp("cli-live"), port_from_env=True) as base:
         yield base
+
+
+@pytest.fixture(autouse=True)
+def _kernels_as_configured() -> Iterator[None]:
+    """An in-process CLI run may turn the compiled kernels off for its process (a small input): not for
+    the tests after it."""
+    yield
+    from quantd.engine.kernels import KERNELS
+
+    KERNELS.reset()

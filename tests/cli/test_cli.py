@@ -325,3 +325,38 @@ def test_cosines_are_shown_to_six_decimals(model: Path, capsys: pytest.CaptureFi
     text = capsys.readouterr().out
     block = text.split("cosine\n", 1)[1].split("\n\n", 1)[0]
     assert re.search(r"layer\.weight\s+0\.99\d{4}\b", block)  # it read "1" at 4 significant digits
+
+
+_COMPILER_STACK_PROBE = """
+import sys
+from quantd.cli import main
+code = main(["quantize", sys.argv[1], "-o", sys.argv[2], "--group-size", "32", "--device", "cpu"])
+print(code, *sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("setting", ["auto", "0"])
+def test_a_small_one_shot_run_never_imports_the_compiler_stack(model: Path, tmp_path: Path, setting: str) -> None:
+    # Importing Dynamo and Inductor alone costs a one-shot run more than compiled kernels save on a small
+    # model: with QUANTD_COMPILE=auto (the default) or off, the run stays eager and never imports them.
+    env = {**os.environ, "QUANTD_COMPILE": setting}
+    out = subprocess.run([sys.executable, "-c", _COMPILER_STACK_PROBE, str(model), str(tmp_path / "o.safetensors")],
+                         capture_output=True, text=True, env=env, timeout=300, check=True)
+    assert out.stdout.splitlines()[-1].split() == ["0"], out.stdout + out.stderr[-2000:]
+
+
+def test_one_shot_runs_compile_only_inputs_large_enough(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantd import runtime
+    from quantd.engine.kernels import KERNELS
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.bin").write_bytes(b"x" * 300)
+    (tmp_path / "d" / "b.bin").write_bytes(b"x" * 200)
+    assert runtime.input_bytes(tmp_path / "d") == 500
+    monkeypatch.setattr(runtime, "ONESHOT_COMPILE_MIN_BYTES", 500)
+    for setting, size, compiled in (("auto", 500, True), ("auto", 499, False), ("1", 10, True), ("0", 10**6, False)):
+        monkeypatch.setenv("QUANTD_COMPILE", setting)
+        KERNELS.reset(available=None)
+        monkeypatch.setattr(runtime, "input_bytes", lambda path, size=size: size)
+        assert runtime.use_kernels_for(tmp_path / "d") == (compiled and KERNELS.available()), (setting, size)
+        assert KERNELS.available() == (compiled and bool(__import__("shutil").which("c++"))), (setting, size)

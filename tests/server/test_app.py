@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import time
 
 import pytest
 
@@ -17,7 +19,9 @@ async def test_healthz_and_readyz_with_an_embedded_worker(server):
     assert r.status_code == 200 and r.json() == {"status": "ok"}
     r = await server.client.get("/readyz")
     assert r.status_code == 200, r.text
-    assert r.json()["checks"] == {"database": True, "storage": True, "workers": 1}
+    checks = r.json()["checks"]
+    assert checks == {"database": True, "storage": True, "workers": 1, "kernels": checks["kernels"]}
+    assert checks["kernels"] in ("compiled", "eager")  # no warm-up in these tests
 
 
 async def test_readyz_is_503_without_any_worker(make_server):
@@ -177,3 +181,55 @@ async def test_kernel_warm_up_starts_with_the_app_when_enabled(make_server, monk
     async with make_server(warmup=warmup) as server:
         assert (await server.client.get("/healthz")).status_code == 200
     assert started == ([1] if warmup else [])
+
+
+async def test_requests_run_eager_while_the_warm_up_builds_the_kernels(make_server, monkeypatch, caplog):
+    """The warm-up holds the compiled kernels: a request meanwhile runs eager instead of waiting on a
+    compile, /readyz says so, and the log says when the warm-up starts and ends."""
+    import threading
+
+    import anyio
+    import torch
+
+    import quantd.io.pipeline
+    from quantd.engine.kernels import KERNELS
+
+    from .conftest import CONFIG, st_bytes
+
+    gate, building = threading.Event(), threading.Event()
+
+    def slow_warm_up() -> float:  # stands for compiling: holds the kernels until the test lets it finish
+        assert KERNELS.wants(torch.empty(1 << 20))  # the warm-up's own thread takes them
+        building.set()
+        assert gate.wait(60)
+        return 0.5
+
+    calls: list[str] = []
+    real_call = KERNELS.call
+    monkeypatch.setattr(quantd.io.pipeline, "warm_up", slow_warm_up)
+    monkeypatch.setattr(KERNELS, "call", lambda name, *a, **k: calls.append(name) or real_call(name, *a, **k))
+    monkeypatch.setattr("quantd.engine.kernels.MIN_ELEMENTS", 0)  # the request's small tensor would take them
+    KERNELS.reset(available=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="quantd.runtime"):
+            async with make_server(warmup=True) as server:
+                assert await anyio.to_thread.run_sync(building.wait, 60)
+                ready = await server.client.get("/readyz")
+                assert ready.status_code == 200 and ready.json()["checks"]["kernels"] == "warming"
+                w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+                r = await server.client.post("/v1/quantize", data={"config": json.dumps(CONFIG)},
+                                             files={"file": ("m.safetensors", st_bytes({"w": w}),
+                                                             "application/octet-stream")})
+                assert r.status_code == 200, r.text
+                assert calls == []  # answered on the eager path, no compiled kernel asked for
+                assert not KERNELS.wants(torch.empty(1 << 20))  # not this thread's while the warm-up holds them
+                gate.set()
+                deadline = time.monotonic() + 60
+                while KERNELS.warming and time.monotonic() < deadline:
+                    await anyio.sleep(0.05)  # poll under a deadline
+                assert (await server.client.get("/readyz")).json()["checks"]["kernels"] == "compiled"
+    finally:
+        gate.set()
+        KERNELS.reset()
+    messages = [rec.getMessage() for rec in caplog.records if rec.name == "quantd.runtime"]
+    assert messages[0].startswith("kernel warm-up started") and "compiled CPU kernels ready" in messages

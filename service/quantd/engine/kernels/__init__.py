@@ -51,6 +51,16 @@ T = TypeVar("T")
 INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.dynamic_threads": True}
 
 
+def compile_setting() -> str:
+    """``QUANTD_COMPILE``: ``off`` (``0``/``false``/``no``), ``on`` (``1``/``true``/``yes``: compile whenever
+    a kernel applies) or ``auto`` (the default: long-lived processes compile, a one-shot run only when its
+    input is large enough for compiling to pay off, ``quantd.runtime.use_kernels_for``)."""
+    setting = os.environ.get("QUANTD_COMPILE", "auto").strip().lower()
+    if setting in ("0", "false", "off", "no"):
+        return "off"
+    return "on" if setting in ("1", "true", "on", "yes") else "auto"
+
+
 class _Compiled:
     """Lazily compiled kernels, one lock for compiling, and the switch back to eager."""
 
@@ -61,25 +71,43 @@ class _Compiled:
         self._broken: str | None = None
         self._available: bool | None = None
         self._exhausted: set[str] = set()  # kernels past their recompile limit: eager from then on
+        self._holder: threading.Thread | None = None  # while set, the only thread that takes the kernels
 
     def available(self) -> bool:
         if self._available is None:
-            setting = os.environ.get("QUANTD_COMPILE", "auto").strip().lower()
             compiler = os.environ.get("CXX") or "c++"
-            self._available = setting not in ("0", "false", "off", "no") and shutil.which(compiler) is not None
+            self._available = compile_setting() != "off" and shutil.which(compiler) is not None
         return self._available and self._broken is None
 
     def wants(self, x: torch.Tensor, *, small: bool = False) -> bool:
         """Whether ``x`` takes the compiled kernels: a CPU tensor of at least ``MIN_ELEMENTS`` elements
-        (``SMALL_MIN_ELEMENTS`` for the kernels that pay off on ``small`` ones), when compiling is on."""
+        (``SMALL_MIN_ELEMENTS`` for the kernels that pay off on ``small`` ones), when compiling is on and
+        no warm-up in another thread holds them."""
         least = min(MIN_ELEMENTS, SMALL_MIN_ELEMENTS) if small else MIN_ELEMENTS
-        return x.device.type == "cpu" and x.numel() >= least and self.available()
+        return x.device.type == "cpu" and x.numel() >= least and self.available() and self._mine()
+
+    def hold(self, thread: threading.Thread) -> None:
+        """Until :meth:`release`, only ``thread`` (a warm-up building the kernels) takes them; every other
+        thread runs eager meanwhile, so that no request or job waits on a compile."""
+        self._holder = thread
+
+    def release(self) -> None:
+        self._holder = None
+
+    @property
+    def warming(self) -> bool:
+        """Whether a warm-up holds the kernels (:meth:`hold`)."""
+        return self._holder is not None
+
+    def _mine(self) -> bool:
+        holder = self._holder
+        return holder is None or holder is threading.current_thread()
 
     def call(self, name: str, fn: Callable[..., T], key: tuple[Any, ...], *args: Any,
              options: dict[str, Any] | None = None) -> T | None:
         """``fn(*args)`` compiled (with Inductor ``options`` on top of :data:`INDUCTOR_OPTIONS`), or None when
         compiling is off or failed (the caller runs eager)."""
-        if not self.available() or name in self._exhausted:
+        if not self.available() or name in self._exhausted or not self._mine():
             return None
         key = (*key, torch.get_num_threads())  # Dynamo recompiles when the thread count changes
         try:

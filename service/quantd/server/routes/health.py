@@ -26,11 +26,17 @@ async def healthz() -> dict[str, str]:
                     "status": {"type": "string", "enum": ["ready"]},
                     "checks": {"type": "object", "properties": {
                         "database": {"type": "boolean"}, "storage": {"type": "boolean"},
-                        "workers": {"type": "integer", "description": "workers with a live heartbeat"}}}}},
-                "example": {"status": "ready", "checks": {"database": True, "storage": True, "workers": 1}}}}},
+                        "workers": {"type": "integer", "description": "workers with a live heartbeat"},
+                        "kernels": {"type": "string", "enum": ["compiled", "warming", "eager"], "description": (
+                            "the engine's CPU kernels: compiled; warming (being built in the background, "
+                            "requests run eager meanwhile and never wait on them); or eager (compiling off "
+                            "or unavailable)")}}}}},
+                "example": {"status": "ready", "checks": {"database": True, "storage": True, "workers": 1,
+                                                          "kernels": "compiled"}}}}},
                 **problem_responses(503)})
 async def readyz(state: StateDep) -> JSONResponse:
     checks: dict[str, Any] = await anyio.to_thread.run_sync(state.jobs.ready)
+    checks["kernels"] = kernels_state()
     workers = int(checks.get("workers", 0))
     if checks.get("database") and checks.get("storage") and workers > 0:
         return JSONResponse({"status": "ready", "checks": checks})
@@ -40,6 +46,15 @@ async def readyz(state: StateDep) -> JSONResponse:
     return JSONResponse({"type": "about:blank", "title": "Service Unavailable", "status": 503,
                          "detail": f"not ready: {', '.join(failing)}", "checks": checks},
                         status_code=503, media_type="application/problem+json", headers={"Retry-After": "5"})
+
+
+def kernels_state() -> str:
+    """``compiled``, ``warming`` or ``eager``: see ``/readyz``'s schema."""
+    from quantd.engine.kernels import KERNELS
+
+    if KERNELS.warming:
+        return "warming"
+    return "compiled" if KERNELS.available() else "eager"
 
 
 @router.get("/metrics", summary="Prometheus text exposition", response_class=PlainTextResponse,
