@@ -519,6 +519,36 @@ def engine_section(data: Any) -> str:
     return "\n".join(out)
 
 
+def oneshot_section(data: dict[str, Any]) -> str:
+    """bench/oneshot.py: one-shot CLI runs against the same-run floor and peers, the serve start, a profile."""
+    m = data["machine"]
+    out = [f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}, load average "
+           f"{', '.join(f'{v:.1f}' for v in m['loadavg_1_5_15min'])} at the start. Each cell is a fresh process "
+           f"from start to exit, median of {data['rounds']} interleaved rounds; ×floor = that median over the "
+           "floor's (a process that imports torch, loads the file with safetensors and saves it back).", ""]
+    for model in dict.fromkeys(r["model"] for r in data["runs"]):
+        rows = [r for r in data["runs"] if r["model"] == model]
+        floor = next(r for r in rows if r["what"] == "floor")
+        out += [f"**{model}** ({data['model_bytes'][model] / 1e6:.0f} MB): floor {floor['median_s']:.2f} s", "",
+                table(["scheme", "run", "QUANTD_COMPILE", "median s", "min s", "× floor", "peak RSS MB"],
+                      [[r["scheme"] or "", r["what"], r.get("setting", ""), fmt(r["median_s"], ".2f"),
+                        fmt(r["min_s"], ".2f"), fmt(r["vs_floor"], ".2f"), fmt(r["max_rss_kb"] / 1024, ".0f")]
+                       for r in rows if r["what"] != "floor"]), ""]
+    prof = data.get("profile_minilm")
+    if prof:
+        out += [f"Where one CLI run's time goes (all-MiniLM-L6-v2, {prof['scheme']}, cProfile, "
+                f"{prof['wall_s']:.2f} s wall, {prof['minor_faults']} minor page faults):", "",
+                table(["part", "seconds"], [[k, fmt(v, ".2f")] for k, v in prof["seconds"].items()]), ""]
+    serve = data.get("serve_first_request") or []
+    if serve:
+        out += ["`quantd serve` on a data dir whose kernels an earlier run built: seconds from process start "
+                "(same-run baseline: a process that only imports torch):", "",
+                table(["round", "/readyz 200", "first /v1/quantize answered", "import torch"],
+                      [[str(i + 1), fmt(r["ready_s"], ".2f"), fmt(r["first_quantize_s"], ".2f"),
+                        fmt(r.get("import_torch_s"), ".2f")] for i, r in enumerate(serve)]), ""]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="prefer *_quick.json results (smoke runs)")
@@ -652,6 +682,9 @@ def main(argv: list[str] | None = None) -> int:
     md += ["## The engine (bench/engine.py)", ""]
     md_tail = [REPRODUCE]
     md += [engine_section(engine) if engine is not None else "No `bench/results/engine.json` yet.", ""]
+    oneshot = load("oneshot.json")
+    md += ["## One-shot runs (bench/oneshot.py)", "",
+           oneshot_section(oneshot) if oneshot is not None else "No `bench/results/oneshot.json` yet.", ""]
     md += md_tail
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text("\n".join(md))
