@@ -83,8 +83,8 @@ class Settings(BaseSettings):
         "the next tensors (up to 1 GiB at the heap's top, and the holes below it), instead of each large tensor "
         "being mapped anew (its pages faulted in) and given back"))
     warmup: bool = Field(default=True, description=(
-        "compile the engine's CPU kernels for the common schemes in the background at start, so that the "
-        "first request does not pay for it"))
+        "compile the engine's CPU kernels for the common schemes in the background at start; requests and "
+        "jobs run on the eager path until it ends (never waiting on a compile), and /readyz reports it"))
 
     @field_validator("log_level", mode="before")
     @classmethod
