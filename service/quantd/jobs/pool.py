@@ -11,8 +11,8 @@ from types import FrameType
 
 from .config import JobsConfig, worker_devices
 from .prepared import PreparedRuns
-from .storage import ArtifactStore, LocalStorage
-from .store import JobStore, SQLiteJobStore
+from .storage import ArtifactStore
+from .store import JobStore
 from .worker import QuantizeFn, Worker, default_quantize_fn, owner_is_dead
 
 log = logging.getLogger("quantd.jobs")
@@ -22,12 +22,11 @@ ORPHAN_UPLOAD_AGE_S = 3600.0  # uploads moved in place by a submit whose transac
 
 
 def open_backends(config: JobsConfig) -> tuple[JobStore, ArtifactStore]:
-    """The embedded backends: SQLite at ``data_dir/quantd.db`` and files under ``data_dir``."""
-    storage = LocalStorage(config.data_dir)
-    storage.init()
-    store = SQLiteJobStore(storage.root / "quantd.db")
-    store.init()
-    return store, storage
+    """The backends the config's URLs name: SQLite at ``data_dir/quantd.db`` and files under ``data_dir``
+    by default (see :mod:`quantd.jobs.backends`)."""
+    from .backends import open_backends as open_by_url
+
+    return open_by_url(config)
 
 
 def sweep(config: JobsConfig, store: JobStore, storage: ArtifactStore) -> None:

@@ -8,7 +8,8 @@ import binascii
 import builtins
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,7 +21,7 @@ from .pool import WorkerPool, open_backends
 from .prepared import PreparedRun, PreparedRuns
 from .records import STATUSES, JobRecord
 from .signals import JobSignals
-from .storage import ArtifactStore, StoredUpload, is_job_id
+from .storage import ArtifactStore, LocalStorage, StoredUpload, is_job_id
 from .store import JobStore
 from .worker import QuantizeFn, owner_is_dead
 
@@ -41,6 +42,18 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
     except (ValueError, TypeError, binascii.Error):
         raise InvalidListQuery(f"cursor {cursor[:64]!r} is not one this server issued", field="cursor") from None
     return float(created_at), job_id
+
+
+@dataclass(frozen=True)
+class ArtifactHandle:
+    """A succeeded job's artifact as the HTTP layer serves it: a local ``path``, or ``size`` bytes read by
+    ``read(start, length)`` (an object store's ranged GETs); ``url`` a presigned URL to redirect to instead."""
+
+    sha256: str
+    size: int
+    path: Path | None
+    url: str | None
+    read: Callable[[int, int], Iterator[bytes]]
 
 
 def _input_info(upload: StoredUpload) -> dict[str, Any]:
@@ -66,14 +79,16 @@ class JobService:
         # The device a queued job shows until a worker claims it (and writes its own): this process's first
         # embedded worker's; None when the workers are other processes.
         self._planned_device: str | None = None
+        self._listener: Any = None  # PostgreSQL: LISTEN for other processes' job changes
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start_sync(self) -> None:
         self._store, self._storage = open_backends(self.config)
         storage = self._storage
         self._planned_device = worker_devices(self.config)[0] if self.config.workers != 0 else None
-        # Runs during uploads replace the embedded workers' own pipeline, so only when that is the default.
-        if self.config.workers != 0 and self._quantize_fn is None:
+        # Runs during uploads replace the embedded workers' own pipeline, so only when that is the default
+        # (and on local files: they read the upload where it is being written).
+        if self.config.workers != 0 and self._quantize_fn is None and isinstance(storage, LocalStorage):
             devices = worker_devices(self.config)
             overlap = self.config.quantize_during_upload
             if overlap is None:
@@ -88,8 +103,17 @@ class JobService:
                                 workers=self.config.workers != 0, on_change=self._signals.notify,
                                 prepared=self._prepared)
         self._pool.start()
+        conninfo = getattr(self._store, "conninfo", None)
+        if conninfo is not None:  # other replicas' and hosts' workers wake this one's event streams at once
+            from .backends.postgres import JobListener
+
+            self._listener = JobListener(conninfo, self._signals.notify)
+            self._listener.start()
 
     def stop_sync(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
         if self._pool is not None:  # first: jobs running on adopted runs see the shutdown and stop
             self._pool.stop()
         if self._prepared is not None:
@@ -267,6 +291,21 @@ class JobService:
             if not path.is_file() or rec.result is None:
                 raise JobExpired(f"the artifact of job {job_id} is gone")
             return path, str(rec.result["artifact_sha256"])
+
+        return await self._run(find)
+
+    async def artifact(self, tenant: str, job_id: str, *, filename: str) -> ArtifactHandle:
+        """The artifact wherever the file store keeps it (see :class:`ArtifactHandle`); JobNotReady (409)
+        until succeeded, JobExpired (410) once deleted."""
+        def find() -> ArtifactHandle:
+            rec = self._succeeded(tenant, job_id)
+            storage = self.storage
+            size = storage.artifact_info(job_id)
+            if size is None or rec.result is None:
+                raise JobExpired(f"the artifact of job {job_id} is gone")
+            return ArtifactHandle(sha256=str(rec.result["artifact_sha256"]), size=size,
+                                  path=storage.local_artifact(job_id), url=storage.artifact_url(job_id, filename),
+                                  read=lambda start, length: storage.read_artifact(job_id, start, length))
 
         return await self._run(find)
 

@@ -247,14 +247,29 @@ class Worker:
 
     def _quantize(self, job: JobRecord, tmp: Path, lease: _Lease) -> Report | dict[str, str] | None:
         """The pipeline's Report; an error dict when the job fails; None when interrupted."""
+        staged: list[Path] = []  # local copies of the job's files (an object store's), removed at the end
+        try:
+            src = self.storage.stage_upload(job.id, "input")
+            if src is None:
+                return _error("urn:quantd:storage-error", "Storage error", f"the upload of job {job.id} is gone")
+            staged.append(src)
+            extra: dict[str, Any] = {}
+            if job.calibration is not None:
+                calibration = self.storage.stage_upload(job.id, "calibration")
+                if calibration is None:
+                    return _error("urn:quantd:storage-error", "Storage error",
+                                  f"the calibration file of job {job.id} is gone")
+                staged.append(calibration)
+                extra["calibration"] = calibration
+            return self._run_pipeline(job, src, tmp, lease, extra)
+        finally:
+            for path in staged:
+                self.storage.unstage(path)
+
+    def _run_pipeline(self, job: JobRecord, src: Path, tmp: Path, lease: _Lease,
+                      extra: dict[str, Any]) -> Report | dict[str, str] | None:
         import torch
 
-        src = self.storage.upload_path(job.id, "input")
-        if not src.is_file():
-            return _error("urn:quantd:storage-error", "Storage error", f"the upload of job {job.id} is gone")
-        extra: dict[str, Any] = {}
-        if job.calibration is not None:
-            extra["calibration"] = self.storage.upload_path(job.id, "calibration")
         run = self.prepared.pop(job.id) if self.prepared is not None else None
         try:
             if run is not None:  # quantized while its upload streamed in: the rest, then its artifact

@@ -7,8 +7,9 @@ import logging
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
+from starlette.concurrency import iterate_in_threadpool
 
 from quantd.errors import naming
 from quantd.jobs.errors import IdempotencyConflict, InvalidListQuery
@@ -16,7 +17,7 @@ from quantd_client import Job, JobList, QuantConfig, Report
 from quantd_client._schemas import JobStatus
 
 from ..deps import AppState, StateDep, TenantDep
-from ..files import file_response
+from ..files import file_response, ranged_response
 from ..problems import ProblemException, problem_responses
 from ..sse import sse_stream
 from ..uploads import UploadedFile, receive_multipart
@@ -177,9 +178,15 @@ async def job_artifact_head(job_id: str, request: Request, state: StateDep, tena
             response_class=Response, openapi_extra=_ARTIFACT_HEADERS,
             responses={200: ARTIFACT_200, 206: ARTIFACT_206, 304: _ARTIFACT_304, **_ARTIFACT_ERRORS})
 async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
-    path, sha = await state.jobs.artifact_path(tenant, job_id)
+    filename = f"{job_id}.quantd.safetensors"
+    art = await state.jobs.artifact(tenant, job_id, filename=filename)
+    if art.url is not None:  # QUANTD_STORAGE_PRESIGN: the client fetches it from the object store itself
+        return RedirectResponse(art.url, status_code=307, headers={"ETag": f'"{art.sha256}"'})
     try:
-        return file_response(request, path, etag_hex=sha, filename=f"{job_id}.quantd.safetensors")
+        if art.path is not None:
+            return file_response(request, art.path, etag_hex=art.sha256, filename=filename)
+        return ranged_response(request, art.size, lambda start, length: iterate_in_threadpool(art.read(start, length)),
+                               etag_hex=art.sha256, filename=filename)
     except FileNotFoundError:  # deleted (TTL sweep, DELETE) since the job layer looked
         raise ProblemException(410, f"the artifact of job {job_id!r} is gone", title="Job files expired",
                                type_="urn:quantd:job-expired") from None
