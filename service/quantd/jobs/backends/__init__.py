@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,7 +44,7 @@ def file_store(*schemes: str) -> Callable[[FileStoreFactory], FileStoreFactory]:
     return register
 
 
-def _scheme(url: str, known: dict[str, object], setting: str) -> str:
+def _scheme(url: str, known: Mapping[str, object], setting: str) -> str:
     scheme, sep, _ = url.partition("://")
     if not sep or scheme not in known:
         raise StorageError(f"{setting}: {url.split('@')[-1][:120]!r} is not one of "

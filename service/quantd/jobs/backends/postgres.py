@@ -99,7 +99,7 @@ def upgrade(conninfo: str) -> list[int]:
         for version, description, sql in MIGRATIONS:
             if version in done:
                 continue
-            conn.execute(sql)  # type: ignore[arg-type]  # constant DDL from this module
+            conn.execute(sql)  # constant DDL from this module
             conn.execute("INSERT INTO quantd_schema (version, description) VALUES (%s, %s)", (version, description))
             applied.append(version)
             log.info("database migration %d applied: %s", version, description)
@@ -164,7 +164,7 @@ class PostgresJobStore:
 
     def _read(self, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         with self._conn() as conn:
-            return conn.execute(sql, self._p(**(params or {}))).fetchall()  # type: ignore[arg-type]
+            return conn.execute(sql, self._p(**(params or {}))).fetchall()
 
     def init(self) -> None:
         """Apply pending migrations (safe with several processes starting at once: they take turns) or, with
@@ -185,7 +185,7 @@ class PostgresJobStore:
 
     def ping(self) -> bool:
         try:
-            return self._read("SELECT 1 AS one")[0]["one"] == 1
+            return bool(self._read("SELECT 1 AS one")[0]["one"] == 1)
         except psycopg.Error:
             return False
 
