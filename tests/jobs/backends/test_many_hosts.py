@@ -167,18 +167,17 @@ async def test_fifty_jobs_at_once_through_both_replicas(cluster: Cluster, http: 
     assert all(r.attempts == 1 for r in recs.values())
     runs = cluster.runs()
     assert all(runs[i] == 1 for i in ids)  # none ran twice
-    owners = {r.device for r in recs.values()}
-    assert owners == {"cpu"}
+    assert {r.device for r in recs.values()} == {"cpu"}
     # Either replica serves any job's artifact.
-    for i, (_, url) in zip(ids[:2], cluster.apis):
+    for i, (_, url) in zip(ids[:2], cluster.apis, strict=True):
         r = await http.get(f"{url}/v1/jobs/{i}/artifact", headers={"Range": "bytes=0-7"})
         assert r.status_code == 206 and len(r.content) == 8
 
 
 async def test_sigkill_of_a_worker_mid_job_and_a_replica_mid_upload(cluster: Cluster,
                                                                      http: httpx.AsyncClient) -> None:
-    (api0, url0), (api1, url1) = cluster.apis[:2]
-    before = [j["id"] for url in (url0,) for j in (await http.get(url + "/v1/jobs?limit=100")).json()["items"]]
+    (_, url0), (api1, url1) = cluster.apis[:2]
+    before = [j["id"] for j in (await http.get(url0 + "/v1/jobs?limit=100")).json()["items"]]
     ids = [(await submit(http, url0, model(100 + i, tensors=6), f"slow{i}.safetensors"))["id"] for i in range(4)]
     store = PostgresJobStore(cluster.db_url, migrate=False)
     victim = cluster.workers[0]
