@@ -11,6 +11,7 @@ from types import FrameType
 
 from .config import JobsConfig, worker_devices
 from .prepared import PreparedRuns
+from .references import References
 from .storage import ArtifactStore
 from .store import JobStore
 from .worker import QuantizeFn, Worker, default_quantize_fn, owner_is_dead
@@ -58,11 +59,12 @@ class WorkerPool:
         self.workers: list[Worker] = []
         if workers:
             fn = quantize_fn or default_quantize_fn()
+            references = References.for_storage(storage, config.s3_endpoint_url)
             self.workers = [
                 Worker(i, device, store=store, storage=storage, quantize_fn=fn, lease_s=config.lease_s,
                        heartbeat_s=config.heartbeat_s, poll_s=config.poll_s,
                        progress_write_s=config.progress_write_s, wake=self.wake, stop=self.stop_event,
-                       on_change=on_change, prepared=prepared)
+                       on_change=on_change, prepared=prepared, references=references)
                 for i, device in enumerate(worker_devices(config))
             ]
         self.prepared = prepared

@@ -20,6 +20,7 @@ from .errors import IdempotencyConflict, InvalidListQuery, JobExpired, JobNotFou
 from .pool import WorkerPool, open_backends
 from .prepared import PreparedRun, PreparedRuns
 from .records import STATUSES, JobRecord
+from .references import References, check_access
 from .signals import JobSignals
 from .storage import ArtifactStore, LocalStorage, StoredUpload, is_job_id
 from .store import JobStore
@@ -80,6 +81,7 @@ class JobService:
         # embedded worker's; None when the workers are other processes.
         self._planned_device: str | None = None
         self._listener: Any = None  # PostgreSQL: LISTEN for other processes' job changes
+        self._references: References | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start_sync(self) -> None:
@@ -209,6 +211,59 @@ class JobService:
         if created and self._pool is not None:
             self._pool.wake.set()
         return rec.to_job()
+
+    async def submit_reference(self, *, tenant: str, source: str, destination: str | None, config: QuantConfig,
+                               max_bytes: int, idempotency_key: str | None = None) -> Job:
+        """Persist a job that reads ``source`` (an ``s3://`` model file) and writes its artifact to
+        ``destination`` too. SourceForbidden (403) before anything is fetched unless both are under the
+        tenant's allowed prefixes; the object's header is read and the config planned against it (415/422)
+        before the job is accepted, as for an upload."""
+        return await self._run(self._submit_reference, tenant, source, destination, config, max_bytes,
+                               idempotency_key)
+
+    def _submit_reference(self, tenant: str, source: str, destination: str | None, config: QuantConfig,
+                          max_bytes: int, idempotency_key: str | None) -> Job:
+        from quantd import io
+
+        rules = self.config.source_prefixes
+        loc = check_access(rules, tenant, source, field="source")
+        if destination is not None:
+            check_access(rules, tenant, destination, field="destination")
+        obj = self.references.head(loc, max_bytes=max_bytes)
+        filename = loc.key.rsplit("/", 1)[-1]
+        sample = self.storage.new_tmp_path(prefix="source")
+        try:
+            self.references.sample(obj, sample)
+            fmt, tensors = io.detect_format(sample), 0
+            if fmt == "safetensors":  # the whole header is in the sample: the same checks as an upload's
+                with io.open_model(sample, filename=filename) as reader:
+                    infos = list(reader.tensors)
+                io.plan(infos, config)
+                tensors = len(infos)
+        finally:
+            self.storage.discard(sample)
+        job_id = uuid.uuid4().hex
+        config_json = config.model_dump(mode="json", exclude_unset=True)
+        info = {"filename": filename, "bytes": obj.bytes, "sha256": "", "format": fmt, "tensors": tensors,
+                "source": loc.url, "etag": obj.etag, "destination": destination}
+        rec, created = self.store.insert(
+            job_id=job_id, tenant=tenant, config=config_json, input=info, calibration=None,
+            idempotency_key=idempotency_key, max_attempts=self.config.max_attempts,
+            max_queue=self.config.max_queue, retry_after=self.config.queue_full_retry_after_s,
+            before_commit=lambda: None, device=self._planned_device, progress={"tensors_total": tensors})
+        if not created and ((rec.input.get("source"), rec.input.get("etag"), rec.input.get("destination"))
+                            != (loc.url, obj.etag, destination) or rec.config != config_json):
+            raise IdempotencyConflict(f"idempotency key {idempotency_key!r} was used for job {rec.id} "
+                                      "with a different source, destination or config", field="idempotency_key")
+        if created and self._pool is not None:
+            self._pool.wake.set()
+        return rec.to_job()
+
+    @property
+    def references(self) -> References:
+        if self._references is None:
+            self._references = References.for_storage(self.storage, self.config.s3_endpoint_url)
+        return self._references
 
     # -- reads -------------------------------------------------------------------------------
     def _record(self, tenant: str, job_id: str) -> JobRecord:

@@ -28,6 +28,7 @@ from quantd_client import Progress, QuantConfig, Report
 
 from .prepared import PreparedRun, PreparedRuns
 from .records import JobRecord
+from .references import References, destination_key
 from .storage import ArtifactStore
 from .store import JobStore
 
@@ -153,7 +154,8 @@ class Worker:
     def __init__(self, index: int, device: str, *, store: JobStore, storage: ArtifactStore,
                  quantize_fn: QuantizeFn, lease_s: float, heartbeat_s: float, poll_s: float,
                  progress_write_s: float, wake: threading.Event, stop: threading.Event,
-                 on_change: Callable[[str], None] | None = None, prepared: PreparedRuns | None = None) -> None:
+                 on_change: Callable[[str], None] | None = None, prepared: PreparedRuns | None = None,
+                 references: References | None = None) -> None:
         self.id = new_worker_id(index)
         self.prepared = prepared
         self.may_claim: Callable[[Worker], bool] = lambda worker: True  # set by the pool
@@ -164,6 +166,8 @@ class Worker:
         self.progress_write_s = progress_write_s
         self.wake, self.stop = wake, stop
         self.busy_job: str | None = None
+        self.references = references or References()
+        self._discard_after: list[Path] = []  # scratch copies of a job's source
         self._thread = threading.Thread(target=self._loop, name=f"quantd-worker-{index}", daemon=True)
 
     def start(self) -> None:
@@ -232,6 +236,9 @@ class Worker:
                       "summary": report.summary.model_dump(mode="json")}
 
             def install() -> None:  # only while the lease is held (store.complete): the files are the job's
+                destination = job.input.get("destination")
+                if destination is not None:
+                    self.references.put(tmp, destination_key(destination, str(job.input.get("source", ""))))
                 self.storage.install_artifact(tmp, job.id)
                 self.storage.install_report(report_tmp, job.id)
 
@@ -249,7 +256,19 @@ class Worker:
         """The pipeline's Report; an error dict when the job fails; None when interrupted."""
         staged: list[Path] = []  # local copies of the job's files (an object store's), removed at the end
         try:
-            src = self.storage.stage_upload(job.id, "input")
+            source = job.input.get("source")
+            if source is not None:  # a job by reference: its object, as it was when the job was accepted
+                src = self.storage.new_tmp_path(prefix="source")
+                try:
+                    self.references.stage(source, job.input.get("etag", ""), src)
+                except Exception as e:
+                    self.storage.discard(src)
+                    return _error("urn:quantd:source-invalid", "Source cannot be read",
+                                  f"source {source!r} could not be read (changed or deleted since the job was "
+                                  f"accepted?): {type(e).__name__}: {e}")
+                self._discard_after.append(src)
+            else:
+                src = self.storage.stage_upload(job.id, "input")
             if src is None:
                 return _error("urn:quantd:storage-error", "Storage error", f"the upload of job {job.id} is gone")
             staged.append(src)
@@ -265,6 +284,8 @@ class Worker:
         finally:
             for path in staged:
                 self.storage.unstage(path)
+            while self._discard_after:
+                self.storage.discard(self._discard_after.pop())
 
     def _run_pipeline(self, job: JobRecord, src: Path, tmp: Path, lease: _Lease,
                       extra: dict[str, Any]) -> Report | dict[str, str] | None:

@@ -12,13 +12,13 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import iterate_in_threadpool
 
 from quantd.errors import naming
-from quantd.jobs.errors import IdempotencyConflict, InvalidListQuery
+from quantd.jobs.errors import IdempotencyConflict, InvalidListQuery, SourceForbidden
 from quantd_client import Job, JobList, QuantConfig, Report
-from quantd_client._schemas import JobStatus
+from quantd_client._schemas import JobByReference, JobStatus
 
 from ..deps import AppState, StateDep, TenantDep
 from ..files import file_response, ranged_response
-from ..problems import ProblemException, problem_responses
+from ..problems import ProblemException, problem_responses, validation_errors
 from ..sse import sse_stream
 from ..uploads import UploadedFile, receive_multipart
 from ._docs import (
@@ -104,19 +104,48 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             state.jobs.discard_prepared(run)
 
 
+_BY_REFERENCE = TypeAdapter(JobByReference)
+_MAX_JSON_BYTES = 256 * 1024
+
+
+async def _accept_reference(request: Request, state: AppState, tenant: str, idempotency_key: str | None) -> Job:
+    """A JSON body naming its data (CONTRACT §11): 403 outside the tenant's prefixes, before any fetch."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > _MAX_JSON_BYTES:
+            raise ProblemException(413, f"a JSON job body is at most {_MAX_JSON_BYTES} bytes",
+                                   title="Payload too large", type_="urn:quantd:too-large")
+    try:
+        spec = _BY_REFERENCE.validate_json(bytes(body))
+    except ValidationError as e:
+        errs = validation_errors(e.errors(include_url=False), prefix=("body",))
+        first = errs[0] if errs else {"loc": ["body"], "msg": "invalid"}
+        raise ProblemException(422, f"{'.'.join(str(p) for p in first['loc'][1:])}: {first['msg']}",
+                               title="Validation failed", type_="urn:quantd:validation-error", errors=errs) from None
+    return await state.jobs.submit_reference(tenant=tenant, source=spec.source, destination=spec.destination,
+                                             config=spec.config, max_bytes=state.settings.max_upload_bytes,
+                                             idempotency_key=idempotency_key)
+
+
 @router.post("", status_code=202, response_model=Job, openapi_extra=JOB_BODY,
              summary="Submit a quantization job (streamed upload); 202 with Location",
              responses={202: {**json_example("Accepted: the job is persisted and queued", JOB_EXAMPLE),
                               "headers": {"Location": {"schema": {"type": "string"},
                                                        "description": "/v1/jobs/{id}"}}},
-                        **UPLOAD_ERRORS, **problem_responses(409, 429, examples={
-                            IdempotencyConflict: "Idempotency-Key 'k1' was used for another input or config"})})
+                        **UPLOAD_ERRORS, **problem_responses(403, 409, 429, examples={
+                            IdempotencyConflict: "Idempotency-Key 'k1' was used for another input or config",
+                            SourceForbidden: "source 's3://other/x.safetensors': it is not under an allowed prefix "
+                                             "(QUANTD_SOURCE_PREFIXES)"})})
 async def submit_job(
     request: Request, state: StateDep, tenant: TenantDep,
     idempotency_key: Annotated[str | None, Header(max_length=_IDEM_MAX,
                                                   description="same key + same input → the same job")] = None,
 ) -> JSONResponse:
-    job = await _accept(request, state, tenant, idempotency_key)
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
+        job = await _accept_reference(request, state, tenant, idempotency_key)
+    else:
+        job = await _accept(request, state, tenant, idempotency_key)
     return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
 
 
