@@ -64,9 +64,10 @@ class Postgres:
 
 
 @contextlib.contextmanager
-def postgres() -> Iterator[Postgres]:
+def postgres(*, fsync: bool = False) -> Iterator[Postgres]:
     """A PostgreSQL cluster on a free 127.0.0.1 port with trust authentication for user ``postgres``; as root
-    the server runs as the ``postgres`` system user (it refuses to run as root)."""
+    the server runs as the ``postgres`` system user (it refuses to run as root). ``fsync`` off (tests): commits
+    are not flushed to disk, which a throwaway cluster does not need."""
     bin_ = _pg_bin()
     as_user: list[str] = []
     root = Path(tempfile.mkdtemp(prefix="quantd-pg-"))
@@ -89,8 +90,8 @@ def postgres() -> Iterator[Postgres]:
                                "-E", "UTF8", "--no-sync"], capture_output=True, text=True, timeout=120)
         if init.returncode != 0:
             raise Unavailable(f"initdb failed: {init.stderr.strip()[-400:]}")
-        opts = (f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off"
-                " -c full_page_writes=off -c max_connections=200")
+        durability = "" if fsync else " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+        opts = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c max_connections=200{durability}"
         start = subprocess.run([*as_user, str(bin_ / "pg_ctl"), "-D", str(data), "-o", opts, "-l",
                                 str(root / "log"), "-w", "-t", "60", "start"], capture_output=True, text=True,
                                timeout=90)
