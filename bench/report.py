@@ -519,6 +519,30 @@ def engine_section(data: Any) -> str:
     return "\n".join(out)
 
 
+# -- the job queue (bench/job_queue.py) -------------------------------------------------------------------
+
+
+def queue_section(data: dict[str, Any] | None) -> list[str]:
+    """Jobs per minute and submit→succeeded latency by job store and worker count, from one run."""
+    out = ["## The job queue: SQLite against PostgreSQL (bench/job_queue.py)", ""]
+    if not data:
+        return [*out, "No `bench/results/queue.json` yet: run `python bench/job_queue.py`.", ""]
+    m = data["machine"]
+    out += [f"{data['jobs_per_cell']} small models submitted at once per cell, each followed through `/events` "
+            f"until `succeeded`; medians of {data['rounds']} interleaved rounds; {m['cores']} cores ({m['cpu']}), "
+            f"{m['date']}, load average {m['loadavg_1_5_15min'][0]:.1f} at the end. *copy*: the queue alone (the "
+            "input copied as the artifact); *real*: quantd's int8 pipeline "
+            f"({data['quantize_ms']:.0f} ms a model alone, same run). Ratio: PostgreSQL's jobs/min over SQLite's "
+            "at the same worker count, same run.", ""]
+    rows = [[r["pipeline"], str(r["workers"]), r["backend"], fmt(r["jobs_per_min"], ".0f"), fmt(r["p50_ms"], ".0f"),
+             fmt(r["p95_ms"], ".0f"), fmt(r.get("throughput_vs_sqlite"), ".2f")]
+            for r in sorted(data["summary"], key=lambda r: (r["pipeline"], r["workers"], r["backend"]))]
+    out += [table(["pipeline", "workers", "job store", "jobs/min", "p50 ms", "p95 ms", "vs SQLite"], rows), ""]
+    for backend, why in (data.get("skipped") or {}).items():
+        out += [f"{backend}: not run ({why}).", ""]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="prefer *_quick.json results (smoke runs)")
@@ -649,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
                    "separate the disk from the service's own cost:", "", service_section(tmpfs), ""]
     else:
         md += ["No `bench/results/service.json` yet: run `python bench/service.py`.", ""]
+    md += queue_section(load("queue.json"))
     md += ["## The engine (bench/engine.py)", ""]
     md_tail = [REPRODUCE]
     md += [engine_section(engine) if engine is not None else "No `bench/results/engine.json` yet.", ""]
