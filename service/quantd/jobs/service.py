@@ -22,7 +22,7 @@ from .prepared import PreparedRun, PreparedRuns
 from .records import STATUSES, JobRecord
 from .references import References, check_access
 from .signals import JobSignals
-from .storage import ArtifactStore, LocalStorage, StoredUpload, is_job_id
+from .storage import ArtifactStore, FileSinkLike, LocalStorage, StoredUpload, is_job_id
 from .store import JobStore
 from .worker import QuantizeFn, owner_is_dead
 
@@ -156,23 +156,44 @@ class JobService:
         Thread-safe. Pass the run to :meth:`submit`, or ``discard_prepared`` it if there is no submit."""
         return None if self._prepared is None else self._prepared.start(upload, config, size_bound=size_bound)
 
+    @staticmethod
+    def new_job_id() -> str:
+        """An id for a job whose upload is stored while it streams in (:meth:`stream_upload`), before
+        :meth:`submit` (given the same ``job_id``) creates it."""
+        return uuid.uuid4().hex
+
+    def stream_upload(self, path: Path, job_id: str, kind: str) -> FileSinkLike | None:
+        """A sink that stores the upload being written at ``path`` in the file store while it streams (an
+        object store's multipart upload), or None where the file store keeps it where it is written.
+        Thread-safe. The upload is the job's once :meth:`submit` adopts it; :meth:`discard_upload` otherwise."""
+        if kind not in ("input", "calibration") or not is_job_id(job_id):
+            raise ValueError(f"{kind!r} / {job_id!r}")
+        return self.storage.stream_upload(path, job_id, "input" if kind == "input" else "calibration")
+
+    def discard_upload(self, path: Path) -> None:
+        """An upload no job took: its file, and whatever the file store received of it (thread-safe, idempotent)."""
+        self.storage.discard(path)
+
     def discard_prepared(self, run: PreparedRun) -> None:
         if self._prepared is not None:
             self._prepared.discard(run)
 
     async def submit(self, *, tenant: str, upload: StoredUpload, config: QuantConfig,
                      calibration: StoredUpload | None = None, idempotency_key: str | None = None,
-                     prepared: PreparedRun | None = None) -> Job:
+                     prepared: PreparedRun | None = None, job_id: str | None = None) -> Job:
         """Persist a queued job (committed before this returns) and wake a worker. Takes ownership
         of the upload files: moved under ``uploads/`` or deleted, and of ``prepared`` (a run of
         :meth:`prepare` over this upload): the job's worker adopts it, or it is discarded. An upload
         outside ``data_dir`` is refused (StorageError) and left alone."""
-        return await self._run(self._submit, tenant, upload, config, calibration, idempotency_key, prepared)
+        return await self._run(self._submit, tenant, upload, config, calibration, idempotency_key, prepared,
+                               job_id)
 
     def _submit(self, tenant: str, upload: StoredUpload, config: QuantConfig,
                 calibration: StoredUpload | None, idempotency_key: str | None,
-                prepared: PreparedRun | None = None) -> Job:
-        job_id, storage = uuid.uuid4().hex, self.storage
+                prepared: PreparedRun | None = None, job_id: str | None = None) -> Job:
+        if job_id is not None and not is_job_id(job_id):
+            raise ValueError(f"{job_id!r} is not a job id")
+        job_id, storage = job_id or uuid.uuid4().hex, self.storage
         config_json = config.model_dump(mode="json", exclude_unset=True)
         runs = self._prepared
         if prepared is not None and runs is not None:

@@ -59,6 +59,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+class FileSinkLike(Protocol):
+    """Told how far an upload has been written while it streams (``quantd.server.uploads.FileSink``)."""
+
+    def advance(self, nbytes: int) -> None: ...
+    def complete(self) -> None: ...
+    def abort(self) -> None: ...
+
+
 class ArtifactStore(Protocol):
     """The file side of the job layer. An object-store backend implements the same calls."""
 
@@ -87,6 +95,7 @@ class ArtifactStore(Protocol):
     def artifact_info(self, job_id: str) -> int | None: ...
     def read_artifact(self, job_id: str, start: int, length: int) -> Iterator[bytes]: ...
     def artifact_url(self, job_id: str, filename: str) -> str | None: ...
+    def stream_upload(self, path: Path, job_id: str, kind: UploadKind) -> FileSinkLike | None: ...
 
 
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -301,4 +310,8 @@ class LocalStorage:
                 yield chunk
 
     def artifact_url(self, job_id: str, filename: str) -> str | None:
+        return None
+
+    def stream_upload(self, path: Path, job_id: str, kind: UploadKind) -> FileSinkLike | None:
+        """None: an upload is stored where it is written (see :meth:`adopt_upload`)."""
         return None

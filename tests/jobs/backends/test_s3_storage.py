@@ -112,3 +112,64 @@ def test_keys_are_built_from_job_ids_only(storage: S3Storage) -> None:
             storage.artifact_key(bad)
         with pytest.raises(StorageError):
             storage.stage_upload(bad, "input")
+
+
+def test_an_upload_streams_to_the_bucket_while_it_is_written(storage: S3Storage) -> None:
+    """Parts go out as the file grows (before it is complete); adopt finds the object in place."""
+    path = storage.new_tmp_path()
+    chunk = os.urandom(PART_BYTES // 2)
+    sink = storage.stream_upload(path, ID, "input")
+    written = 0
+    with open(path, "wb") as f:
+        for i in range(5):  # 2.5 parts
+            f.write(chunk)
+            f.flush()
+            written += len(chunk)
+            sink.advance(written)
+            if i == 3:  # two whole parts written: the first is in flight or sent, nothing is complete yet
+                uploads = wait_for_upload(storage)
+                assert uploads and uploads[0]["Key"] == f"q/jobs/uploads/{ID}.input"
+                assert storage.list_keys() == []
+    sink.complete()
+    storage.adopt_upload(path, ID, "input")
+    assert not path.exists()
+    staged = storage.stage_upload(ID, "input")
+    assert staged is not None and staged.read_bytes() == chunk * 5
+    assert storage.client.list_multipart_uploads(Bucket=storage.bucket).get("Uploads", []) == []
+
+
+def wait_for_upload(storage: S3Storage) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 30
+    while not (ups := storage.client.list_multipart_uploads(Bucket=storage.bucket).get("Uploads", [])):
+        assert time.monotonic() < deadline, "no multipart upload began"
+        time.sleep(0.02)
+    return list(ups)
+
+
+def test_a_streamed_upload_no_job_takes_is_removed(storage: S3Storage) -> None:
+    small, big = storage.new_tmp_path(), storage.new_tmp_path()
+    other = uuid.uuid4().hex
+    write(small, 1000)
+    data = write(big, PART_BYTES + 10)
+    for path, job_id in ((small, ID), (big, other)):
+        sink = storage.stream_upload(path, job_id, "input")
+        sink.advance(path.stat().st_size)
+        sink.complete()
+        assert sink.wait(30)
+    assert sorted(storage.list_keys()) == sorted([f"q/jobs/uploads/{ID}.input", f"q/jobs/uploads/{other}.input"])
+    assert b"".join(storage.read_range(storage.bucket, f"q/jobs/uploads/{other}.input", 0, len(data))) == data
+    storage.discard(small)  # e.g. the upload failed its checks, or an idempotent replay
+    storage.discard(big)
+    assert storage.list_keys() == [] and not small.exists() and not big.exists()
+
+
+def test_an_aborted_stream_leaves_nothing(storage: S3Storage) -> None:
+    path = storage.new_tmp_path()
+    write(path, 2 * PART_BYTES)
+    sink = storage.stream_upload(path, ID, "input")
+    sink.advance(2 * PART_BYTES)  # two parts' worth, the body not complete
+    wait_for_upload(storage)
+    sink.abort()  # the client went away
+    assert not sink.wait(30)
+    assert storage.client.list_multipart_uploads(Bucket=storage.bucket).get("Uploads", []) == []
+    assert storage.list_keys() == []

@@ -10,8 +10,10 @@ file's size. Artifacts are served from any replica by byte range (or a presigned
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -86,6 +88,94 @@ def _missing(error: Exception) -> bool:
         "404", "NoSuchKey", "NotFound")
 
 
+class StreamingUpload:
+    """An upload sent to the bucket while the request still streams in (the ``FileSink`` the upload parser
+    tells how far the file is written): a thread reads each PART_BYTES of the file from scratch once it is
+    written and sends it as a part of a multipart upload, so at most one part is held in memory and the object
+    is complete moments after the body. A file smaller than a part is one PUT at the end. Any failure or an
+    abort aborts the multipart upload; :meth:`wait` says whether the object was stored."""
+
+    def __init__(self, client: Any, path: Path, bucket: str, key: str) -> None:
+        self.client, self.path, self.bucket, self.key = client, path, bucket, key
+        self.error: BaseException | None = None
+        self.stored = False
+        self._written = self._sent = 0
+        self._done = self._aborted = False
+        self._parts: list[dict[str, Any]] = []
+        self._upload_id: str | None = None
+        self._cond = threading.Condition()
+        self._finished = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="quantd-s3-upload", daemon=True)
+        self._thread.start()
+
+    # -- FileSink ------------------------------------------------------------------------------
+    def advance(self, nbytes: int) -> None:
+        with self._cond:
+            self._written = nbytes
+            self._cond.notify()
+
+    def complete(self) -> None:
+        with self._cond:
+            self._done = True
+            self._cond.notify()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the object was stored, once the thread has finished (False on timeout)."""
+        return self._finished.wait(timeout) and self.stored
+
+    # -- the sender ------------------------------------------------------------------------------
+    def _next(self) -> tuple[int, bool] | None:
+        """The size of the next part to send and whether it is the last; None when aborted."""
+        with self._cond:
+            while not self._aborted and not self._done and self._written - self._sent < PART_BYTES:
+                self._cond.wait()
+            if self._aborted:
+                return None
+            n = min(self._written - self._sent, PART_BYTES)
+            return n, self._done and self._sent + n == self._written
+
+    def _run(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                while (step := self._next()) is not None:
+                    n, last = step
+                    f.seek(self._sent)
+                    data = f.read(n)
+                    if len(data) != n:
+                        raise OSError(f"read {len(data)} of {n} bytes of {self.path.name}")
+                    if last and self._upload_id is None:  # the whole file fits in one part: one PUT
+                        self.client.put_object(Bucket=self.bucket, Key=self.key, Body=data)
+                        self.stored = True
+                        return
+                    if self._upload_id is None:
+                        self._upload_id = self.client.create_multipart_upload(Bucket=self.bucket,
+                                                                              Key=self.key)["UploadId"]
+                    number = len(self._parts) + 1
+                    etag = self.client.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                                                   PartNumber=number, Body=data)["ETag"]
+                    self._parts.append({"PartNumber": number, "ETag": etag})
+                    self._sent += n
+                    if last:
+                        self.client.complete_multipart_upload(Bucket=self.bucket, Key=self.key,
+                                                              UploadId=self._upload_id,
+                                                              MultipartUpload={"Parts": self._parts})
+                        self.stored = True
+                        return
+        except BaseException as e:  # the caller falls back to sending the file whole
+            self.error = e
+            log.warning("streaming upload to s3://%s/%s failed: %s", self.bucket, self.key, e)
+        finally:
+            if not self.stored and self._upload_id is not None:
+                with contextlib.suppress(Exception):
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id)
+            self._finished.set()
+
+
 class S3Storage:
     """The ``ArtifactStore`` protocol over one bucket prefix, with ``scratch`` (a :class:`LocalStorage` under
     the data dir) for the files a process holds while it works on them."""
@@ -102,6 +192,8 @@ class S3Storage:
         self.scratch = LocalStorage(scratch_dir)
         self.tmp = self.scratch.tmp
         self._transfer = transfer_config()
+        self._streams: dict[Path, StreamingUpload] = {}
+        self._streams_lock = threading.Lock()
 
     # -- keys -----------------------------------------------------------------------------------
     def _key(self, folder: str, job_id: str, suffix: str) -> str:
@@ -161,13 +253,43 @@ class S3Storage:
     def new_tmp_path(self, suffix: str = "", *, prefix: str = "upload") -> Path:
         return self.scratch.new_tmp_path(suffix, prefix=prefix)
 
+    def stream_upload(self, path: Path, job_id: str, kind: UploadKind) -> StreamingUpload:
+        """Start sending the upload being written at ``path`` (on scratch) to the job's key while it streams;
+        :meth:`adopt_upload` then finds it stored, and :meth:`discard` removes it if no job takes it."""
+        path = self.scratch.inside(path)
+        sink = StreamingUpload(self.client, path, self.bucket, self.upload_key(job_id, kind))
+        with self._streams_lock:
+            self._streams[path] = sink
+        return sink
+
+    def _pop_stream(self, path: Path) -> StreamingUpload | None:
+        with self._streams_lock:
+            return self._streams.pop(Path(path).resolve(), None)
+
     def adopt_upload(self, src: Path, job_id: str, kind: UploadKind) -> None:
-        """The upload on scratch, streamed to the bucket; the job row that points at it is committed after."""
+        """The upload in the bucket under the job's key (already there when it was streamed during the request;
+        else sent now as a multipart transfer), its scratch copy removed; the job row is committed after."""
         src = self.scratch.inside(src)
-        self.put_file(src, self.bucket, self.upload_key(job_id, kind))
+        key = self.upload_key(job_id, kind)
+        sink = self._pop_stream(src)
+        if sink is not None and not (sink.key == key and sink.wait()):
+            sink.abort()
+            sink.wait()
+            if sink.stored and sink.key != key:
+                self.client.delete_object(Bucket=self.bucket, Key=sink.key)
+            sink = None
+        if sink is None:
+            self.put_file(src, self.bucket, key)
         src.unlink(missing_ok=True)
 
     def discard(self, path: Path) -> None:
+        """A leftover upload: its scratch file, and the object it was being streamed to if no job took it."""
+        sink = self._pop_stream(path)
+        if sink is not None:
+            sink.abort()
+            sink.wait()
+            if sink.stored:
+                self.client.delete_object(Bucket=self.bucket, Key=sink.key)
         self.scratch.discard(path)
 
     def upload_path(self, job_id: str, kind: UploadKind) -> Path:

@@ -4,8 +4,10 @@ follow (SSE), report, artifact (Range/ETag), cancel."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
@@ -20,7 +22,7 @@ from ..deps import AppState, StateDep, TenantDep
 from ..files import file_response, ranged_response
 from ..problems import ProblemException, problem_responses, validation_errors
 from ..sse import sse_stream
-from ..uploads import UploadedFile, receive_multipart
+from ..uploads import FileSink, UploadedFile, receive_multipart
 from ._docs import (
     ARTIFACT_200,
     ARTIFACT_206,
@@ -63,8 +65,23 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None) -> Any:
 
 async def _accept(request: Request, state: AppState, tenant: str, idempotency_key: str | None) -> Job:
     runs: list[PreparedRun] = []  # at most one: quantizing the model while it streams in
+    job_id = state.jobs.new_job_id()
+    streamed: list[Path] = []  # files an object store receives while they stream in, under job_id's keys
 
-    def on_file_start(up: UploadedFile, fields: dict[str, str]) -> PreparedRun | None:
+    def on_file_start(up: UploadedFile, fields: dict[str, str]) -> FileSink | None:
+        run = start_run(up, fields)
+        if run is not None:
+            return run
+        try:
+            sink = state.jobs.stream_upload(up.path, job_id, "input" if up.field == "file" else "calibration")
+        except Exception:  # the upload goes on; the file is sent whole when the job is submitted
+            log.exception("could not start storing the upload while it streams")
+            return None
+        if sink is not None:
+            streamed.append(up.path)
+        return sink
+
+    def start_run(up: UploadedFile, fields: dict[str, str]) -> PreparedRun | None:
         if up.field != "file" or "config" not in fields:  # a config after the file: nothing to start with
             return None
         try:
@@ -96,12 +113,14 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             state.metrics.inc("quantd_uploads_total", endpoint="jobs")
             run = runs.pop() if runs else None  # the jobs layer owns it from here
             return await state.jobs.submit(tenant=tenant, upload=upload, config=config, calibration=calibration,
-                                           idempotency_key=idempotency_key, prepared=run)
+                                           idempotency_key=idempotency_key, prepared=run, job_id=job_id)
         finally:
             form.cleanup()  # files the jobs layer adopted have moved; the rest go
     finally:
         for run in runs:  # the upload or its checks failed: the run stops and its artifact goes
             state.jobs.discard_prepared(run)
+        for path in streamed:  # what the object store received of uploads no job took (a no-op for the rest)
+            await anyio.to_thread.run_sync(state.jobs.discard_upload, path)
 
 
 _BY_REFERENCE = TypeAdapter(JobByReference)
