@@ -96,8 +96,8 @@ def run(size: int, repeats: int, threads: int) -> dict[str, Any]:
             copy_times, fn_times = paired_times(copy, fn, repeats)
             copy_s, s = min(copy_times), min(fn_times)
             copies.append(copy_s)
-            # The copy of this VM runs at two speeds (memory shared with other tenants, it seems): the
-            # fraction is best against best, and also given median against median.
+            # A copy's speed can vary within a run on a shared machine: the fraction is best against
+            # best, and also given median against median.
             copy_med, fn_med = statistics.median(copy_times), statistics.median(fn_times)
             row[key] = {"s": s, "gbps": gb / s, "fraction_of_copy": copy_s / s, "paired_copy_s": copy_s,
                         "paired_copy_median_s": copy_med, "median_s": fn_med,

@@ -251,7 +251,7 @@ def _check_scales_fit(blocks: torch.Tensor, scale: torch.Tensor, scheme: Scheme,
     be clipped wholesale. Only blocks whose scale sits at that largest value are looked at (their min-max
     range, an upper bound of any observer's), so this costs nothing otherwise."""
     top = torch.finfo(scale.dtype).max
-    if scale.numel() == 0 or float(scale.max()) < top:  # 13 µs for 262 144 float16 scales (a nonzero: 120)
+    if scale.numel() == 0 or float(scale.max()) < top:  # one reduction; nonzero() only when needed
         return
     at_top = (scale.reshape(-1) >= top).nonzero().reshape(-1)
     sub = blocks.index_select(0, at_top).double()
