@@ -1,5 +1,5 @@
-"""The docs that must stay true as the code changes: the module map of docs/architecture.md, and the
-benchmark pages that bench/report.py generates from bench/results/*.json."""
+"""The docs that must stay true as the code changes: the module map of docs/architecture.md, the
+README's settings table, and the benchmark pages that bench/report.py generates from bench/results/*.json."""
 
 from __future__ import annotations
 
@@ -59,10 +59,37 @@ def test_module_map_parser_sees_additions_and_removals() -> None:
     assert mapped_modules(text) == {"service/quantd/a.py", "client/quantd_client/_b.py"}
 
 
+def test_readme_lists_every_setting() -> None:
+    from quantd.server.settings import Settings
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    missing = [f"QUANTD_{name.upper()}" for name in Settings.model_fields if f"`QUANTD_{name.upper()}`" not in readme]
+    assert not missing, f"add these settings to the README's settings table: {missing}"
+
+
 def test_benchmark_pages_match_the_results_files() -> None:
-    pytest.importorskip("matplotlib", reason="bench/report.py draws its plots with matplotlib (the bench extra)")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "report.py"), "--check"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_report_check_sees_a_page_that_differs_from_the_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import report
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    doc, readme = tmp_path / "benchmarks.md", tmp_path / "README.md"
+    doc.write_text(report.benchmarks_page(), encoding="utf-8")
+    readme.write_text(report.splice_readme((ROOT / "README.md").read_text(encoding="utf-8"), report.readme_block()), encoding="utf-8")
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "DOC", doc)
+    monkeypatch.setattr(report, "README", readme)
+    assert report.main(["--check"]) == 0
+    readme.write_text(readme.read_text(encoding="utf-8").replace("| int8", "| int9", 1), encoding="utf-8")
+    assert report.main(["--check"]) == 1
+    readme.write_text(report.splice_readme((ROOT / "README.md").read_text(encoding="utf-8"), report.readme_block()), encoding="utf-8")
+    doc.write_text(doc.read_text(encoding="utf-8") + "typed by hand\n", encoding="utf-8")
+    assert report.main(["--check"]) == 1
