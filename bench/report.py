@@ -713,6 +713,15 @@ def benchmarks_page(quick: bool = False) -> str:
         md += [f"## {heading}", ""]
         md += section(data) if data is not None else [f"No `bench/results/{name}` yet."]
         md += [""]
+    claimed = {name for _, name, _ in SECTIONS}
+    for path in sorted(RESULTS_DIR.glob("*.json")):  # a results file without a section of its own yet
+        if path.name not in claimed and not path.stem.endswith("_quick"):
+            data = load(path.name)
+            if isinstance(data, dict) and isinstance(data.get("machine"), dict):
+                rest = {k: v for k, v in data.items() if k != "machine"}
+                md += [f"## {path.name}", "", machine_line(data["machine"]), "", generic_section(rest), ""]
+            else:
+                md += [f"## {path.name}", "", generic_section(data), ""]
     md += [REPRODUCE]
     return "\n".join(md)
 
