@@ -89,7 +89,7 @@ def test_ema_steps_per_sample_of_a_1d_layer_and_after_a_prior_state() -> None:
 
 
 def test_the_default_observer_is_int8_affine_per_tensor() -> None:
-    # an ObserverSpec without a dtype became a weight Scheme's default, int4
+    # activations default to int8 per tensor, not to a weight Scheme's default (int4)
     for spec in (ObserverSpec(), ObserverSpec(observer="ema"), ObserverSpec(symmetric=True)):
         scheme = spec.as_scheme()
         assert (scheme.dtype, scheme.granularity) == ("int8", "tensor") and scheme.symmetric == spec.symmetric

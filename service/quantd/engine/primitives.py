@@ -269,8 +269,8 @@ def _check_input(x: torch.Tensor, *, name: str) -> None:
 
 
 def _check_float32_range(x: torch.Tensor, *, name: str) -> None:
-    """float64 weights beyond float32's range: quantization runs in float32, where they became inf and were
-    reported as "NaN or Inf" (the casts to float16/bfloat16 saturate them instead)."""
+    """float64 weights beyond float32's range are refused by name: quantization runs in float32, where they
+    would become inf and be reported as "NaN or Inf" (the casts to float16/bfloat16 saturate them instead)."""
     if x.dtype == torch.float64 and x.numel():
         big = float(x.abs().nan_to_num(nan=0.0).max())
         if big > torch.finfo(torch.float32).max:
