@@ -248,3 +248,22 @@ def test_every_change_is_notified(store: PostgresJobStore, pg_url: str) -> None:
         store.complete(job_id, "w#1", {})
         seen = [n.payload for n in conn.notifies(timeout=2.0, stop_after=4)]
     assert seen == [job_id] * 4
+
+
+def test_quantd_db_upgrade_command(pg_url: str, tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "QUANTD_DATABASE_URL": pg_url, "QUANTD_DATA_DIR": str(tmp_path)}
+    run = [sys.executable, "-m", "quantd", "db", "upgrade"]
+    first = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert f"applied migration(s) {list(range(1, LATEST + 1))}" in first.stdout
+    assert "@" not in first.stdout.split(":", 2)[1]  # the URL is shown without its credentials
+    again = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "schema up to date" in again.stdout
+    assert schema_version(pg_url) == LATEST
+    bad = subprocess.run(run, env={**env, "QUANTD_DATABASE_URL": "mysql://x/y"}, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "database_url must start with" in bad.stderr
