@@ -28,6 +28,7 @@ from servers import free_port
 
 from quantd.jobs.backends.postgres import PostgresJobStore
 from quantd.jobs.backends.s3 import S3Storage
+from quantd.jobs.pool import TMP_MAX_AGE_S
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -153,11 +154,11 @@ def assert_bucket_holds_only(c: Cluster, ids: list[str]) -> None:
     live = {f"q/{folder}/{i}{suffix}" for i in ids for folder, suffix in
             (("uploads", ".input"), ("artifacts", ".safetensors"), ("reports", ".json"))}
     assert set(c.storage.list_keys()) == live
-    # A replica killed while streaming an upload leaves an unfinished multipart upload (parts, not an object);
-    # every process's reaper aborts those older than a day, and moto's server dates every multipart upload in
-    # 2010, so here the next pass of any reaper does.
-    wait_for(lambda: c.storage.client.list_multipart_uploads(Bucket=c.storage.bucket).get("Uploads", []) == [],
-             timeout=30, what="unfinished multipart uploads to be aborted")
+    # A replica killed while streaming an upload leaves an unfinished multipart upload (parts, not an object).
+    # The reapers' sweep aborts those older than TMP_MAX_AGE_S when it next lists the bucket (every
+    # LIST_INTERVAL_S); moto's server dates every multipart upload in 2010, so one sweep here is that pass.
+    S3Storage(c.storage.location.url, c.root / "sweeper", client=c.storage.client).sweep_tmp(TMP_MAX_AGE_S)
+    assert c.storage.client.list_multipart_uploads(Bucket=c.storage.bucket).get("Uploads", []) == []
 
 
 async def test_fifty_jobs_at_once_through_both_replicas(cluster: Cluster, http: httpx.AsyncClient) -> None:

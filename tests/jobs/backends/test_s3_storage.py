@@ -100,6 +100,8 @@ def test_sweep_aborts_unfinished_multipart_uploads_and_finds_orphans(storage: S3
     storage.adopt_upload(src, other, "input")
     assert storage.list_upload_ids(3600) == []  # too young to be an orphan
     time.sleep(1.1)
+    assert storage.list_upload_ids(1.0) == []  # listed a moment ago: not again before LIST_INTERVAL_S
+    storage._listed.clear()
     assert storage.list_upload_ids(1.0) == [other]
     # (moto's server reports every multipart upload as initiated in 2010: only the abort is checked here.)
     assert storage.sweep_tmp(1.0) == 1

@@ -30,6 +30,9 @@ PART_BYTES = 8 * 1024 * 1024
 TRANSFER_THREADS = 4
 READ_CHUNK = 1024 * 1024
 PRESIGN_TTL_S = 900
+# Listing the bucket for leftovers costs a request per 1000 objects: every process's reaper does it at most
+# this often (the leftovers it looks for are hours old anyway).
+LIST_INTERVAL_S = 300.0
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
@@ -194,6 +197,14 @@ class S3Storage:
         self._transfer = transfer_config()
         self._streams: dict[Path, StreamingUpload] = {}
         self._streams_lock = threading.Lock()
+        self._listed: dict[str, float] = {}  # what was last listed for leftovers, and when (monotonic)
+
+    def _list_due(self, what: str) -> bool:
+        now = time.monotonic()
+        if now - self._listed.get(what, -LIST_INTERVAL_S) < LIST_INTERVAL_S:
+            return False
+        self._listed[what] = now
+        return True
 
     # -- keys -----------------------------------------------------------------------------------
     def _key(self, folder: str, job_id: str, suffix: str) -> str:
@@ -394,6 +405,8 @@ class S3Storage:
         """Scratch leftovers, and multipart uploads under the prefix that a process began and never
         finished (it died mid-transfer): their parts are stored, and billed, until aborted."""
         n = self.scratch.sweep_tmp(older_than_s)
+        if not self._list_due("multipart"):
+            return n
         cutoff = time.time() - older_than_s
         pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=self.prefix)
         for page in pages:
@@ -404,6 +417,9 @@ class S3Storage:
         return n
 
     def list_upload_ids(self, older_than_s: float) -> list[str]:
+        """Job ids of uploads older than ``older_than_s`` (at most every LIST_INTERVAL_S: else none)."""
+        if not self._list_due("uploads"):
+            return []
         cutoff, ids = time.time() - older_than_s, set()
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
                                                                       Prefix=f"{self.prefix}uploads/")
