@@ -157,7 +157,9 @@ def assert_bucket_holds_only(c: Cluster, ids: list[str]) -> None:
     # A replica killed while streaming an upload leaves an unfinished multipart upload (parts, not an object).
     # The reapers' sweep aborts those older than TMP_MAX_AGE_S when it next lists the bucket (every
     # LIST_INTERVAL_S); moto's server dates every multipart upload in 2010, so one sweep here is that pass.
-    S3Storage(c.storage.location.url, c.root / "sweeper", client=c.storage.client).sweep_tmp(TMP_MAX_AGE_S)
+    sweeper = S3Storage(c.storage.location.url, c.root / "sweeper", client=c.storage.client)
+    sweeper.init()
+    sweeper.sweep_tmp(TMP_MAX_AGE_S)
     assert c.storage.client.list_multipart_uploads(Bucket=c.storage.bucket).get("Uploads", []) == []
 
 
