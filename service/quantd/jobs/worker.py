@@ -257,6 +257,7 @@ class Worker:
         staged: list[Path] = []  # local copies of the job's files (an object store's), removed at the end
         try:
             source = job.input.get("source")
+            src: Path | None
             if source is not None:  # a job by reference: its object, as it was when the job was accepted
                 src = self.storage.new_tmp_path(prefix="source")
                 try:

@@ -158,8 +158,8 @@ class Settings(BaseSettings):
             parse_api_keys(self.api_keys.get_secret_value())
         if self.source_prefixes is not None:
             parse_source_prefixes(self.source_prefixes)
-        for name, url, schemes in (("database_url", self.database_url and self.database_url.get_secret_value(),
-                                    ("sqlite://", "postgresql://", "postgres://")),
+        database_url = None if self.database_url is None else self.database_url.get_secret_value()
+        for name, url, schemes in (("database_url", database_url, ("sqlite://", "postgresql://", "postgres://")),
                                    ("storage_url", self.storage_url, ("file://", "s3://"))):
             if url is not None and not url.startswith(schemes):
                 raise ValueError(f"{name} must start with one of {list(schemes)}")
