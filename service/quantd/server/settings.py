@@ -6,6 +6,7 @@ The data directory defaults to ``./quantd-data`` (relative to the working direct
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import logging
 import re
@@ -163,6 +164,11 @@ class Settings(BaseSettings):
                                    ("storage_url", self.storage_url, ("file://", "s3://"))):
             if url is not None and not url.startswith(schemes):
                 raise ValueError(f"{name} must start with one of {list(schemes)}")
+        needs = {"psycopg": database_url is not None and database_url.startswith("postgres"),
+                 "boto3": (self.storage_url or "").startswith("s3://") or bool(self.source_prefixes)}
+        for package, needed in needs.items():
+            if needed and importlib.util.find_spec(package) is None:
+                raise ValueError(f"the PostgreSQL and S3 backends need {package}: pip install 'quantd[scale]'")
         if self.api_keys_file is not None:
             if not self.api_keys_file.is_file():
                 raise ValueError(f"api_keys_file {str(self.api_keys_file)!r} is not a readable file")
