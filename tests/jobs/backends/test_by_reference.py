@@ -157,3 +157,17 @@ async def test_a_source_changed_after_acceptance_fails_the_job(make_app: Any, s3
         done = await wait_job(app, job_id, HA)
         assert done["status"] == "failed" and done["error"]["type"] == "urn:quantd:source-invalid"
         assert json.dumps(done).count("changed or deleted") == 1
+
+
+async def test_openapi_describes_the_json_body_and_the_403(make_app: Any) -> None:
+    async with make_app() as app:
+        spec = (await app.get("/openapi.json")).json()
+    post = spec["paths"]["/v1/jobs"]["post"]
+    content = post["requestBody"]["content"]
+    assert set(content) == {"multipart/form-data", "application/json"}
+    assert content["application/json"]["schema"] == {"$ref": "#/components/schemas/JobByReference"}
+    schema = spec["components"]["schemas"]["JobByReference"]
+    assert schema["required"] == ["config", "source"] and schema["additionalProperties"] is False
+    assert "403" in post["responses"]
+    job = spec["components"]["schemas"]["Job"]["properties"]
+    assert {"source", "destination"} <= set(job)
