@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -125,6 +126,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     try:
         model = root / "model.safetensors"
         tensors = make_model(model)
+        await asyncio.to_thread(quantize_ms, model, root, 3)  # untimed: the compiled kernels built first
         results: dict[str, list[dict[str, Any]]] = {"sqlite": [], "postgresql": []}
         skipped: dict[str, str] = {}
         try:
@@ -186,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="queue.json")
     args = ap.parse_args(argv)
     private_inductor_cache()
+    # SIGTERM unwinds like Ctrl-C: the throwaway PostgreSQL cluster is stopped and its files removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     payload = asyncio.run(main_async(args))
     path = write_results(args.out, payload)
     log(f"wrote {path}")

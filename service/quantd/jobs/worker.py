@@ -167,7 +167,6 @@ class Worker:
         self.wake, self.stop = wake, stop
         self.busy_job: str | None = None
         self.references = references or References()
-        self._discard_after: list[Path] = []  # scratch copies of a job's source
         self._thread = threading.Thread(target=self._loop, name=f"quantd-worker-{index}", daemon=True)
 
     def start(self) -> None:
@@ -254,7 +253,8 @@ class Worker:
 
     def _quantize(self, job: JobRecord, tmp: Path, lease: _Lease) -> Report | dict[str, str] | None:
         """The pipeline's Report; an error dict when the job fails; None when interrupted."""
-        staged: list[Path] = []  # local copies of the job's files (an object store's), removed at the end
+        staged: list[Path] = []  # the file store's local copies of the job's files, given back at the end
+        fetched: list[Path] = []  # a job by reference: its source, downloaded to scratch
         try:
             source = job.input.get("source")
             src: Path | None
@@ -267,7 +267,7 @@ class Worker:
                     return _error("urn:quantd:source-invalid", "Source cannot be read",
                                   f"source {source!r} could not be read (changed or deleted since the job was "
                                   f"accepted?): {type(e).__name__}: {e}")
-                self._discard_after.append(src)
+                fetched.append(src)
             else:
                 src = self.storage.stage_upload(job.id, "input")
             if src is None:
@@ -285,8 +285,8 @@ class Worker:
         finally:
             for path in staged:
                 self.storage.unstage(path)
-            while self._discard_after:
-                self.storage.discard(self._discard_after.pop())
+            for path in fetched:
+                self.storage.discard(path)
 
     def _run_pipeline(self, job: JobRecord, src: Path, tmp: Path, lease: _Lease,
                       extra: dict[str, Any]) -> Report | dict[str, str] | None:
