@@ -120,9 +120,9 @@ def test_an_upload_streams_to_the_bucket_while_it_is_written(storage: S3Storage)
     """Parts go out as the file grows (before it is complete); adopt finds the object in place."""
     path = storage.new_tmp_path()
     chunk = os.urandom(PART_BYTES // 2)
-    sink = storage.stream_upload(path, ID, "input")
     written = 0
-    with open(path, "wb") as f:
+    with open(path, "wb") as f:  # created before its sink, as the upload parser does
+        sink = storage.stream_upload(path, ID, "input")
         for i in range(5):  # 2.5 parts
             f.write(chunk)
             f.flush()
@@ -146,6 +146,29 @@ def wait_for_upload(storage: S3Storage) -> list[dict[str, Any]]:
         assert time.monotonic() < deadline, "no multipart upload began"
         time.sleep(0.02)
     return list(ups)
+
+
+def test_a_file_ending_on_a_part_boundary_and_an_empty_file(storage: S3Storage) -> None:
+    """Two whole parts, the body's end seen only after both were sent; and a zero-byte upload (one PUT)."""
+    full, empty = storage.new_tmp_path(), storage.new_tmp_path()
+    data = write(full, 2 * PART_BYTES)
+    empty.write_bytes(b"")
+    sink = storage.stream_upload(full, ID, "input")
+    sink.advance(2 * PART_BYTES)
+    deadline = time.monotonic() + 30
+    while sink._sent < 2 * PART_BYTES:  # both parts out before the end is known
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    sink.complete()
+    storage.adopt_upload(full, ID, "input")
+    other = uuid.uuid4().hex
+    empty_sink = storage.stream_upload(empty, other, "input")
+    empty_sink.complete()
+    storage.adopt_upload(empty, other, "input")
+    assert b"".join(storage.read_range(storage.bucket, storage.upload_key(ID, "input"), 0, len(data))) == data
+    meta = storage.head(storage.bucket, storage.upload_key(other, "input"))
+    assert meta is not None and meta["ContentLength"] == 0
+    assert storage.client.list_multipart_uploads(Bucket=storage.bucket).get("Uploads", []) == []
 
 
 def test_a_streamed_upload_no_job_takes_is_removed(storage: S3Storage) -> None:

@@ -144,8 +144,11 @@ class StreamingUpload:
 
     def _run(self) -> None:
         try:
+            step = self._next()  # the file is opened once its first part is written
+            if step is None:
+                return
             with open(self.path, "rb") as f:
-                while (step := self._next()) is not None:
+                while step is not None:
                     n, last = step
                     f.seek(self._sent)
                     data = f.read(n)
@@ -158,17 +161,19 @@ class StreamingUpload:
                     if self._upload_id is None:
                         self._upload_id = self.client.create_multipart_upload(Bucket=self.bucket,
                                                                               Key=self.key)["UploadId"]
-                    number = len(self._parts) + 1
-                    etag = self.client.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                                                   PartNumber=number, Body=data)["ETag"]
-                    self._parts.append({"PartNumber": number, "ETag": etag})
-                    self._sent += n
+                    if n:  # (nothing left for the last part when the file ends on a part boundary)
+                        number = len(self._parts) + 1
+                        etag = self.client.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                                                       PartNumber=number, Body=data)["ETag"]
+                        self._parts.append({"PartNumber": number, "ETag": etag})
+                        self._sent += n
                     if last:
                         self.client.complete_multipart_upload(Bucket=self.bucket, Key=self.key,
                                                               UploadId=self._upload_id,
                                                               MultipartUpload={"Parts": self._parts})
                         self.stored = True
                         return
+                    step = self._next()
         except BaseException as e:  # the caller falls back to sending the file whole
             self.error = e
             log.warning("streaming upload to s3://%s/%s failed: %s", self.bucket, self.key, e)
