@@ -28,6 +28,7 @@ from .worker import QuantizeFn, owner_is_dead
 
 T = TypeVar("T")
 MAX_LIMIT = 100
+LISTENING_POLL_S = 1.0
 
 
 def encode_cursor(created_at: float, job_id: str) -> str:
@@ -81,6 +82,7 @@ class JobService:
         # embedded worker's; None when the workers are other processes.
         self._planned_device: str | None = None
         self._listener: Any = None  # PostgreSQL: LISTEN for other processes' job changes
+        self._stream_poll_s = config.events_poll_s  # how often an event stream re-reads its job's row
         self._references: References | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -111,6 +113,9 @@ class JobService:
 
             self._listener = JobListener(conninfo, self._signals.notify)
             self._listener.start()
+            # Every change wakes the streams: re-reading the row is only the fallback while the listener
+            # reconnects, so many followers cost the database a query a second each, not five.
+            self._stream_poll_s = max(self.config.events_poll_s, LISTENING_POLL_S)
 
     def stop_sync(self) -> None:
         if self._listener is not None:
@@ -398,7 +403,7 @@ class JobService:
                 last = progress
                 yield "progress", progress
             # A local worker's write wakes the stream at once; other processes' are seen at the next poll.
-            await self._signals.wait(job_id, self.config.events_poll_s)
+            await self._signals.wait(job_id, self._stream_poll_s)
             rec = await self._run(self._record, tenant, job_id)
         yield rec.status, rec.to_job().model_dump(mode="json")
 
