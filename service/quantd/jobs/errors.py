@@ -57,3 +57,18 @@ class StorageError(QuantdError):
 
     title = "Storage error"
     type_ = "urn:quantd:storage-error"
+
+
+class SourceForbidden(QuantdError):
+    """A job by reference naming a URL outside the tenant's allowed prefixes, or not an ``s3://`` URL: never
+    fetched."""
+
+    title = "Source not allowed"
+    type_ = "urn:quantd:source-forbidden"
+
+
+class SourceInvalid(QuantdError):
+    """A job by reference whose source cannot be used: a prefix, a missing object."""
+
+    title = "Source cannot be read"
+    type_ = "urn:quantd:source-invalid"

@@ -29,6 +29,8 @@ from quantd.jobs.errors import (
     JobNotFound,
     JobNotReady,
     QueueFull,
+    SourceForbidden,
+    SourceInvalid,
     StorageError,
 )
 
@@ -114,6 +116,8 @@ STATUS_OF: dict[type[QuantdError], int] = {
     QueueFull: 429,
     InvalidListQuery: 422,
     StorageError: 500,
+    SourceForbidden: 403,
+    SourceInvalid: 422,
 }
 
 
