@@ -41,11 +41,20 @@ def format_names() -> list[str]:
 
 
 # The format modules: importing one registers it.
-from . import safetensors  # noqa: E402
+from . import compressed_tensors, safetensors  # noqa: E402
 
 if set(_REGISTRY) != set(OUTPUT_FORMATS):
     raise RuntimeError(f"output formats registered {sorted(_REGISTRY)} differ from the wire schema's "
                        f"{sorted(OUTPUT_FORMATS)} (quantd_client._dtypes.OUTPUT_FORMATS)")
 
-__all__ = ["ModelStructure", "OutputFormat", "PlannedTensor", "Sink", "format_names", "get_format", "register",
-           "safetensors"]
+__all__ = [
+    "ModelStructure",
+    "OutputFormat",
+    "PlannedTensor",
+    "Sink",
+    "compressed_tensors",
+    "format_names",
+    "get_format",
+    "register",
+    "safetensors",
+]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -110,7 +110,11 @@ class OutputFormat(ABC):
                   extra_meta: Mapping[str, Any] | None = None) -> Sink:
         """A sink writing ``dst`` (a temporary name first, renamed by ``finish``)."""
 
-    def quantization_config(self, plans: Sequence[PlannedTensor], structure: ModelStructure
-                            ) -> dict[str, Any] | None:
-        """What ``config.json`` gains under ``quantization_config`` (None: it is copied unchanged)."""
+    #: True when the output is a model directory whose ``config.json`` this format completes
+    writes_config: ClassVar[bool] = False
+
+    def quantization_config(self, plans: Sequence[PlannedTensor], structure: ModelStructure, *,
+                            written: Collection[str] = ()) -> dict[str, Any] | None:
+        """What ``config.json`` gains under ``quantization_config`` (None: it is copied unchanged).
+        ``written``: the names of the output tensors actually written (optional ones included)."""
         return None
