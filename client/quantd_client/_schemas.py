@@ -10,7 +10,15 @@ import math
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from ._dtypes import DTYPES, OUTPUT_FORMATS
 
@@ -280,12 +288,39 @@ class Report(BaseModel):
     activations: list[LayerCalibration] | None = None  # when a calibration file came with the job
 
 
-class InputInfo(BaseModel):
+class FileEntry(BaseModel):
+    """One file of a model directory (relative POSIX path) or of a job's output."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+
+class _FilesWhenSet(BaseModel):
+    """``files`` is left out of the JSON when unset: a one-file job's documents stay exactly v1's."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_files(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("files", 0) is None:
+            del data["files"]
+        return data
+
+
+class FileList(BaseModel):
+    """``GET /v1/jobs/{id}/files``: the job's output files."""
+
+    files: list[FileEntry]
+
+
+class InputInfo(_FilesWhenSet):
     filename: str
     bytes: int
     sha256: str
     format: InputFormat
     tensors: int
+    files: list[FileEntry] | None = Field(
+        None, description="a model directory job's files (relative paths); absent for a one-file job")
 
 
 class Progress(BaseModel):
@@ -296,10 +331,12 @@ class Progress(BaseModel):
     fraction: float = 0.0
 
 
-class JobResult(BaseModel):
+class JobResult(_FilesWhenSet):
     artifact_bytes: int
     artifact_sha256: str
     summary: Summary
+    files: list[FileEntry] | None = Field(
+        None, description="a directory output's files (the artifact is then their tar); absent for one file")
 
 
 class JobError(BaseModel):

@@ -12,6 +12,7 @@ EXPECTED = {
     "UnsupportedMedia", "ValidationError", "RateLimited", "ServerError", "APIConnectionError",
     "APITimeoutError", "ChecksumMismatch", "JobTimeout", "__version__",
     "BitWidthResult", "OutlierImpactResult", "ScaleSensitivityResult", "TensorAnalyses",
+    "FileEntry", "FileList",
 }
 
 

@@ -345,3 +345,75 @@ def iter_output_files(root: Path) -> Iterator[tuple[str, Path]]:
     for p in sorted(root.rglob("*")):
         if p.is_file():
             yield p.relative_to(root).as_posix(), p
+
+
+# --- a directory as one file: an uncompressed tar (uploads kept by the jobs layer, directory artifacts) ---
+
+_TAR_CHUNK = 1 << 20
+
+
+class _HashingReader:
+    """A file's ``read`` that hashes what it returns (tarfile copies a member through it)."""
+
+    def __init__(self, f: Any, h: Any) -> None:
+        self.f, self.hash = f, h
+
+    def read(self, n: int = -1) -> bytes:
+        b: bytes = self.f.read(n)
+        self.hash.update(b)
+        return b
+
+
+def pack_tar(files: Iterator[tuple[str, Path]] | Sequence[tuple[str, Path]], dst: Path) -> list[dict[str, Any]]:
+    """Write ``files`` (relative path, source) into the uncompressed tar ``dst`` (deterministic: no
+    timestamps or owners), fsynced; returns ``[{"path","bytes","sha256"}]``, hashed while copied."""
+    import hashlib
+    import tarfile
+
+    manifest = []
+    with open(dst, "wb") as raw, tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel, src in files:
+            size = src.stat().st_size
+            info = tarfile.TarInfo(check_relpath(rel))
+            info.size, info.mode, info.mtime = size, 0o644, 0
+            with open(src, "rb") as f:
+                reader = _HashingReader(f, hashlib.sha256())
+                tar.addfile(info, reader)
+            manifest.append({"path": rel, "bytes": size, "sha256": reader.hash.hexdigest()})
+        tar.close()
+        raw.flush()
+        os.fsync(raw.fileno())
+    return manifest
+
+
+def unpack_tar(src: Path, dst: Path) -> ModelFiles:
+    """Extract a tar written by :func:`pack_tar` into ``dst`` (regular files at checked relative paths only)."""
+    import tarfile
+
+    found: dict[str, Path] = {}
+    with tarfile.open(src, mode="r:") as tar:
+        for member in tar:
+            if not member.isfile():
+                raise MalformedInputError(f"stored directory: {member.name!r} is not a regular file")
+            rel = check_relpath(member.name)
+            target = dst / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fobj = tar.extractfile(member)
+            if fobj is None:
+                raise MalformedInputError(f"stored directory: {rel!r} cannot be read")
+            with fobj, open(target, "wb") as out:
+                shutil.copyfileobj(fobj, out, _TAR_CHUNK)
+            found[rel] = target
+    return ModelFiles(found)
+
+
+def tar_window(src: Path, rel: str) -> tuple[int, int] | None:
+    """Where the bytes of member ``rel`` lie in the uncompressed tar ``src``: ``(offset, size)``; None when
+    it has no such member. Reads the headers only."""
+    import tarfile
+
+    with tarfile.open(src, mode="r:") as tar:
+        for member in tar:
+            if member.name == rel and member.isfile():
+                return member.offset_data, member.size
+    return None

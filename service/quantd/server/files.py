@@ -57,10 +57,12 @@ async def _chunks(path: Path, start: int, length: int) -> AsyncIterator[bytes]:
 
 def file_response(request: Request, path: Path, *, etag_hex: str, media_type: str = "application/octet-stream",
                   filename: str | None = None, headers: dict[str, str] | None = None,
-                  on_done: Callable[[], None] | None = None) -> Response:
+                  on_done: Callable[[], None] | None = None, window: tuple[int, int] | None = None) -> Response:
     """The file at ``path`` with strong ETag ``"<etag_hex>"``, honouring If-None-Match, Range and If-Range, and
-    HEAD (the headers a GET would get, no body)."""
-    size = os.stat(path).st_size
+    HEAD (the headers a GET would get, no body). ``window``: ``(offset, size)`` of the bytes served, when they
+    are a part of ``path`` (a member of an uncompressed tar); ranges are then relative to that part."""
+    os.stat(path)  # FileNotFoundError before any answer
+    base_offset, size = window if window is not None else (0, os.stat(path).st_size)
     etag = f'"{etag_hex}"'
     base = {"ETag": etag, "Accept-Ranges": "bytes", **(headers or {})}
     if filename:
@@ -81,9 +83,9 @@ def file_response(request: Request, path: Path, *, etag_hex: str, media_type: st
         if isinstance(parsed, tuple):
             start, end = parsed
             length = end - start + 1
-            return _body(request, path, start, length, 206, media_type, background,
+            return _body(request, path, base_offset + start, length, 206, media_type, background,
                          {**base, "Content-Range": f"bytes {start}-{end}/{size}"})
-    return _body(request, path, 0, size, 200, media_type, background, base)
+    return _body(request, path, base_offset, size, 200, media_type, background, base)
 
 
 def _body(request: Request, path: Path, start: int, length: int, status: int, media_type: str,
