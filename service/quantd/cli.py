@@ -287,14 +287,33 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             report = job.report()
     else:
         _prepare_in_process()
-        from quantd.io.pipeline import quantize_file
-
-        report = quantize_file(args.input, args.output, config, device=resolve_device(args.device))
+        report = _quantize_in_process(args, config)
     if args.json:
         _print_json(report.model_dump(mode="json"))
     else:
         print(format_report(report))
     return 0
+
+
+def _quantize_in_process(args: argparse.Namespace, config: QuantConfig) -> Report:
+    """A model directory (or a file whose output format writes a directory) into the directory ``-o``;
+    otherwise one file into the artifact file ``-o``."""
+    from quantd.io.outputs import get_format
+
+    device = resolve_device(args.device)
+    if Path(args.input).is_dir() or get_format(config.output).writes_config:
+        from quantd.io.formats import detect_format
+        from quantd.io.model_dir import ModelFiles, quantize_directory
+
+        if Path(args.input).is_dir():
+            files: Path | ModelFiles = Path(args.input)
+        else:  # one weight file, named as transformers looks for it
+            name = "pytorch_model.bin" if detect_format(args.input) == "pytorch" else "model.safetensors"
+            files = ModelFiles({name: Path(args.input)})
+        return quantize_directory(files, args.output, config, device=device)
+    from quantd.io.pipeline import quantize_file
+
+    return quantize_file(args.input, args.output, config, device=device)
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
@@ -393,9 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", help=DEVICE_HELP)
         p.set_defaults(func=cmd_serve if name == "serve" else cmd_worker)
 
-    p = sub.add_parser("quantize", parents=[client], help="quantize a file, in-process or through --server")
-    p.add_argument("input", type=Path)
-    p.add_argument("-o", "--output", type=Path, required=True)
+    p = sub.add_parser("quantize", parents=[client],
+                       help="quantize a file or a model directory, in-process or through --server")
+    p.add_argument("input", type=Path, help="a weight file, or a model directory (config.json, shards, index, ...)")
+    p.add_argument("-o", "--output", type=Path, required=True,
+                   help="the artifact file; a directory for a model directory or a format that writes one")
     p.add_argument("--config", help="a QuantConfig JSON file; flags override its scheme")
     p.add_argument("--format", choices=OUTPUT_FORMATS,
                    help="output format (the config's \"output\"; default: the config's, else safetensors)")
