@@ -192,3 +192,10 @@ async def test_a_directory_over_the_size_limit_is_413(make_server):
         assert listed == []
         leftovers = [p for p in (server.settings.data_dir / "tmp").iterdir() if p.name.startswith("upload")]
         assert leftovers == []
+
+
+async def test_sync_quantize_points_directory_formats_to_jobs(server):
+    files = {"file": ("m.safetensors", st_bytes(), "application/octet-stream")}
+    r = await server.client.post("/v1/quantize", files=files, data={"config": json.dumps({"output": "compressed-tensors"})})
+    body = assert_problem(r, 422)
+    assert "/v1/jobs" in body["detail"]
