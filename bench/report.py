@@ -519,6 +519,29 @@ def engine_section(data: Any) -> str:
     return "\n".join(out)
 
 
+def model_dir_section(data: dict[str, Any]) -> str:
+    """The model-directory benchmark: one table of the per-round times and the median ratio."""
+    m, cfg = data["model"], data["config"]
+    rows = [[str(i), fmt(a["wall_s"], ".2f"), fmt(b["succeeded_s"], ".2f"), fmt(b["accepted_s"], ".2f"),
+             fmt(b["download_s"], ".2f"), fmt(a["peak_rss_bytes"] / 2**20, ".0f"),
+             fmt(b["server_peak_rss_bytes"] / 2**20, ".0f")]
+            for i, (a, b) in enumerate(zip(data["inprocess"], data["http"], strict=True))]
+    lines = [
+        f"all-MiniLM-L6-v2 as a model directory ({m['files']} files, {m['bytes'] / 1e6:.1f} MB, {m['tensors']} "
+        f"tensors in {m['shards']} shards with an index), `output: {cfg['output']!r}`, scheme "
+        f"`{json.dumps(cfg['scheme'])}`; machine: {data['machine']['cpu']}, {data['machine']['cores']} cores, "
+        f"{data['machine']['date']}. Rounds alternate in-process and HTTP.",
+        "",
+        table(["round", "in-process s", "HTTP job s", "of which upload (202) s", "download s",
+               "in-process peak RSS MiB", "server peak RSS MiB"], rows),
+        "",
+        f"Median HTTP job / median in-process: **{data['ratio_http_over_inprocess']:.2f}** "
+        f"({data['median_http_job_s']:.2f} s / {data['median_inprocess_s']:.2f} s); outputs byte-identical in "
+        f"every round: {data['identical_outputs']}.",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="prefer *_quick.json results (smoke runs)")
@@ -649,6 +672,10 @@ def main(argv: list[str] | None = None) -> int:
                    "separate the disk from the service's own cost:", "", service_section(tmpfs), ""]
     else:
         md += ["No `bench/results/service.json` yet: run `python bench/service.py`.", ""]
+    # -- model directories (bench/model_dir.py) --
+    model_dir = load("model_dir.json")
+    if model_dir is not None:
+        md += ["## A model directory: HTTP job vs in-process (bench/model_dir.py)", "", model_dir_section(model_dir), ""]
     md += ["## The engine (bench/engine.py)", ""]
     md_tail = [REPRODUCE]
     md += [engine_section(engine) if engine is not None else "No `bench/results/engine.json` yet.", ""]
