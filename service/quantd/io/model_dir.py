@@ -20,7 +20,6 @@ import shutil
 import time
 import unicodedata
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +29,8 @@ import torch
 from quantd.errors import ConfigError, JobCancelled, MalformedInputError
 from quantd_client import Progress, QuantConfig, Report, TensorReport
 
-from .outputs import ModelStructure, get_format
-from .readers import ModelReader, open_model
+from .outputs import ModelStructure, OutputFormat, PlannedTensor, get_format
+from .readers import ModelReader, TensorInfo, open_model
 
 log = logging.getLogger("quantd.io")
 
@@ -177,15 +176,16 @@ def model_structure(config_path: Path | None) -> ModelStructure:
     except ImportError:
         return ModelStructure(config=cfg)
     model_type = cfg.get("model_type")
+    if not isinstance(model_type, str):
+        return ModelStructure(config=cfg)
     try:
         conf = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items()
                                                                 if k not in ("model_type", "auto_map")})
         arch = next((a for a in cfg.get("architectures") or () if isinstance(getattr(transformers, a, None), type)),
                     None)
-        cls = getattr(transformers, arch) if arch else transformers.AutoModel
         with torch.device("meta"):
-            model = cls.from_config(conf, trust_remote_code=False) if cls is transformers.AutoModel \
-                else cls._from_config(conf)
+            model: Any = (getattr(transformers, arch)._from_config(conf) if arch else
+                          transformers.AutoModel.from_config(conf, trust_remote_code=False))  # type: ignore[no-untyped-call]
     except Exception as e:  # an architecture this transformers does not build: the format's own rule
         log.warning("config.json: architecture %r not built (%s: %s); Linear weights taken by name",
                     model_type, type(e).__name__, str(e)[:200])
@@ -200,14 +200,20 @@ def model_structure(config_path: Path | None) -> ModelStructure:
 ProgressCallback = Callable[[Progress], None]
 
 
-def _open_readers(stack: ExitStack, files: ModelFiles) -> dict[str, ModelReader]:
-    readers = {}
+def _open_shard(files: ModelFiles, rel: str) -> ModelReader:
+    try:
+        return open_model(files.files[rel], posixpath.basename(rel))
+    except MalformedInputError as e:
+        raise type(e)(f"{rel}: {e.detail}", tensor=e.tensor, field=e.field) from None
+
+
+def _shard_tensors(files: ModelFiles) -> dict[str, list[TensorInfo]]:
+    """Every weight file's tensors, one file open at a time (a legacy pickle is read whole to list them)."""
+    out = {}
     for rel in files.weights:
-        try:
-            readers[rel] = stack.enter_context(open_model(files.files[rel], posixpath.basename(rel)))
-        except MalformedInputError as e:
-            raise type(e)(f"{rel}: {e.detail}", tensor=e.tensor, field=e.field) from None
-    return readers
+        with _open_shard(files, rel) as reader:
+            out[rel] = list(reader.tensors)
+    return out
 
 
 def plan_directory(files: ModelFiles, config: QuantConfig) -> tuple[dict[str, list[Any]], ModelStructure]:
@@ -216,11 +222,10 @@ def plan_directory(files: ModelFiles, config: QuantConfig) -> tuple[dict[str, li
     from .pipeline import plan
 
     fmt = get_format(config.output)
-    with ExitStack() as stack:
-        readers = _open_readers(stack, files)
-        check_shards(files, {rel: [t.name for t in r.tensors] for rel, r in readers.items()})
-        structure = model_structure(files.files.get(CONFIG)) if fmt.writes_config else ModelStructure()
-        plans = {rel: plan(r.tensors, config, structure=structure) for rel, r in readers.items()}
+    tensors = _shard_tensors(files)
+    check_shards(files, {rel: [t.name for t in ts] for rel, ts in tensors.items()})
+    structure = model_structure(files.files.get(CONFIG)) if fmt.writes_config else ModelStructure()
+    plans = {rel: plan(ts, config, structure=structure) for rel, ts in tensors.items()}
     owner: dict[str, str] = {}
     for ps in plans.values():
         for p in ps:
@@ -266,31 +271,28 @@ def quantize_directory(src: str | os.PathLike[str] | ModelFiles, dst: str | os.P
         reports: list[TensorReport] = []
         written: set[str] = set()
         weight_map: dict[str, str] = {}
-        with ExitStack() as stack:
-            readers = _open_readers(stack, files)
-            for rel, ps in plans.items():
-                out_rel = output_relpath(rel)
-                target = stage / out_rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with fmt.open_sink(target, ps) as sink:
-                    for p in ps:
-                        if should_cancel is not None and should_cancel():
-                            raise JobCancelled(f"cancelled after {len(reports)} of {len(everything)} tensors")
-                        reports.append(_process(readers[rel], sink, fmt, p, dev))
-                        written |= {o.name for o in p.outputs}
-                        done = progress.bytes_done + p.info.nbytes
-                        progress = Progress(tensors_done=len(reports), tensors_total=len(everything),
-                                            bytes_done=done, bytes_total=progress.bytes_total,
-                                            fraction=done / progress.bytes_total if progress.bytes_total
-                                            else len(reports) / len(everything))
-                        if on_progress is not None:
-                            on_progress(progress)
-                    was_written = getattr(sink, "written", None)
-                    names = [o.name for p in ps for o in p.outputs]
-                    names += [o for o in fmt_optional(fmt, ps) if was_written is not None and was_written(o)]
-                    written.update(names)
-                    weight_map.update(dict.fromkeys(names, out_rel))
-                    sink.finish(None)
+        for rel, ps in plans.items():  # one shard open at a time
+            out_rel = output_relpath(rel)
+            target = stage / out_rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with _open_shard(files, rel) as reader, fmt.open_sink(target, ps) as sink:
+                for p in ps:
+                    if should_cancel is not None and should_cancel():
+                        raise JobCancelled(f"cancelled after {len(reports)} of {len(everything)} tensors")
+                    reports.append(_process(reader, sink, fmt, p, dev))
+                    done = progress.bytes_done + p.info.nbytes
+                    progress = Progress(tensors_done=len(reports), tensors_total=len(everything),
+                                        bytes_done=done, bytes_total=progress.bytes_total,
+                                        fraction=done / progress.bytes_total if progress.bytes_total
+                                        else len(reports) / len(everything))
+                    if on_progress is not None:
+                        on_progress(progress)
+                was_written = getattr(sink, "written", None)
+                names = [o.name for p in ps for o in p.outputs]
+                names += [o for o in fmt_optional(fmt, ps) if was_written is not None and was_written(o)]
+                written.update(names)
+                weight_map.update(dict.fromkeys(names, out_rel))
+                sink.finish(None)
         _write_other_files(files, stage, fmt.quantization_config(everything, structure, written=written),
                            weight_map, writes_config=fmt.writes_config)
         in_bytes = files.total_bytes
@@ -305,12 +307,10 @@ def quantize_directory(src: str | os.PathLike[str] | ModelFiles, dst: str | os.P
     return Report(job_id=job_id, config=config, summary=summary, tensors=reports)
 
 
-def fmt_optional(fmt: Any, plans: Sequence[Any]) -> list[str]:
+def fmt_optional(fmt: OutputFormat, plans: Sequence[PlannedTensor]) -> list[str]:
     """The names of the optional output tensors a format may write for these plans."""
-    optional = getattr(fmt, "optional_layout", None)
-    if optional is None:
-        return []
-    return [o.name for p in plans if p.scheme is not None for o in optional(p.info.name, p.info.shape, p.scheme)]
+    return [o.name for p in plans if p.scheme is not None
+            for o in fmt.optional_layout(p.info.name, p.info.shape, p.scheme)]
 
 
 def _write_other_files(files: ModelFiles, stage: Path, qconfig: dict[str, Any] | None,

@@ -97,6 +97,10 @@ class OutputFormat(ABC):
     def layout(self, name: str, shape: tuple[int, ...], scheme: Scheme) -> list[OutputTensor]:
         """The output tensors of ``name`` quantized with ``scheme``."""
 
+    def optional_layout(self, name: str, shape: tuple[int, ...], scheme: Scheme) -> list[OutputTensor]:
+        """Output tensors that only some results carry (the sink reserves room for them): none by default."""
+        return []
+
     def passthrough(self, info: TensorInfo) -> list[OutputTensor]:
         """The output tensors of a tensor left as it is: itself, same dtype and shape."""
         return [OutputTensor(info.name, TORCH_TO_ST[torch_dtype(info.dtype)], info.shape)]

@@ -126,8 +126,8 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             parts = form.file_lists.get("file", [])
             tar = None
             if _is_directory(parts):
-                for run in runs:  # quantizing during the upload is for one file
-                    state.jobs.discard_prepared(run)
+                for started in runs:  # quantizing during the upload is for one file
+                    state.jobs.discard_prepared(started)
                 runs.clear()
                 tar = state.jobs.new_upload_path(".tar")
                 try:
