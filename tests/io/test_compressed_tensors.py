@@ -63,12 +63,14 @@ def test_schemes_it_cannot_hold_are_refused_before_any_work(scheme: dict[str, An
     assert "m.q.weight" in e.value.detail
 
 
-def test_awq_channel_scales_are_refused() -> None:
+@pytest.mark.parametrize(("method", "symmetric"), [("awq", True), ("awq", False), ("hqq", False)])
+def test_results_the_library_cannot_hold_are_refused_by_method(method: str, symmetric: bool) -> None:
+    """AWQ's unfolded per-input-channel scales and HQQ's float zero points have no compressed-tensors tensor."""
     fmt = get_format(CT)
-    scheme = Scheme.model_construct(**{**Scheme().model_dump(), "method": "awq"})
+    scheme = Scheme.model_construct(**{**Scheme().model_dump(), "method": method, "symmetric": symmetric})
     with pytest.raises(ConfigError) as e:
         fmt.check("m.q.weight", (64, 256), scheme)
-    assert e.value.field == "scheme.method"
+    assert e.value.field == "scheme.method" and "m.q.weight" in e.value.detail
 
 
 def test_only_linear_weights_are_quantized_without_a_config() -> None:

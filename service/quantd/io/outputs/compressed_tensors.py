@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 # Methods whose results carry per-input-channel scales (AWQ not folded into a preceding layer): the
 # library has no tensor for them.
 CHANNEL_SCALE_METHODS = frozenset({"awq"})
+# Methods whose affine zero points are floats (HQQ): the library stores integer zero points only.
+FLOAT_ZERO_POINT_METHODS = frozenset({"hqq"})
 _SUFFIX = ".weight"
 
 
@@ -115,6 +117,9 @@ class CompressedTensors(OutputFormat):
         if method in CHANNEL_SCALE_METHODS:
             raise ConfigError(f"method {method!r} leaves per-input-channel scales that compressed-tensors has no "
                               "tensor for; use the safetensors output", tensor=name, field="scheme.method")
+        if method in FLOAT_ZERO_POINT_METHODS and not scheme.symmetric:
+            raise ConfigError(f"method {method!r} gives float zero points; compressed-tensors stores integer ones: "
+                              "use symmetric: true or the safetensors output", tensor=name, field="scheme.method")
         gran = granularity_of(scheme)
         axis = check_applicable(shape, gran, name=name)
         if scheme.granularity == "tensor" and info.kind == "int":
