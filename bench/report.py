@@ -696,8 +696,10 @@ def model_dir_section(data: dict[str, Any]) -> list[str]:
                "in-process peak RSS MiB", "server peak RSS MiB"], rows),
         "",
         f"Median HTTP job / median in-process: **{data['ratio_http_over_inprocess']:.2f}** "
-        f"({data['median_http_job_s']:.2f} s / {data['median_inprocess_s']:.2f} s); outputs byte-identical in "
-        f"every round: {data['identical_outputs']}.",
+        f"({data['median_http_job_s']:.2f} s / {data['median_inprocess_s']:.2f} s); fastest runs, the least "
+        f"disturbed by other load: {min(a['wall_s'] for a in data['inprocess']):.2f} s in-process, "
+        f"{min(b['succeeded_s'] for b in data['http']):.2f} s over HTTP. Outputs byte-identical in every round: "
+        f"{data['identical_outputs']}.",
     ]
     return lines
 
