@@ -36,8 +36,17 @@ QUANTIZE_BODY = multipart_body(
     {"file": _FILE, "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"}},
     ["file", "config"], ["config"], {"file": "(binary)", "config": CONFIG_EXAMPLE})
 
+_DIRECTORY_FILES = {
+    "type": "array", "minItems": 2, "items": {"type": "string", "format": "binary"},
+    "description": "a model directory: one part per file, each filename the file's relative POSIX path "
+                   "(config.json, model-00001-of-00002.safetensors, model.safetensors.index.json, ...); a path that "
+                   "is absolute, has '..', '.' or empty components, backslashes or control characters, or comes "
+                   "twice is refused with 422 naming it; the size limit applies to the sum"}
+
 JOB_BODY = multipart_body(
-    {"file": _FILE, "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"},
+    {"file": {"anyOf": [_FILE, _DIRECTORY_FILES],
+              "description": "one weight file (a one-file job), or several parts: a model directory"},
+     "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"},
      "calibration": {**_FILE, "description": "optional activation samples (name → [N, ...])"}},
     ["file", "config"], ["config"], {"file": "(binary)", "config": CONFIG_EXAMPLE})
 
