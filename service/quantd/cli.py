@@ -157,6 +157,12 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
         if not isinstance(data, dict) or not isinstance(data.get("scheme", {}), dict):
             raise UsageError(f"--config {args.config}: a QuantConfig is a JSON object whose \"scheme\" is an object, "
                              f'e.g. {{"scheme": {{"dtype": "int4", "group_size": 128}}}}')
+    skips = getattr(args, "skip", None) or []
+    rules = data.get("rules", [])
+    if skips and isinstance(rules, list):  # ahead of the file's rules: the first match wins
+        data = {**data, "rules": [{"match": g, "skip": True} for g in skips] + rules}
+    if getattr(args, "quantize_embeddings", False):
+        data = {**data, "skip_embeddings": False}
     flags = {key: getattr(args, key) for key in ("dtype", "group_size", "granularity", "observer", "symmetric")
              if getattr(args, key, None) is not None}
     try:
@@ -294,6 +300,20 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dequantize(args: argparse.Namespace) -> int:
+    if Path(args.output).resolve() == Path(args.input).resolve():
+        raise UsageError(f"-o {args.output} is the input file: it would be overwritten")
+    from quantd.io.artifact import write_dense
+
+    layout = write_dense(args.input, args.output)
+    size = Path(args.output).stat().st_size
+    if args.json:
+        _print_json({"path": str(args.output), "bytes": size, "tensors": len(layout)})
+    else:
+        print(f"saved {args.output}: {len(layout)} tensors, {size} bytes")
+    return 0
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
     schemes = build_schemes(args)
     if args.server:
@@ -397,8 +417,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-timeout", type=float, default=None,
                    help="with --server: seconds to wait for the job (default: no limit); the job id is on stderr")
     _scheme_flags(p, many_dtypes=False)
+    p.add_argument("--skip", action="append", default=[], metavar="GLOB",
+                   help="leave tensors whose name matches GLOB as they are (repeatable; before the config's rules)")
+    p.add_argument("--quantize-embeddings", action="store_true",
+                   help="quantize embedding tables and output heads too (skip_embeddings=false)")
     p.add_argument("--device", default=os.environ.get("QUANTD_DEVICE", "auto"), help=DEVICE_HELP)
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("dequantize", help="an artifact back to a plain safetensors file (original names and dtypes)")
+    p.add_argument("input", type=Path, help="a quantd artifact (.safetensors)")
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_dequantize)
 
     p = sub.add_parser("analyze", parents=[client], help="error statistics of several schemes side by side")
     p.add_argument("input", type=Path)
