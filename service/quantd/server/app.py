@@ -26,7 +26,7 @@ from .deps import AppState
 from .logging import RequestMiddleware
 from .metrics import Metrics
 from .problems import install_problem_handlers
-from .routes import health, info, jobs, sync
+from .routes import docs_ui, health, info, jobs, sync
 from .routes._docs import finish_openapi
 from .settings import Settings
 
@@ -150,10 +150,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await service.stop()
             log.info("quantd stopped")
 
-    app = FastAPI(title="quantd", version=quantd.__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="quantd", version=quantd.__version__, description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
     install_problem_handlers(app)
     for module in (health, info, sync, jobs):
         app.include_router(module.router)
+    docs_ui.install(app)
     app.add_middleware(RequestMiddleware, metrics=metrics)
 
     def openapi() -> dict[str, Any]:
