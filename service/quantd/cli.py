@@ -459,12 +459,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # not a real file descriptor (captured output)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from quantd_client._exceptions import QuantdError as ClientError
 
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        rc = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not as a warning at interpreter exit
+        return rc
+    except BrokenPipeError:  # `quantd ... | head`: the reader has gone; end quietly, as a SIGPIPE'd tool does
+        _discard_stdout()
+        return 128 + 13
     except UsageError as e:
         print(f"quantd {args.command}: {e}", file=sys.stderr)
         return 2

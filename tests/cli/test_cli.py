@@ -355,3 +355,26 @@ def test_skip_globs_leave_tensors_as_they_are(model: Path, tmp_path: Path, capsy
     assert not tensors["layer.bias"]["skipped"]  # the file's rule still applies to the rest
     out = tmp_path / "o"
     assert np.array_equal(Artifact(path=out).dequantize()["layer.weight"], W)
+
+
+def _closed_reader(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` with its stdout a pipe whose reader has already gone (``cmd | head -0``)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("where", ["in-process", "server"])
+def test_a_closed_pipe_ends_quietly(where: str, model: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    base = [sys.executable, "-m", "quantd"]
+    if where == "server":
+        cmd = [*base, "jobs", "list", "--server", request.getfixturevalue("cli_server")]
+    else:
+        cmd = [*base, "quantize", str(model), "-o", str(tmp_path / "o"), "--dtype", "int8", "--device", "cpu"]
+    done = _closed_reader(cmd)
+    assert done.returncode == 141, done.stderr  # 128 + SIGPIPE, as `head` leaves any other tool
+    assert "Broken pipe" not in done.stderr and "Traceback" not in done.stderr and "Exception" not in done.stderr
