@@ -27,7 +27,7 @@ from .logging import RequestMiddleware
 from .metrics import Metrics
 from .problems import install_problem_handlers
 from .routes import docs_ui, health, info, jobs, sync
-from .routes._docs import finish_openapi
+from .routes._docs import finish_openapi, without_auth
 from .settings import Settings
 
 log = logging.getLogger("quantd.server")
@@ -162,7 +162,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            app.openapi_schema = finish_openapi(schema)
+            schema = finish_openapi(schema)
+            state: AppState | None = getattr(app.state, "quantd", None)
+            keyed = state.auth_enabled if state is not None else bool(settings.tenant_keys())
+            app.openapi_schema = schema if keyed else without_auth(schema)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -116,6 +116,19 @@ def finish_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def without_auth(schema: dict[str, Any]) -> dict[str, Any]:
+    """The document of a server running open (no API keys): no security scheme, no ``security`` requirement
+    and no 401 answer on any operation, since none is asked for or given."""
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            if isinstance(op, dict):
+                op.pop("security", None)
+                op.get("responses", {}).pop("401", None)
+    comps = schema.get("components", {})
+    comps.pop("securitySchemes", None)
+    return schema
+
+
 JOB_EXAMPLE: dict[str, Any] = {
     "id": "3f2c9b7e0a4d4c1e9f6b2a8d7c5e4f10", "status": "queued", "created_at": "2026-01-01T12:00:00Z",
     "started_at": None, "finished_at": None,
