@@ -9,7 +9,10 @@ from pathlib import Path
 from quantd.testing import free_port
 from quantd.testing import live_server as _live_server
 
-__all__ = ["free_port", "inductor_cache_dir", "live_server"]
+__all__ = ["LIVE_API_KEY", "free_port", "inductor_cache_dir", "live_server"]
+
+# The key of the session's keyed live server (tests/conftest.py's live_keyed_url).
+LIVE_API_KEY = "sdk-test-key-0001"
 
 
 def inductor_cache_dir() -> str:

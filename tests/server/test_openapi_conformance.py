@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 
-from _live import live_server
+from _live import LIVE_API_KEY
 
 pytest.importorskip("schemathesis", reason="schemathesis (the dev extra) runs these checks")
 
-KEY = "conformance-key-0123456789"
 MAX_EXAMPLES = 10
 
 
@@ -42,10 +41,11 @@ def run_schemathesis(base: str, report: Path, *, api_key: str | None) -> dict[st
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["open", "keyed"])
-def test_the_api_conforms_to_its_openapi_document(mode: str, tmp_path: Path) -> None:
-    key = KEY if mode == "keyed" else None
-    with live_server(tmp_path, api_keys=f"tenant:{KEY}" if key else None) as base:
-        result = run_schemathesis(base, tmp_path / "report.json", api_key=key)
+def test_the_api_conforms_to_its_openapi_document(mode: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """On the session's live servers (tests/conftest.py): a temp data dir each."""
+    key = LIVE_API_KEY if mode == "keyed" else None
+    base = request.getfixturevalue("live_keyed_url" if key else "live_open_url")
+    result = run_schemathesis(base, tmp_path / "report.json", api_key=key)
     assert result["failures"] == [] and result["errors"] == [], result["output"]
     assert result["returncode"] == 0 and result["complete"], result["output"]
     assert result["operations"]["tested"] == result["operations"]["total"] >= 15

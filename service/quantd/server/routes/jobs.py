@@ -138,10 +138,21 @@ async def get_job(job_id: str, state: StateDep, tenant: TenantDep) -> Job:
     return await state.jobs.get(tenant, job_id)
 
 
+# One event of the stream, as OpenAPI 3.1 describes a text/event-stream (its ``schema`` is per event).
+SSE_EVENT_SCHEMA = {
+    "type": "object", "required": ["event", "data"],
+    "properties": {
+        "event": {"type": "string", "enum": ["progress", "succeeded", "failed", "cancelled"]},
+        "data": {"type": "string", "contentMediaType": "application/json",
+                 "description": "progress: the job's Progress; succeeded, failed, cancelled: the Job"},
+    },
+}
+
+
 @router.get("/{job_id}/events", summary="Follow a job: progress events, then one terminal event",
             response_class=StreamingResponse,
             responses={200: {"description": "Server-sent events", "content": {"text/event-stream": {
-                "schema": {"type": "string"},
+                "schema": SSE_EVENT_SCHEMA,
                 "example": ('event: progress\ndata: {"tensors_done":3,"tensors_total":10,"bytes_done":0,'
                             '"bytes_total":0,"fraction":0.3}\n\nevent: succeeded\ndata: {"id":"..."}\n\n')}}},
                        **_JOB_ERRORS})
