@@ -107,7 +107,8 @@ def test_tied_weights_may_be_absent(tmp_path: Path) -> None:
     dst = tmp_path / "q.safetensors"
     quantize_file(src, dst, QuantConfig(scheme=Scheme(dtype="int8")), device="cpu")
     fresh = Tied()
-    assert load_into_model(fresh, dst) == ([], [])
+    result = load_into_model(fresh, dst)
+    assert result == ([], []) and repr(result) == "<All keys matched successfully>"
     assert torch.equal(fresh.head.weight, model.embed.weight) and fresh.head.weight is fresh.embed.weight
     with pytest.raises(RuntimeError, match=r"size mismatch for proj\.weight"):
         bad = Tied()

@@ -358,6 +358,11 @@ class LoadResult(NamedTuple):
     missing_keys: list[str]
     unexpected_keys: list[str]
 
+    def __repr__(self) -> str:  # as load_state_dict's result prints
+        if not self.missing_keys and not self.unexpected_keys:
+            return "<All keys matched successfully>"
+        return f"LoadResult(missing_keys={self.missing_keys!r}, unexpected_keys={self.unexpected_keys!r})"
+
 
 def _align_prefix(keys: set[str], expected: set[str], prefix: str) -> Callable[[str], str]:
     """The renaming that lines checkpoint ``keys`` up with the model's: a base model's checkpoint loaded into
