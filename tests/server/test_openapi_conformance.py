@@ -33,7 +33,8 @@ def run_schemathesis(base: str, report: Path, *, api_key: str | None) -> dict[st
            "--report-json-path", str(report)]
     if api_key:
         cmd += ["--header", f"Authorization: Bearer {api_key}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    # In the report's folder: schemathesis keeps a cache of its own under the working directory.
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=report.parent)
     assert report.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result: dict[str, Any] = json.loads(report.read_text())
     result["output"] = done.stdout[-6000:]
