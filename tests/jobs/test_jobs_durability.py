@@ -122,8 +122,8 @@ async def test_sigkill_mid_directory_job_then_restart_finishes_it(make_service: 
     assert sha256_file(path) == sha
     with tarfile.open(path) as t:
         assert sorted(t.getnames()) == ["config.json", "model.safetensors"]
-    stored, _, window = await fresh.output_file("a", job.id, "config.json")
+    art, window = await fresh.output_file("a", job.id, "config.json")
     assert window is not None
     offset, size = window
-    config = json.loads(stored.read_bytes()[offset:offset + size])
+    config = json.loads(b"".join(art.read(offset, size)))
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"

@@ -19,6 +19,7 @@ import posixpath
 import shutil
 import time
 import unicodedata
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +171,12 @@ def model_structure(config_path: Path | None) -> ModelStructure:
     cfg = _read_json(config_path, CONFIG)
     if not isinstance(cfg, dict):
         raise MalformedInputError(f"{CONFIG}: not a JSON object")
+    with warnings.catch_warnings():  # deprecation notices of modules transformers imports: not the user's concern
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _build_structure(cfg)
+
+
+def _build_structure(cfg: dict[str, Any]) -> ModelStructure:
     try:
         import transformers
         from torch import nn
@@ -407,12 +414,33 @@ def unpack_tar(src: Path, dst: Path) -> ModelFiles:
     return ModelFiles(found)
 
 
-def tar_window(src: Path, rel: str) -> tuple[int, int] | None:
-    """Where the bytes of member ``rel`` lie in the uncompressed tar ``src``: ``(offset, size)``; None when
-    it has no such member. Reads the headers only."""
+class _RangeFile:
+    """A read-only, seekable file over ``read(start, length)`` (a local file or an object store's ranged
+    GETs), for tarfile to walk the headers of an uncompressed tar without reading its members."""
+
+    def __init__(self, read: Callable[[int, int], bytes], size: int) -> None:
+        self._read, self._size, self._pos = read, size, 0
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._size - self._pos if n < 0 else min(n, self._size - self._pos)
+        data = self._read(self._pos, n) if n > 0 else b""
+        self._pos += len(data)
+        return data
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._size + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def tar_window(read: Callable[[int, int], bytes], size: int, rel: str) -> tuple[int, int] | None:
+    """Where the bytes of member ``rel`` lie in an uncompressed tar of ``size`` bytes read through ``read``:
+    ``(offset, size)``; None when it has no such member. Reads the headers only."""
     import tarfile
 
-    with tarfile.open(src, mode="r:") as tar:
+    with tarfile.open(fileobj=_RangeFile(read, size), mode="r:") as tar:  # type: ignore[call-overload]
         for member in tar:
             if member.name == rel and member.isfile():
                 return member.offset_data, member.size
