@@ -8,11 +8,11 @@ from __future__ import annotations
 import fnmatch
 import math
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ._dtypes import DTYPES
+from ._dtypes import DTYPES, OUTPUT_FORMATS
 
 DType = Literal[
     "int8", "int4", "int3", "int2", "uint8", "uint4", "nf4", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16"
@@ -23,6 +23,12 @@ MethodName = Literal["rtn"]
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 InputFormat = Literal["safetensors", "pytorch", "npy", "npz"]
+# The output formats' names, listed once in ``_dtypes.OUTPUT_FORMATS`` (the server's format registry checks
+# at import that it registers exactly these).
+if TYPE_CHECKING:
+    OutputFormatName = str
+else:
+    OutputFormatName = Literal[OUTPUT_FORMATS]
 
 _OBSERVER_ARGS: dict[str, set[str]] = {
     "minmax": set(),
@@ -165,7 +171,7 @@ class QuantConfig(_Strict):
     rules: list[Rule] = Field(default_factory=list)
     skip_1d: bool = True
     min_numel: int = Field(0, ge=0)
-    output: Literal["safetensors"] = "safetensors"
+    output: OutputFormatName = Field("safetensors", description="the artifact's format (GET /v1/info lists them)")
     activations: ObserverSpec | None = Field(
         None, description="how activation ranges are observed when a job comes with a calibration file "
                           "(default: int8 affine min-max per tensor); the ranges land in the report and "

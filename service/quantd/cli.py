@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from quantd_client._dtypes import OUTPUT_FORMATS
 from quantd_client._schemas import AnalyzeResponse, QuantConfig, Report, Scheme, Summary
 
 DEFAULT_ANALYZE_DTYPES = ("int8", "int4")
@@ -159,6 +160,8 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
                              f'e.g. {{"scheme": {{"dtype": "int4", "group_size": 128}}}}')
     flags = {key: getattr(args, key) for key in ("dtype", "group_size", "granularity", "observer", "symmetric")
              if getattr(args, key, None) is not None}
+    if getattr(args, "format", None) is not None:
+        data = {**data, "output": args.format}
     try:
         config = QuantConfig.model_validate(data)
         if flags:
@@ -394,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True)
     p.add_argument("--config", help="a QuantConfig JSON file; flags override its scheme")
+    p.add_argument("--format", choices=OUTPUT_FORMATS,
+                   help="output format (the config's \"output\"; default: the config's, else safetensors)")
     p.add_argument("--wait-timeout", type=float, default=None,
                    help="with --server: seconds to wait for the job (default: no limit); the job id is on stderr")
     _scheme_flags(p, many_dtypes=False)
