@@ -65,7 +65,7 @@ GGML_BY_ID: dict[int, GGMLType] = {t.type_id: t for t in GGML_TYPES.values()}
 
 # Elements per chunk of rows: the searches' temporaries (a few chunk-sized float32 tensors) stay in the
 # tens of MiB whatever the tensor.
-CHUNK_ELEMENTS = 1 << 20
+CHUNK_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)

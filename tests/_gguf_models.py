@@ -1,14 +1,15 @@
-"""A tiny llama-architecture GGUF written with gguf-py's ``GGUFWriter``: random weights whose rows are
-whole k-quant super-blocks (256), and a small SentencePiece-style vocabulary (control tokens, the 256
-byte-fallback tokens and a few pieces) so that llama.cpp can load and run it."""
+"""GGUF test helpers: a tiny llama-architecture GGUF written with gguf-py, and llama.cpp's own quantizer
+(``ggml_quantize_chunk`` of the ggml library llama-cpp-python ships, through ctypes) as the reference."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+from functools import cache
 from pathlib import Path
 
-import numpy as np
-
 import gguf
+import numpy as np
 
 N_EMBD = 256
 N_FF = 512
@@ -76,3 +77,33 @@ def write_tiny_llama(path: Path, *, seed: int = 0, dtype: type = np.float32) -> 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+@cache
+def ggml_library() -> ctypes.CDLL | None:
+    """The ggml base library of the installed llama-cpp-python, or None when it is not installed."""
+    try:
+        import llama_cpp
+    except Exception:  # not installed, or its native library does not load here
+        return None
+    path = os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so")
+    if not os.path.exists(path):
+        return None
+    lib = ctypes.CDLL(path)
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_void_p]
+    return lib
+
+
+def ggml_quantize(x: np.ndarray, type_id: int, row_bytes: int, importance: np.ndarray | None = None) -> np.ndarray:
+    """``ggml_quantize_chunk`` over all rows of the 2-D float32 ``x``: ``[rows, row_bytes]`` uint8."""
+    lib = ggml_library()
+    if lib is None:
+        raise RuntimeError("llama-cpp-python's ggml library is not available")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.zeros((x.shape[0], row_bytes), dtype=np.uint8)
+    imp = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
+    lib.ggml_quantize_chunk(type_id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1],
+                            None if imp is None else imp.ctypes.data)
+    return out
