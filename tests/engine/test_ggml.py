@@ -116,9 +116,9 @@ def test_shapes_are_checked_and_memory_is_chunked(monkeypatch: pytest.MonkeyPatc
             parts = ggml.quantize(x, t)
         if exact:
             assert torch.equal(parts.data, whole.data)
-        else:  # the searches' float32 sums may round otherwise in smaller tensors: the same error to 0.1 %
+        else:  # the searches' float32 sums may round otherwise in smaller tensors: the same error to 1 %
             e1, e2 = (((ggml.dequantize(q) - x) ** 2).mean().item() for q in (whole, parts))
-            assert e2 == pytest.approx(e1, rel=1e-3)
+            assert e2 == pytest.approx(e1, rel=1e-2)
     three_d = ggml.quantize(x.reshape(2, 20, 256), ggml.GGML_TYPES["q8_0"])
     assert three_d.data.shape == (40, 34) and ggml.dequantize(three_d).shape == (2, 20, 256)
 
