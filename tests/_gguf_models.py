@@ -34,7 +34,7 @@ def write_tiny_llama(path: Path, *, seed: int = 0, dtype: type = np.float32) -> 
     n_vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-llama-test")
-    w.add_context_length(128)
+    w.add_context_length(512)
     w.add_embedding_length(N_EMBD)
     w.add_block_count(N_LAYER)
     w.add_feed_forward_length(N_FF)
@@ -107,3 +107,46 @@ def ggml_quantize(x: np.ndarray, type_id: int, row_bytes: int, importance: np.nd
     lib.ggml_quantize_chunk(type_id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1],
                             None if imp is None else imp.ctypes.data)
     return out
+
+
+def llama_cpp_or_none() -> object | None:
+    """The ``llama_cpp`` module when llama-cpp-python is installed and its native library loads."""
+    try:
+        import llama_cpp
+    except Exception:  # not installed, or built for another machine
+        return None
+    return llama_cpp
+
+
+PROMPT = b" the cat sat on the mat hello world"
+
+
+def llama_logits(path: Path) -> np.ndarray:
+    """llama.cpp's logits for every position of :data:`PROMPT` with the model at ``path`` (2 threads)."""
+    llama_cpp = llama_cpp_or_none()
+    assert llama_cpp is not None
+    m = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2,  # type: ignore[attr-defined]
+                        n_threads_batch=2)
+    try:
+        tokens = m.tokenize(PROMPT)
+        m.eval(tokens)
+        return np.array(m.scores[:len(tokens)], dtype=np.float64)
+    finally:
+        m.close()
+
+
+def llama_quantize(src: Path, dst: Path, ftype: int, *, nthread: int = 1) -> float:
+    """llama.cpp's own ``llama_model_quantize`` (``llama-quantize``): seconds taken."""
+    import ctypes
+    import time
+
+    llama_cpp = llama_cpp_or_none()
+    assert llama_cpp is not None
+    params = llama_cpp.llama_model_quantize_default_params()  # type: ignore[attr-defined]
+    params.ftype = ftype
+    params.nthread = nthread
+    t0 = time.perf_counter()
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))  # type: ignore[attr-defined]
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize failed with {rc}")
+    return time.perf_counter() - t0
