@@ -251,7 +251,7 @@ class GGUFReader(ModelReader):
         t = self._entries[name]
         self._f.seek(self.file.data_start + t.offset)
         buf = bytearray(t.nbytes)
-        if self._f.readinto(buf) != t.nbytes:
+        if self._f.readinto(buf) != t.nbytes:  # type: ignore[attr-defined]
             raise MalformedInputError(f"GGUF tensor {name!r} is truncated")
         return buf
 
@@ -326,7 +326,7 @@ class GGUFWriter:
             raise RuntimeError(f"GGUF tensor {name!r} written out of order (expected {t.name!r})")
         if isinstance(data, torch.Tensor):
             data = data.detach().cpu().contiguous().view(torch.uint8).numpy()
-        mv = memoryview(data).cast("B")
+        mv = memoryview(data).cast("B")  # type: ignore[arg-type]
         if mv.nbytes != t.nbytes:
             raise RuntimeError(f"GGUF tensor {name!r}: {mv.nbytes} bytes, the table says {t.nbytes}")
         self._f.seek(self._data_start + self._offsets[self._next])

@@ -53,7 +53,7 @@ def _legacy(path: Path) -> dict[str, torch.Tensor]:
         values = np.frombuffer(data, dtype="<f4", count=nval, offset=pos).astype(np.float32)
         pos += nval * 4
         if ncall > 0:
-            values = values / ncall
+            values = (values / ncall).astype(np.float32)
         out[name] = torch.from_numpy(values.copy()).reshape(1, -1)
     return out
 

@@ -81,7 +81,7 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
         elif rule is not None or not config.gguf_mix:
             scheme, reason = config.scheme_for(t.name, t.shape)
         elif t.name in mix:
-            scheme = Scheme(dtype=mix[t.name])  # type: ignore[arg-type]
+            scheme = Scheme(dtype=mix[t.name])
         else:
             reason = f"{config.gguf_mix} keeps this tensor as it is (llama.cpp quantizes 2-D weights but norms)"
         if scheme is not None and numel:
@@ -90,7 +90,7 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
                 target = fallback(scheme.dtype, t.shape[-1])
                 if target != scheme.dtype:
                     reason = f"rows of {t.shape[-1]} are not whole {scheme.dtype} blocks: {target} (llama.cpp's fallback)"
-                    scheme = Scheme(dtype=target)  # type: ignore[arg-type]
+                    scheme = Scheme(dtype=target)
         elif numel == 0:
             scheme, reason = None, "empty tensor"
         dtype = "U8" if scheme is not None and DTYPES[scheme.dtype].kind == "ggml" else (
