@@ -19,9 +19,20 @@ def f16_from(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).reshape(-1).float()
 
 
+_MAGIC = 12582912.0  # 1.5·2²³
+
+
 def nearest_int(v: torch.Tensor) -> torch.Tensor:
-    """ggml's ``nearest_int``: adding 1.5·2²³ rounds a float32 half to even, which is ``torch.round``."""
-    return torch.round(v)
+    """ggml's ``nearest_int`` exactly: adding 1.5·2²³ to a float32 of magnitude below 2²² rounds it to an
+    integer, half to even (``torch.round``'s result, at a fraction of its cost on CPU). Larger magnitudes
+    stay larger than 2²² with their sign, which the callers' clamps to small code ranges absorb."""
+    return (v + _MAGIC) - _MAGIC
+
+
+def blend(take: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``where(take, new, old)`` for small integer-valued float tensors (codes) with ``take`` broadcast
+    along rows: ``old + take·(new − old)`` is exact there and runs as plain vector arithmetic."""
+    return old + take.to(old.dtype) * (new - old)
 
 
 def roundf(v: torch.Tensor) -> torch.Tensor:
@@ -50,3 +61,16 @@ def argmax_abs_value(x: torch.Tensor) -> torch.Tensor:
     """The signed value of largest magnitude in each row, the first one on ties (ggml's ``amax < fabsf(v)``)."""
     idx = x.abs().argmax(dim=-1, keepdim=True)
     return x.gather(-1, idx).squeeze(-1)
+
+
+def sum_rows(t: torch.Tensor) -> torch.Tensor:
+    """Σ over the first dim of a 2-D ``[n, S]`` tensor, as a ``[1, n] @ [n, S]`` product: ATen's reduction
+    kernels run such short sums an order of magnitude slower than a matrix product on CPU."""
+    return (torch.ones(1, t.shape[0], dtype=t.dtype, device=t.device) @ t).squeeze(0)
+
+
+def sum_last(t: torch.Tensor) -> torch.Tensor:
+    """Σ over the last dim (any leading shape), as a product with a ones vector (see :func:`sum_rows`)."""
+    n = t.shape[-1]
+    flat = t.reshape(-1, n) @ torch.ones(n, 1, dtype=t.dtype, device=t.device)
+    return flat.reshape(t.shape[:-1])

@@ -4,7 +4,7 @@ Each search is a loop of ggml-quants.c (``make_qkx2_quants``/``make_qkx3_quants`
 ``make_q3_quants``, ``make_qp_quants``) with its body evaluated for all sub-blocks in one tensor op per
 step: the Python loops run over candidate scales or over the positions of a sub-block, never over blocks
 or rows. Sub-blocks are laid out element-major (``[n, S]``: ``x.T``), so a sum over a sub-block is ``n``
-contiguous vector adds. Rounding is ggml's ``nearest_int`` (round half to even, ``torch.round``). Squared
+contiguous vector adds. Rounding is ggml's ``nearest_int`` (round half to even). Squared
 errors of candidates come from the weighted sums the fit already has (Σw(sq + m − x)² expanded) rather
 than another pass over the elements.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import GROUP_MAX_EPS
+from ._common import GROUP_MAX_EPS, nearest_int, sum_rows
 
 
 def _f32(v: float) -> float:
@@ -46,21 +46,21 @@ def affine_search(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdel
     mx = xt.amax(0)
     flat = mx <= mn
     one = torch.ones_like(mn)
-    sum_w = wt.sum(0)
-    sum_x = wx.sum(0)
-    sum_x2 = (wx * xt).sum(0)
+    sum_w = sum_rows(wt)
+    sum_x = sum_rows(wx)
+    sum_x2 = sum_rows(wx * xt)
 
     def error(scale: torch.Tensor, m: torch.Tensor, q: torch.Tensor, sum_l: torch.Tensor, sum_l2: torch.Tensor,
               sum_xl: torch.Tensor) -> torch.Tensor:
         if use_mad:
-            return (wt * (scale * q + m - xt).abs()).sum(0)
+            return sum_rows(wt * (scale * q + m - xt).abs())
         return (scale * scale * sum_l2 + 2 * scale * m * sum_l - 2 * scale * sum_xl + m * m * sum_w
                 - 2 * m * sum_x + sum_x2)
 
     def codes(iscale: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q = torch.round((xt - m) * iscale).clamp_(0, nmax)
+        q = nearest_int((xt - m) * iscale).clamp_(0, nmax)
         wq = wt * q
-        return q, wq.sum(0), (wq * q).sum(0), (q * wx).sum(0)
+        return q, sum_rows(wq), sum_rows(wq * q), sum_rows(q * wx)
 
     iscale = nmax / torch.where(flat, one, mx - mn)
     q, sum_l, sum_l2, sum_xl = codes(iscale, mn)
@@ -99,8 +99,8 @@ def symmetric_search(x: torch.Tensor, w: torch.Tensor, nmax: int) -> torch.Tenso
     mxv = torch.where(zero, torch.ones_like(mxv), mxv)
 
     def fit(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = torch.round(xt * iscale).clamp_(-nmax, nmax - 1)
-        return (q * wx).sum(0), (wt * q * q).sum(0)
+        q = nearest_int(xt * iscale).clamp_(-nmax, nmax - 1)
+        return sum_rows(q * wx), sum_rows(wt * q * q)
 
     sumlx, suml2 = fit(-nmax / mxv)
     scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
@@ -125,16 +125,16 @@ def q3_search(x: torch.Tensor, nmax: int) -> torch.Tensor:
     mxv = _signed_absmax(xt)
     zero = mxv.abs() < GROUP_MAX_EPS
     mxv = torch.where(zero, torch.ones_like(mxv), mxv)
-    q = torch.round(xt * (-nmax / mxv)).clamp_(-nmax, nmax - 1)
+    q = nearest_int(xt * (-nmax / mxv)).clamp_(-nmax, nmax - 1)
     wx = wt * xt
-    sumlx = (wx * q).sum(0)
-    suml2 = (wt * q * q).sum(0)
+    sumlx = sum_rows(wx * q)
+    suml2 = sum_rows(wt * q * q)
     for _ in range(5):
         for i in range(xt.shape[0]):
             wi, xi, li, wxi = wt[i], xt[i], q[i], wx[i]
             slx = sumlx - wxi * li
             sl2 = suml2 - wi * li * li
-            new_l = torch.round(xi * sl2 / _nonzero(slx)).clamp_(-nmax, nmax - 1)
+            new_l = nearest_int(xi * sl2 / _nonzero(slx)).clamp_(-nmax, nmax - 1)
             slx_n = slx + wxi * new_l
             sl2_n = sl2 + wi * new_l * new_l
             take = (slx > 0) & (new_l != li) & (sl2_n > 0) & (slx_n * slx_n * suml2 > sumlx * sumlx * sl2_n)
@@ -156,28 +156,28 @@ def qp_search(v: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor
     zero = mx < GROUP_MAX_EPS
     mx = torch.where(zero, torch.ones_like(mx), mx)
     iscale = nmax / mx
-    q = torch.round(vt * iscale)
-    best = (wt * (vt - q / iscale) ** 2).sum(0)
+    q = nearest_int(vt * iscale)
+    best = sum_rows(wt * (vt - q / iscale) ** 2)
     for step in range(-4, 5):
         if step == 0:
             continue
         cand = _f32(_f32(0.1 * step) + nmax) / mx
-        qc = torch.round(vt * cand).clamp_(max=nmax)
-        err = (wt * (vt - qc / cand) ** 2).sum(0)
+        qc = nearest_int(vt * cand).clamp_(max=nmax)
+        err = sum_rows(wt * (vt - qc / cand) ** 2)
         take = err < best
         best = torch.where(take, err, best)
         iscale = torch.where(take, cand, iscale)
-    q = torch.round(vt * iscale).clamp_(max=nmax)
+    q = nearest_int(vt * iscale).clamp_(max=nmax)
     wv = wt * vt
-    sumlx = (wv * q).sum(0)
-    suml2 = (wt * q * q).sum(0)
+    sumlx = sum_rows(wv * q)
+    suml2 = sum_rows(wt * q * q)
     for _ in range(5):
         for i in range(vt.shape[0]):
             wi, vi, li, wvi = wt[i], vt[i], q[i], wv[i]
             slx = sumlx - wvi * li
             sl2 = suml2 - wi * li * li
             ok = (slx > 0) & (sl2 > 0)
-            new_l = torch.round(vi * sl2 / _nonzero(slx)).clamp_(max=nmax)
+            new_l = nearest_int(vi * sl2 / _nonzero(slx)).clamp_(max=nmax)
             slx_n = slx + wvi * new_l
             sl2_n = sl2 + wi * new_l * new_l
             take = ok & (new_l != li) & (slx_n * slx_n * suml2 > sumlx * sumlx * sl2_n)

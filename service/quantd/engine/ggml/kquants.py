@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import GROUP_MAX_EPS, argmax_abs_value, f16_bytes, f16_from
+from ._common import GROUP_MAX_EPS, argmax_abs_value, blend, f16_bytes, f16_from, nearest_int, sum_last
 from ._search import affine_search, q3_search, qp_search, symmetric_search
 
 QK_K = 256
@@ -27,11 +27,6 @@ _REFIT_ROUNDS = 2
 
 def _f16_round(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.float16).float()
-
-
-def _expand(per_sub: torch.Tensor, n: int) -> torch.Tensor:
-    """``[NB, nsub]`` → ``[NB, 256]``: each sub-block's value repeated over its ``n`` elements."""
-    return per_sub.repeat_interleave(n, dim=1)
 
 
 def _safe(v: torch.Tensor) -> torch.Tensor:
@@ -127,7 +122,7 @@ _Q5 = _Affine(32, 31, 63, -0.5, 0.1, 15, False)
 
 
 def _sigma2(x: torch.Tensor, factor: float) -> torch.Tensor:
-    return (factor * (x * x).sum(1, keepdim=True) / QK_K)
+    return factor * sum_last(x * x).unsqueeze(1) / QK_K
 
 
 def _affine_weights(t: _Affine, x: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
@@ -137,37 +132,45 @@ def _affine_weights(t: _Affine, x: torch.Tensor, importance: torch.Tensor | None
     if t is _Q2:
         return x.abs()
     sub = x.reshape(-1, t.sub)
-    av = torch.sqrt((sub * sub).sum(1, keepdim=True) / t.sub)
+    av = torch.sqrt(sum_last(sub * sub).unsqueeze(1) / t.sub)
     return (av + sub.abs()).reshape(x.shape)
 
 
 def _affine_codes(t: _Affine, x: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, ls: torch.Tensor,
                   lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes of every element for float super-scales ``d``/``dmin`` ``[NB]`` and integer sub-scales
-    ``[NB, nsub]`` (ggml's final ``nearest_int((x + dm) / d)``), and ``x̂``."""
-    step = _expand(d.unsqueeze(1) * ls, t.sub)
-    off = _expand(dmin.unsqueeze(1) * lm, t.sub)
-    q = torch.round((x + off) / _safe(step)).clamp_(0, t.nmax)
-    q = torch.where(step == 0, torch.zeros_like(q), q)
-    return q, step * q - off
+    ``[NB, nsub]`` (ggml's final ``nearest_int((x + dm) / d)``), and ``x̂``; both ``[NB, 256]``."""
+    nb = x.shape[0]
+    x3 = x.view(nb, -1, t.sub)
+    step = (d.unsqueeze(1) * ls).unsqueeze(2)
+    off = (dmin.unsqueeze(1) * lm).unsqueeze(2)
+    q = nearest_int((x3 + off) / _safe(step)).clamp_(0, t.nmax)
+    q = q.mul_((step != 0).to(q.dtype))
+    return q.reshape(nb, -1), (step * q - off).reshape(nb, -1)
 
 
 def _block_error(x: torch.Tensor, x_hat: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
     diff = x_hat - x
     e = diff * diff
-    return (e if weight is None else e * weight).sum(1)
+    return sum_last(e if weight is None else e * weight)
 
 
-def _affine_refit(t: _Affine, x: torch.Tensor, weight: torch.Tensor | None, d: torch.Tensor, dmin: torch.Tensor,
-                  ls: torch.Tensor, lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Least-squares ``d``, ``dmin`` for the current codes: minimise Σ w (d·A − dmin·B − x)² with
+def _affine_refit(t: _Affine, x: torch.Tensor, weight: torch.Tensor | None, q: torch.Tensor, d: torch.Tensor,
+                  dmin: torch.Tensor, ls: torch.Tensor, lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least-squares ``d``, ``dmin`` for the codes ``q``: minimise Σ w (d·A − dmin·B − x)² with
     ``A = ls_j·q``, ``B = lm_j``; float16-rounded. Rows where the system is singular keep theirs."""
-    q, _ = _affine_codes(t, x, d, dmin, ls, lm)
-    w = torch.ones_like(x) if weight is None else weight
-    a_ = _expand(ls, t.sub) * q
-    b_ = _expand(lm, t.sub)
-    saa, sab, sbb = (w * a_ * a_).sum(1), (w * a_ * b_).sum(1), (w * b_ * b_).sum(1)
-    sax, sbx = (w * a_ * x).sum(1), (w * b_ * x).sum(1)
+    nb = x.shape[0]
+    x3 = x.view(nb, -1, t.sub)
+    q3 = q.view(nb, -1, t.sub)
+    wq = q3 if weight is None else weight.view(nb, -1, t.sub) * q3
+    s_w = torch.full_like(ls, float(t.sub)) if weight is None else sum_last(weight.view(nb, -1, t.sub))
+    s_wx = sum_last(x3) if weight is None else sum_last(weight.view(nb, -1, t.sub) * x3)
+    s_wq, s_wq2, s_wqx = sum_last(wq), sum_last(wq * q3), sum_last(wq * x3)
+    saa = sum_last(ls * ls * s_wq2)
+    sab = sum_last(ls * lm * s_wq)
+    sbb = sum_last(lm * lm * s_w)
+    sax = sum_last(ls * s_wqx)
+    sbx = sum_last(lm * s_wx)
     det = sab * sab - saa * sbb
     ok = det != 0
     det = _safe(det)
@@ -186,22 +189,24 @@ def _affine_settle(t: _Affine, x: torch.Tensor, ew: torch.Tensor | None, d: torc
     per super-block where it lowers the error. Returns ``d``, ``dmin``, codes, error ``[NB]``."""
     q, x_hat = _affine_codes(t, x, d, dmin, ls, lm)
     best = _block_error(x, x_hat, ew)
-    cd, cm = d, dmin
+    cq, cd, cm = q, d, dmin
     for _ in range(_REFIT_ROUNDS):
-        cd, cm = _affine_refit(t, x, ew, cd, cm, ls, lm)
+        cd, cm = _affine_refit(t, x, ew, cq, cd, cm, ls, lm)
         cq, cx = _affine_codes(t, x, cd, cm, ls, lm)
         err = _block_error(x, cx, ew)
         take = err < best
         best = torch.where(take, err, best)
         d = torch.where(take, cd, d)
         dmin = torch.where(take, cm, dmin)
-        q = torch.where(take.unsqueeze(1), cq, q)
+        q = blend(take.unsqueeze(1), cq, q)
     return d, dmin, q, best
 
 
 def _pick(take: torch.Tensor, a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """Per super-block, ``b``'s tensors where ``take`` else ``a``'s."""
-    return tuple(torch.where(take.view(-1, *([1] * (u.dim() - 1))), v, u) for u, v in zip(a, b, strict=True))
+    """Per super-block, ``b``'s tensors where ``take`` else ``a``'s (float scales by ``where``, the
+    integer-valued sub-scales and codes by :func:`blend`)."""
+    return tuple(torch.where(take, v, u) if u.dim() == 1 else blend(take.unsqueeze(1), v, u)
+                 for u, v in zip(a, b, strict=True))
 
 
 def _quantize_affine(t: _Affine, x: torch.Tensor, importance: torch.Tensor | None
@@ -226,11 +231,11 @@ def _quantize_affine(t: _Affine, x: torch.Tensor, importance: torch.Tensor | Non
     max_min = mins.amax(1).clamp(min=0)
     inv_scale = torch.where(max_scale > 0, t.levels / _safe(max_scale), torch.zeros_like(max_scale))
     inv_min = torch.where(max_min > 0, t.levels / _safe(max_min), torch.zeros_like(max_min))
-    ls = torch.round(inv_scale.unsqueeze(1) * scales).clamp_(0, t.levels)
-    lm = torch.round(inv_min.unsqueeze(1) * mins).clamp_(0, t.levels)
+    ls = nearest_int(inv_scale.unsqueeze(1) * scales).clamp_(0, t.levels)
+    lm = nearest_int(inv_min.unsqueeze(1) * mins).clamp_(0, t.levels)
     d, dmin, q, err = _affine_settle(t, x, ew, _f16_round(max_scale / t.levels), _f16_round(max_min / t.levels), ls, lm)
     # ggml's _impl: make_qp_quants over the sub-scales and sub-mins, weighted by each sub-block's Σw
-    sw = w.reshape(nb, -1, t.sub).sum(2)
+    sw = sum_last(w.reshape(nb, -1, t.sub))
     d2, ls2 = qp_search(scales.clamp(min=0), sw, t.levels)
     m2, lm2 = qp_search(mins.clamp(min=0), sw, t.levels)
     cand = _affine_settle(t, x, ew, _f16_round(d2), _f16_round(m2), ls2, lm2)
@@ -241,40 +246,45 @@ def _quantize_affine(t: _Affine, x: torch.Tensor, importance: torch.Tensor | Non
 
 def _affine_decode(t: _Affine, d: torch.Tensor, dmin: torch.Tensor, ls: torch.Tensor, lm: torch.Tensor,
                    q: torch.Tensor) -> torch.Tensor:
-    step = _expand(d.unsqueeze(1) * ls.float(), t.sub)
-    off = _expand(dmin.unsqueeze(1) * lm.float(), t.sub)
-    return step * q.float() - off
+    nb = q.shape[0]
+    step = (d.unsqueeze(1) * ls.float()).unsqueeze(2)
+    off = (dmin.unsqueeze(1) * lm.float()).unsqueeze(2)
+    return (step * q.float().view(nb, -1, t.sub) - off).reshape(nb, -1)
 
 
 def _sym_refit(x: torch.Tensor, weight: torch.Tensor | None, sub: int, d: torch.Tensor, sc: torch.Tensor,
                q: torch.Tensor) -> torch.Tensor:
-    a_ = _expand(sc, sub) * q
-    w = torch.ones_like(x) if weight is None else weight
-    saa = (w * a_ * a_).sum(1)
-    return torch.where(saa > 0, _f16_round((w * a_ * x).sum(1) / _safe(saa)), d)
+    nb = x.shape[0]
+    x3 = x.view(nb, -1, sub)
+    q3 = q.view(nb, -1, sub)
+    wq = q3 if weight is None else weight.view(nb, -1, sub) * q3
+    saa = sum_last(sc * sc * sum_last(wq * q3))
+    sax = sum_last(sc * sum_last(wq * x3))
+    return torch.where(saa > 0, _f16_round(sax / _safe(saa)), d)
 
 
 def _sym_codes(x: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, sub: int, nmax: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    step = _expand(d.unsqueeze(1) * sc, sub)
-    q = torch.round(x / _safe(step)).clamp_(-nmax, nmax - 1)
-    q = torch.where(step == 0, torch.zeros_like(q), q)
-    return q, step * q
+    nb = x.shape[0]
+    step = (d.unsqueeze(1) * sc).unsqueeze(2)
+    q = nearest_int(x.view(nb, -1, sub) / _safe(step)).clamp_(-nmax, nmax - 1)
+    q = q.mul_((step != 0).to(q.dtype))
+    return q.reshape(nb, -1), (step * q).reshape(nb, -1)
 
 
 def _sym_settle(x: torch.Tensor, ew: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor, nmax: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, x_hat = _sym_codes(x, d, sc, 16, nmax)
     best = _block_error(x, x_hat, ew)
-    cd = d
+    cq, cd = q, d
     for _ in range(_REFIT_ROUNDS):
-        cd = _sym_refit(x, ew, 16, cd, sc, _sym_codes(x, cd, sc, 16, nmax)[0])
+        cd = _sym_refit(x, ew, 16, cd, sc, cq)
         cq, cx = _sym_codes(x, cd, sc, 16, nmax)
         err = _block_error(x, cx, ew)
         take = err < best
         best = torch.where(take, err, best)
         d = torch.where(take, cd, d)
-        q = torch.where(take.unsqueeze(1), cq, q)
+        q = blend(take.unsqueeze(1), cq, q)
     return d, q, best
 
 
@@ -306,11 +316,11 @@ def _quantize_symmetric(x: torch.Tensor, importance: torch.Tensor | None, *, nma
     iscale = torch.where(zero, torch.zeros_like(max_scale), sc_min / torch.where(zero, torch.ones_like(max_scale),
                                                                                     max_scale))
     d = torch.where(zero, torch.zeros_like(iscale), _f16_round(1 / torch.where(zero, torch.ones_like(iscale), iscale)))
-    sc = torch.round(iscale.unsqueeze(1) * scales).clamp_(sc_min, sc_max)
+    sc = nearest_int(iscale.unsqueeze(1) * scales).clamp_(sc_min, sc_max)
     d, q, err = _sym_settle(x, ew, d, sc, nmax)
-    sw = w.reshape(nb, 16, 16).sum(2)
+    sw = sum_last(w.reshape(nb, 16, 16))
     d2 = _f16_round(symmetric_search(scales, sw, -sc_min))
-    sc2 = torch.round(scales / _safe(d2).unsqueeze(1)).clamp_(sc_min, sc_max)
+    sc2 = nearest_int(scales / _safe(d2).unsqueeze(1)).clamp_(sc_min, sc_max)
     sc2 = torch.where((d2 == 0).unsqueeze(1), torch.zeros_like(sc2), sc2)
     cd, cq, cerr = _sym_settle(x, ew, d2, sc2, nmax)
     take = cerr < err
@@ -343,7 +353,7 @@ def quantize_q3_k(x: torch.Tensor, importance: torch.Tensor | None = None) -> to
 def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
     q = (_unpack_2bit(b[:, 32:96]) | (_unpack_high(b[:, :32]) << 2)).float() - 4
     sc = _unpack_scales_q3(b[:, 96:108]).float()
-    return _expand(f16_from(b[:, 108:110]).unsqueeze(1) * sc, 16) * q
+    return ((f16_from(b[:, 108:110]).unsqueeze(1) * sc).unsqueeze(2) * q.view(-1, 16, 16)).reshape(-1, 256)
 
 
 def quantize_q4_k(x: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
@@ -388,4 +398,4 @@ def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     high = (b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3
     q = (low | (high << 4)).reshape(-1, 256).float() - 32
     sc = b[:, 192:208].contiguous().view(torch.int8).float()
-    return _expand(f16_from(b[:, 208:210]).unsqueeze(1) * sc, 16) * q
+    return ((f16_from(b[:, 208:210]).unsqueeze(1) * sc).unsqueeze(2) * q.view(-1, 16, 16)).reshape(-1, 256)
