@@ -72,3 +72,11 @@ def test_cli_quantizes_gguf_in_process(tmp_path: Path) -> None:
     assert main(["quantize", str(src), "-o", str(out), "--config", str(cfg), "--device", "cpu"]) == 0
     f = GGUFFile(out)
     assert f.get("general.file_type") == 15 and len(f.tensors) == 39
+    dat = tmp_path / "imatrix.dat"
+    name = b"blk.0.ffn_up.weight"
+    dat.write_bytes(struct.pack("<ii", 1, len(name)) + name + struct.pack("<ii", 1, 256) + b"\x00\x00\x80\x3f" * 256
+                    + struct.pack("<ii", 1, 0))
+    out2 = tmp_path / "out2.gguf"
+    assert main(["quantize", str(src), "-o", str(out2), "--gguf-mix", "Q6_K", "--calibration", str(dat),
+                 "--device", "cpu"]) == 0
+    assert GGUFFile(out2).get("general.file_type") == 18
