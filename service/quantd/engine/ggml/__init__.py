@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -86,6 +87,18 @@ def _chunk_pool(threads: int) -> ThreadPoolExecutor:
         return pool
 
 
+T = TypeVar("T")
+
+
+def map_chunks(fn: Callable[[int], T], starts: range, device: torch.device) -> list[T]:
+    """``fn`` over the chunk starts: on the single-threaded pool for CPU tensors when torch has several
+    threads (see :func:`_chunk_pool`), else in order."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and threads > 1 and len(starts) > 1:
+        return list(_chunk_pool(threads).map(fn, starts))
+    return [fn(r0) for r0 in starts]
+
+
 @dataclass(frozen=True)
 class GGMLQuantized:
     """A tensor in a ggml block type: ``data`` is ``[rows, row_bytes]`` uint8, ggml's bytes row by row
@@ -135,13 +148,7 @@ def quantize(x: torch.Tensor, t: GGMLType, *, importance: torch.Tensor | None = 
         w = None if imp is None else imp.expand(k, n).reshape(-1, t.block_size)
         out[r0:r0 + k] = t.quantize_blocks(blocks, w).reshape(k, -1)
 
-    starts = range(0, rows, step)
-    threads = torch.get_num_threads()
-    if x.device.type == "cpu" and threads > 1 and len(starts) > 1:
-        list(_chunk_pool(threads).map(run, starts))  # chunks write disjoint rows of ``out``
-    else:
-        for r0 in starts:
-            run(r0)
+    map_chunks(run, range(0, rows, step), x.device)  # chunks write disjoint rows of ``out``
     return GGMLQuantized(t, shape, out)
 
 
@@ -152,11 +159,14 @@ def dequantize(q: GGMLQuantized, *, dtype: torch.dtype = torch.float32) -> torch
     rows = q.data.shape[0]
     out = torch.empty((rows, n), dtype=dtype, device=q.data.device)
     step = max(1, CHUNK_ELEMENTS // n)
-    for r0 in range(0, rows, step):
+
+    def run(r0: int) -> None:
         b = q.data[r0:r0 + step]
         out[r0:r0 + b.shape[0]] = t.dequantize_blocks(b.reshape(-1, t.type_size)).reshape(b.shape[0], n).to(dtype)
+
+    map_chunks(run, range(0, rows, step), q.data.device)
     return out.reshape(q.shape)
 
 
 __all__ = ["CHUNK_ELEMENTS", "GGML_BY_ID", "GGML_TYPES", "GGMLQuantized", "GGMLType", "check_shape", "dequantize",
-           "ggml_type", "quantize"]
+           "ggml_type", "map_chunks", "quantize"]

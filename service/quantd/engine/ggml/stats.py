@@ -13,7 +13,7 @@ import torch
 
 from quantd_client import ErrorStats
 
-from . import CHUNK_ELEMENTS, GGMLQuantized, dequantize
+from . import CHUNK_ELEMENTS, GGMLQuantized, dequantize, map_chunks
 
 OUTLIER_STDS = 3.0
 
@@ -26,9 +26,9 @@ def ggml_error_stats(x: torch.Tensor, q: GGMLQuantized, *, in_bits: int) -> Erro
     x2 = x.reshape(rows, n)
     x_hat = dequantize(q).reshape(rows, n)
     step = max(1, CHUNK_ELEMENTS // n)
-    acc = torch.zeros(7, dtype=torch.float64, device=x.device)  # Σx, Σx², Σe², Σ|e|, Σx̂², Σxx̂, clipped
-    max_err = torch.zeros((), dtype=torch.float64, device=x.device)
-    for r0 in range(0, rows, step):
+    starts = range(0, rows, step)
+
+    def moments(r0: int) -> torch.Tensor:  # Σx, Σx², Σe², Σ|e|, Σx̂², Σxx̂, clipped, max|e|
         a = x2[r0:r0 + step].double()
         b = x_hat[r0:r0 + step].double()
         e = b - a
@@ -37,22 +37,23 @@ def ggml_error_stats(x: torch.Tensor, q: GGMLQuantized, *, in_bits: int) -> Erro
         lo = blocks_b.amin(1, keepdim=True)
         hi = blocks_b.amax(1, keepdim=True)
         clipped = ((blocks_a < lo) | (blocks_a > hi)).sum()
-        acc += torch.stack([a.sum(), (a * a).sum(), (e * e).sum(), e.abs().sum(), (b * b).sum(), (a * b).sum(),
-                            clipped.double()])
-        max_err = torch.maximum(max_err, e.abs().max())
-    sx, sx2, se2, sae, sb2, sab, nclip = acc.tolist()
+        return torch.stack([a.sum(), (a * a).sum(), (e * e).sum(), e.abs().sum(), (b * b).sum(), (a * b).sum(),
+                            clipped.double(), e.abs().max()])
+
+    parts = torch.stack(map_chunks(moments, starts, x.device))
+    sx, sx2, se2, sae, sb2, sab, nclip = parts[:, :7].sum(0).tolist()
+    max_err = float(parts[:, 7].max())
     numel = rows * n
     mean = sx / numel
     var = max(sx2 / numel - mean * mean, 0.0)
     threshold = OUTLIER_STDS * math.sqrt(var)
-    outliers = 0
-    for r0 in range(0, rows, step):
-        outliers += int(((x2[r0:r0 + step].double() - mean).abs() > threshold).sum())
+    outliers = sum(map_chunks(lambda r0: int(((x2[r0:r0 + step].double() - mean).abs() > threshold).sum()),
+                              starts, x.device))
     mse = se2 / numel
     signal = sx2 / numel
     denom = math.sqrt(sx2 * sb2)
     return ErrorStats(
-        numel=numel, mse=mse, mae=sae / numel, max_abs_error=float(max_err),
+        numel=numel, mse=mse, mae=sae / numel, max_abs_error=max_err,
         sqnr_db=10 * math.log10(signal / mse) if mse > 0 and signal > 0 else None,
         cosine=sab / denom if denom > 0 else 1.0,
         outlier_rate=outliers / numel, outlier_threshold=threshold,
