@@ -45,6 +45,7 @@ python bench/peers.py       # quantd vs peers; --quick for a smoke run
 python bench/service.py     # the service end to end; writes and deletes an 805 MB file in a temp dir
 python bench/engine.py      # the engine against a memory copy
 python bench/observers.py   # the range observers against min-max
+python bench/job_queue.py   # the job queue, SQLite against PostgreSQL (needs Debian's postgresql and .[dev])
 python bench/report.py      # this page, the README's table and docs/img/*.png
 ```
 """
@@ -710,6 +711,26 @@ def gguf_section(data: dict[str, Any]) -> list[str]:
 
 
 # (heading, results file, section function): one entry per results file, in page order.
+# -- the job queue (bench/job_queue.py) -------------------------------------------------------------------
+
+
+def queue_section(data: dict[str, Any]) -> list[str]:
+    """queue.json (bench/job_queue.py): jobs/min and submit→succeeded latency by job store and worker count."""
+    out = [machine_line(data["machine"]), "",
+           f"{data['jobs_per_cell']} small models submitted at once per cell, each followed through `/events` until "
+           f"`succeeded`; medians of {data['rounds']} interleaved rounds. *copy*: the queue alone (the input copied "
+           f"as the artifact); *real*: quantd's int8 pipeline ({data['quantize_ms']:.0f} ms a model alone, same "
+           "run). Baseline: SQLite at the same worker count in the same run (*vs SQLite*: PostgreSQL's jobs/min "
+           "over SQLite's).", ""]
+    rows = [[r["pipeline"], str(r["workers"]), r["backend"], fmt(r["jobs_per_min"], ".0f"), fmt(r["p50_ms"], ".0f"),
+             fmt(r["p95_ms"], ".0f"), fmt(r.get("throughput_vs_sqlite"), ".2f")]
+            for r in sorted(data["summary"], key=lambda r: (r["pipeline"], r["workers"], r["backend"]))]
+    out.append(table(["pipeline", "workers", "job store", "jobs/min", "p50 ms", "p95 ms", "vs SQLite"], rows))
+    for backend, why in (data.get("skipped") or {}).items():
+        out += ["", f"{backend}: not run ({why})."]
+    return out
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("quantd vs peer libraries", "peers.json", peers_section),
     ("The service", "service.json", service_file_section),
@@ -717,6 +738,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
      service_file_section),
     ("The engine against a memory copy", "engine.json", engine_section),
     ("Range observers against min-max", "observers.json", observers_section),
+    ("The job queue: SQLite against PostgreSQL", "queue.json", queue_section),
     ("GGUF: quantd against llama.cpp's llama_model_quantize (bench/gguf.py)", "gguf.json", gguf_section),
 ]
 

@@ -48,17 +48,37 @@ def default_symmetric(dtype: str) -> bool:
     return DTYPES[dtype].kind in ("nf4", "fp8")
 
 
+def default_granularity(dtype: str) -> GranularityName:
+    """8-bit dtypes (int8, uint8, fp8) default to one scale per output channel, as torchao and llm-compressor
+    quantize 8-bit weights; narrower dtypes to groups of ``group_size``."""
+    return "channel" if DTYPES[dtype].bits == 8 else "group"
+
+
+# Embedding tables and output heads, by the name of their module (the last part before ``.weight``):
+# ``word_embeddings``, ``embed_tokens``, ``token_type_embeddings``, GPT-2's ``wte``/``wpe``, ``lm_head``.
+EMBEDDING_MODULES = ("*embed*", "wte", "wpe", "lm_head", "embed_out")
+
+
+def is_embedding(name: str) -> bool:
+    """Whether ``name`` is the weight of an embedding table or output head (:data:`EMBEDDING_MODULES`)."""
+    module = name.removesuffix(".weight").rsplit(".", 1)[-1].lower()
+    return any(fnmatch.fnmatchcase(module, p) for p in EMBEDDING_MODULES)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class Scheme(_Strict):
     """How one tensor is quantized. ``symmetric`` left out means: affine for integer dtypes,
-    symmetric for nf4/fp8 (they have no zero point)."""
+    symmetric for nf4/fp8 (they have no zero point). ``granularity`` left out means: per channel for
+    8-bit dtypes, per group for narrower ones (and per group whenever ``group_size`` is given)."""
 
     dtype: DType = "int4"
     symmetric: bool = False
-    granularity: GranularityName = "group"
+    granularity: GranularityName = Field(
+        "group", description="tensor | channel | group. Left out: channel for 8-bit dtypes (int8, uint8, fp8), "
+                             "group for narrower ones or when group_size is given")
     axis: int = 0
     group_size: int = Field(128, ge=1)
     observer: ObserverName = "minmax"
@@ -78,6 +98,8 @@ class Scheme(_Strict):
         if "symmetric" not in self.model_fields_set:
             # Resolved without marking the field as set, so rule overrides can still re-resolve it.
             object.__setattr__(self, "symmetric", default_symmetric(self.dtype))
+        if "granularity" not in self.model_fields_set and "group_size" not in self.model_fields_set:
+            object.__setattr__(self, "granularity", default_granularity(self.dtype))  # unset, as symmetric
         if info.kind == "int" and not info.signed and self.symmetric:
             raise ValueError(f"scheme.symmetric: {self.dtype} is unsigned and needs a zero point; "
                              "use symmetric=false or a signed dtype")
@@ -173,6 +195,10 @@ class QuantConfig(_Strict):
     scheme: Scheme = Field(default_factory=lambda: Scheme())
     rules: list[Rule] = Field(default_factory=list)
     skip_1d: bool = True
+    skip_embeddings: bool = Field(
+        True, description="embedding tables and output heads stay in full precision unless a rule matches "
+                          "them: weights whose module name (the last part before .weight) matches one of "
+                          + ", ".join(repr(p) for p in EMBEDDING_MODULES) + " (fnmatch, case-insensitive)")
     min_numel: int = Field(0, ge=0)
     output: OutputFormatName = Field("safetensors", description="the artifact's format (GET /v1/info lists them)")
     activations: ObserverSpec | None = Field(
@@ -238,6 +264,8 @@ class QuantConfig(_Strict):
                 return (self.override_scheme(rule.scheme) if rule.scheme else self.scheme), None
         if self.skip_1d and len(shape) <= 1:
             return None, "1-D tensor (skip_1d)"
+        if self.skip_embeddings and is_embedding(name):
+            return None, "embedding table or output head (skip_embeddings)"
         return self.scheme, None
 
 
@@ -339,6 +367,23 @@ class Job(BaseModel):
     attempts: int = 0
     cancel_requested: bool = False  # DELETE seen on a running job; it ends cancelled at the next tensor
     expired_at: datetime | None = None  # files removed after the TTL (report/artifact then answer 410)
+    source: str | None = None  # a job by reference: the s3:// object it reads
+    destination: str | None = None  # ... and where its artifact is written too
+
+
+class JobByReference(BaseModel):
+    """``POST /v1/jobs`` as JSON: quantize an object the server reads itself (CONTRACT §11). Only ``s3://``
+    URLs under the tenant's allowed prefixes (``QUANTD_SOURCE_PREFIXES``); anything else is 403."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "config": {"scheme": {"dtype": "int4", "group_size": 128}},
+        "source": "s3://models/llama/model.safetensors", "destination": "s3://models/llama-int4/"}]})
+
+    config: QuantConfig
+    source: str = Field(max_length=1024, description="s3://bucket/key of one model file")
+    destination: str | None = Field(default=None, max_length=1024, description=(
+        "s3://bucket/key for the artifact, or a prefix ending in '/' (the source's name + .quantd.safetensors); "
+        "the job's own artifact stays downloadable too"))
 
 
 class JobList(BaseModel):

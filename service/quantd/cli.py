@@ -158,6 +158,12 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
         if not isinstance(data, dict) or not isinstance(data.get("scheme", {}), dict):
             raise UsageError(f"--config {args.config}: a QuantConfig is a JSON object whose \"scheme\" is an object, "
                              f'e.g. {{"scheme": {{"dtype": "int4", "group_size": 128}}}}')
+    skips = getattr(args, "skip", None) or []
+    rules = data.get("rules", [])
+    if skips and isinstance(rules, list):  # ahead of the file's rules: the first match wins
+        data = {**data, "rules": [{"match": g, "skip": True} for g in skips] + rules}
+    if getattr(args, "quantize_embeddings", False):
+        data = {**data, "skip_embeddings": False}
     flags = {key: getattr(args, key) for key in ("dtype", "group_size", "granularity", "observer", "symmetric")
              if getattr(args, key, None) is not None}
     if getattr(args, "format", None) is not None:
@@ -270,6 +276,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    """Apply the database migrations this quantd needs (QUANTD_DATABASE_URL; SQLite by default)."""
+    from quantd.jobs.backends import upgrade_database
+    from quantd.server.app import jobs_config
+
+    shown, applied = upgrade_database(jobs_config(_settings(args), workers=0))
+    print(f"{shown}: " + (f"applied migration(s) {applied}" if applied else "schema up to date"))
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     config = build_config(args)
     if Path(args.output).resolve() == Path(args.input).resolve():
@@ -297,6 +313,20 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         _print_json(report.model_dump(mode="json"))
     else:
         print(format_report(report))
+    return 0
+
+
+def cmd_dequantize(args: argparse.Namespace) -> int:
+    if Path(args.output).resolve() == Path(args.input).resolve():
+        raise UsageError(f"-o {args.output} is the input file: it would be overwritten")
+    from quantd.io.artifact import write_dense
+
+    layout = write_dense(args.input, args.output)
+    size = Path(args.output).stat().st_size
+    if args.json:
+        _print_json({"path": str(args.output), "bytes": size, "tensors": len(layout)})
+    else:
+        print(f"saved {args.output}: {len(layout)} tensors, {size} bytes")
     return 0
 
 
@@ -396,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", help=DEVICE_HELP)
         p.set_defaults(func=cmd_serve if name == "serve" else cmd_worker)
 
+    p = sub.add_parser("db", help="the job database")
+    db = p.add_subparsers(dest="db_command", required=True)
+    q = db.add_parser("upgrade", help="apply pending schema migrations (QUANTD_DATABASE_URL)")
+    q.add_argument("--data-dir", help="the data dir of the default SQLite database (default: QUANTD_DATA_DIR)")
+    q.set_defaults(func=cmd_db_upgrade)
+
     p = sub.add_parser("quantize", parents=[client], help="quantize a file, in-process or through --server")
     p.add_argument("input", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True)
@@ -409,8 +445,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", type=Path,
                    help="calibration file: activation samples, or for GGUF output llama.cpp's importance matrix")
     _scheme_flags(p, many_dtypes=False)
+    p.add_argument("--skip", action="append", default=[], metavar="GLOB",
+                   help="leave tensors whose name matches GLOB as they are (repeatable; before the config's rules)")
+    p.add_argument("--quantize-embeddings", action="store_true",
+                   help="quantize embedding tables and output heads too (skip_embeddings=false)")
     p.add_argument("--device", default=os.environ.get("QUANTD_DEVICE", "auto"), help=DEVICE_HELP)
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("dequantize", help="an artifact back to a plain safetensors file (original names and dtypes)")
+    p.add_argument("input", type=Path, help="a quantd artifact (.safetensors)")
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_dequantize)
 
     p = sub.add_parser("analyze", parents=[client], help="error statistics of several schemes side by side")
     p.add_argument("input", type=Path)
@@ -441,12 +487,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # not a real file descriptor (captured output)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from quantd_client._exceptions import QuantdError as ClientError
 
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        rc = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not as a warning at interpreter exit
+        return rc
+    except BrokenPipeError:  # `quantd ... | head`: the reader has gone; end quietly, as a SIGPIPE'd tool does
+        _discard_stdout()
+        return 128 + 13
     except UsageError as e:
         print(f"quantd {args.command}: {e}", file=sys.stderr)
         return 2

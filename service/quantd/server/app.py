@@ -26,9 +26,9 @@ from .deps import AppState
 from .logging import RequestMiddleware
 from .metrics import Metrics
 from .problems import install_problem_handlers
-from .routes import health, info, jobs, sync
-from .routes._docs import finish_openapi
-from .settings import Settings
+from .routes import docs_ui, health, info, jobs, sync
+from .routes._docs import finish_openapi, without_auth
+from .settings import Settings, parse_source_prefixes
 
 log = logging.getLogger("quantd.server")
 
@@ -64,7 +64,11 @@ def jobs_config(settings: Settings, *, workers: int | None) -> Any:
                       lease_s=settings.lease_s, heartbeat_s=min(5.0, settings.lease_s / 3),
                       ttl_s=settings.job_ttl_s, max_queue=settings.max_queue,
                       quantize_during_upload={"auto": None, "on": True, "off": False}[
-                          settings.quantize_during_upload])
+                          settings.quantize_during_upload],
+                      database_url=settings.database_url.get_secret_value() if settings.database_url else None,
+                      storage_url=settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url,
+                      storage_presign=settings.storage_presign, migrate=settings.db_migrate,
+                      source_prefixes=parse_source_prefixes(settings.source_prefixes or ""))
 
 
 def embedded_worker_count(settings: Settings) -> int | None:
@@ -150,17 +154,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await service.stop()
             log.info("quantd stopped")
 
-    app = FastAPI(title="quantd", version=quantd.__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="quantd", version=quantd.__version__, description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
     install_problem_handlers(app)
     for module in (health, info, sync, jobs):
         app.include_router(module.router)
+    docs_ui.install(app)
     app.add_middleware(RequestMiddleware, metrics=metrics)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            app.openapi_schema = finish_openapi(schema)
+            schema = finish_openapi(schema)
+            state: AppState | None = getattr(app.state, "quantd", None)
+            keyed = state.auth_enabled if state is not None else bool(settings.tenant_keys())
+            app.openapi_schema = schema if keyed else without_auth(schema)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from quantd_client import ObserverSpec, QuantConfig, Scheme
+from quantd_client._schemas import JobByReference
 
 from ..problems import problem_responses
 
 # Models referenced from multipart fields; app.py adds them to components.schemas.
-FORM_MODELS = (QuantConfig, Scheme, ObserverSpec)
+FORM_MODELS = (QuantConfig, Scheme, ObserverSpec, JobByReference)
 
 _FILE = {"type": "string", "format": "binary",
          "description": "safetensors, PyTorch state dict (.pt/.pth/.bin, weights-only), .npy or .npz; "
@@ -40,6 +41,11 @@ JOB_BODY = multipart_body(
     {"file": _FILE, "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"},
      "calibration": {**_FILE, "description": "optional activation samples (name → [N, ...])"}},
     ["file", "config"], ["config"], {"file": "(binary)", "config": CONFIG_EXAMPLE})
+# Or, as JSON, a job by reference: the server reads the s3:// source itself (CONTRACT §11).
+JOB_BODY["requestBody"]["content"]["application/json"] = {
+    "schema": _ref(JobByReference),
+    "example": {"config": CONFIG_EXAMPLE, "source": "s3://models/llama/model.safetensors",
+                "destination": "s3://models/llama-int4/"}}
 
 ANALYZE_BODY = multipart_body(
     {"file": _FILE, "configs": {"type": "array", "items": _ref(Scheme), "minItems": 1, "maxItems": 16,
@@ -113,6 +119,19 @@ def finish_openapi(schema: dict[str, Any]) -> dict[str, Any]:
         for name, sub in js.pop("$defs", {}).items():
             comps.setdefault(name, sub)
         comps.setdefault(model.__name__, js)
+    return schema
+
+
+def without_auth(schema: dict[str, Any]) -> dict[str, Any]:
+    """The document of a server running open (no API keys): no security scheme, no ``security`` requirement
+    and no 401 answer on any operation, since none is asked for or given."""
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            if isinstance(op, dict):
+                op.pop("security", None)
+                op.get("responses", {}).pop("401", None)
+    comps = schema.get("components", {})
+    comps.pop("securitySchemes", None)
     return schema
 
 
