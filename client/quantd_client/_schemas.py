@@ -23,7 +23,9 @@ ObserverName = Literal["minmax", "percentile", "meanstd", "ema", "mse", "entropy
 MethodName = Literal["rtn"]
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-InputFormat = Literal["safetensors", "pytorch", "npy", "npz", "gguf", "imatrix"]  # imatrix: a GGUF job's calibration
+InputFormat = Literal["safetensors", "pytorch", "npy", "npz", "gguf"]
+# A calibration part that is not a model file: llama.cpp's importance matrix (a GGUF job's calibration).
+CalibrationFormat = Literal["imatrix"]
 GGUFMix = Literal["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0",
                   "Q4_1", "Q5_0", "Q5_1"]
 # The output formats' names, listed once in ``_dtypes.OUTPUT_FORMATS`` (the server's format registry checks
@@ -328,7 +330,7 @@ class InputInfo(BaseModel):
     filename: str
     bytes: int
     sha256: str
-    format: InputFormat
+    format: InputFormat | CalibrationFormat
     tensors: int
 
 

@@ -8,14 +8,14 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
 from pydantic import ValidationError
 
+import gguf
 from _gguf_models import llama_cpp_or_none, llama_logits, llama_quantize, write_tiny_llama
+from gguf import GGMLQuantizationType
 from quantd.errors import ConfigError, MalformedInputError, UnsupportedFormatError
 from quantd.io import open_model
 from quantd.io.gguf_file import GGUFFile
@@ -307,3 +307,29 @@ def test_a_valid_handmade_file_parses(tmp_path: Path) -> None:
     path.write_bytes(b"GGUX" + bytes(20))
     with pytest.raises(UnsupportedFormatError):
         open_model(path)
+
+
+def test_analyze_compares_ggml_types_with_quantd_schemes(tiny: Path) -> None:
+    from quantd.io.pipeline import analyze_file
+    from quantd_client import Scheme
+
+    resp = analyze_file(tiny, [Scheme(dtype="q4_k"), Scheme(dtype="q8_0"), Scheme(dtype="int4", group_size=32)],
+                        device="cpu")
+    t = next(t for t in resp.tensors if t.name == "blk.0.ffn_up.weight")
+    q4k, q8, int4 = (r.stats for r in t.results)
+    assert q4k.bits_per_weight == 4.5 and q8.bits_per_weight == 8.5
+    assert q8.sqnr_db > q4k.sqnr_db > 15
+    assert int4.bits_per_weight > 4
+    with pytest.raises(ConfigError, match="multiple of 256"):
+        analyze_file(_odd_model(tiny.parent), [Scheme(dtype="q4_k")], device="cpu")
+
+
+def _odd_model(d: Path) -> Path:
+    path = d / "odd-analyze.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("a.weight", np.ones((4, 96), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

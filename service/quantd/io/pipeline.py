@@ -108,6 +108,21 @@ def _measure(x: torch.Tensor, scheme: Scheme, name: str) -> tuple[ErrorStats, Qu
     return quantized_error_stats(x, qt), qt
 
 
+def _is_ggml(scheme: Scheme) -> bool:
+    from quantd_client import DTYPES
+
+    return DTYPES[scheme.dtype].kind == "ggml"
+
+
+def _ggml_stats(x: torch.Tensor, scheme: Scheme, name: str) -> ErrorStats:
+    """The statistics of ``x`` quantized to the ggml type ``scheme.dtype`` (``/v1/analyze`` of ggml types)."""
+    from quantd.engine import ggml
+    from quantd.engine.ggml.stats import ggml_error_stats
+
+    return ggml_error_stats(x, ggml.quantize(x, ggml.GGML_TYPES[scheme.dtype], name=name),
+                            in_bits=x.element_size() * 8)
+
+
 def _process(reader: ModelReader, writer: Sink, fmt: OutputFormat, p: TensorPlan, device: torch.device
              ) -> TensorReport:
     name = p.info.name
@@ -288,14 +303,23 @@ def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: 
         for t in targets:
             for i, s in enumerate(schemes):
                 with naming(f"configs[{i}]"):
-                    quantized_layout(t.name, t.shape, s)
+                    if _is_ggml(s):  # ggml's blocks run along rows
+                        from quantd.engine import ggml
+
+                        ggml.check_shape(ggml.GGML_TYPES[s.dtype], t.shape, name=t.name)
+                    else:
+                        quantized_layout(t.name, t.shape, s)
+        if analyses and _is_ggml(schemes[0]):
+            raise ConfigError("analyses run on an integer, nf4 or float scheme; configs[0] is a ggml block type",
+                              field="analyses")
         for t in targets:
             x = reader.load(t.name, dev)
             results = []
             for i, s in enumerate(schemes):
                 try:
                     with naming(f"configs[{i}]"):
-                        results.append(AnalyzeResult(scheme=s, stats=_measure(x, s, t.name)[0]))
+                        stats = _ggml_stats(x, s, t.name) if _is_ggml(s) else _measure(x, s, t.name)[0]
+                        results.append(AnalyzeResult(scheme=s, stats=stats))
                 except NonFiniteError:
                     check_finite(x, t.name)
                     raise
