@@ -36,8 +36,11 @@ async def test_gguf_job_over_http(server, tmp_path: Path) -> None:
     rep = (await server.client.get(f"/v1/jobs/{job['id']}/report")).json()
     q = {t["name"]: t for t in rep["tensors"]}["blk.0.ffn_up.weight"]
     assert q["scheme"]["dtype"] == "q8_0" and q["stats"]["sqnr_db"] > 40
-    if llama_cpp_or_none() is not None:
-        assert llama_logits(out).shape[0] > 1
+    if llama_cpp_or_none() is not None:  # llama.cpp runs the job's file, close to the F32 model
+        import numpy as np
+
+        ref, got = llama_logits(src), llama_logits(out)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05
 
 
 async def test_gguf_job_with_an_importance_matrix(server, tmp_path: Path) -> None:
