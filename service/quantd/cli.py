@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from quantd_client._dtypes import OUTPUT_FORMATS
+from quantd_client._dtypes import GGUF_MIXES, OUTPUT_FORMATS
 from quantd_client._schemas import AnalyzeResponse, QuantConfig, Report, Scheme, Summary
 
 DEFAULT_ANALYZE_DTYPES = ("int8", "int4")
@@ -168,6 +168,8 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
              if getattr(args, key, None) is not None}
     if getattr(args, "format", None) is not None:
         data = {**data, "output": args.format}
+    if getattr(args, "gguf_mix", None) is not None:  # a llama.cpp mix implies GGUF output
+        data = {**data, "gguf_mix": args.gguf_mix, "output": data.get("output", "gguf")}
     try:
         config = QuantConfig.model_validate(data)
         if flags:
@@ -291,7 +293,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.server:  # as a job: no sync size limit, and the same Report as in-process
         progress = False if args.json else None  # bars on a TTY only
         with make_client(args) as c:
-            job = c.submit(args.input, config, progress=progress)
+            job = c.submit(args.input, config, calibration=args.calibration, progress=progress)
             # On stderr, so that --json stays one document: the id to follow or fetch the job by if this
             # command is interrupted (quantd jobs show|download ID).
             print(f"quantd quantize: job {job.id} submitted to {c.base_url}", file=sys.stderr)
@@ -329,7 +331,7 @@ def _quantize_in_process(args: argparse.Namespace, config: QuantConfig) -> Repor
         return quantize_directory(files, args.output, config, device=device)
     from quantd.io.pipeline import quantize_file
 
-    return quantize_file(args.input, args.output, config, device=device)
+    return quantize_file(args.input, args.output, config, device=device, calibration=args.calibration)
 
 
 def cmd_dequantize(args: argparse.Namespace) -> int:
@@ -458,6 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output format (the config's \"output\"; default: the config's, else safetensors)")
     p.add_argument("--wait-timeout", type=float, default=None,
                    help="with --server: seconds to wait for the job (default: no limit); the job id is on stderr")
+    p.add_argument("--gguf-mix", choices=GGUF_MIXES,
+                   help="a llama.cpp mix (llama-quantize's type, e.g. Q4_K_M) for a GGUF input; implies --format gguf")
+    p.add_argument("--calibration", type=Path,
+                   help="calibration file: activation samples, or for GGUF output llama.cpp's importance matrix")
     _scheme_flags(p, many_dtypes=False)
     p.add_argument("--skip", action="append", default=[], metavar="GLOB",
                    help="leave tensors whose name matches GLOB as they are (repeatable; before the config's rules)")

@@ -174,7 +174,7 @@ INFO_EXAMPLE: dict[str, Any] = {
                "bfloat16"],
     "observers": ["minmax", "percentile", "meanstd", "ema", "mse", "entropy"], "methods": ["rtn"],
     "granularities": ["tensor", "channel", "group"],
-    "input_formats": ["safetensors", "pytorch", "npy", "npz"], "output_formats": ["safetensors", "compressed-tensors"],
+    "input_formats": ["safetensors", "pytorch", "npy", "npz", "gguf"], "output_formats": ["safetensors", "compressed-tensors", "gguf"],
     "limits": {"max_upload_bytes": 10737418240, "max_sync_bytes": 268435456, "max_analyze_configs": 16,
                "max_queue": 1000},
     "auth": True,

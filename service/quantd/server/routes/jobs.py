@@ -100,6 +100,16 @@ def _is_directory(parts: list[UploadedFile]) -> bool:
     return len(parts) > 1
 
 
+def _check_imatrix(up: UploadedFile, config: QuantConfig | None) -> Any:
+    """A GGUF job's calibration: a llama.cpp importance matrix (legacy ``.dat`` or GGUF), parsed in full."""
+    from quantd.io.imatrix import load_imatrix
+    from quantd.jobs.storage import StoredUpload
+
+    table = load_imatrix(up.path)
+    return StoredUpload(path=up.path, filename=up.filename, bytes=up.bytes, sha256=up.sha256, format="imatrix",
+                        tensors=len(table))
+
+
 async def _accept(request: Request, state: AppState, tenant: str, idempotency_key: str | None) -> Job:
     runs: list[PreparedRun] = []  # at most one: quantizing the model while it streams in
     job_id = state.jobs.new_job_id()
@@ -162,7 +172,8 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             calibration = None
             if calib is not None:
                 with naming("the calibration file"):  # not the model's: both are checked the same way
-                    calibration = await run_engine(state, _check_upload, calib, None)
+                    check = _check_imatrix if config.output == "gguf" else _check_upload
+                    calibration = await run_engine(state, check, calib, None)
             state.metrics.inc("quantd_uploads_total", endpoint="jobs")
             run = runs.pop() if runs else None  # the jobs layer owns it from here
             try:
