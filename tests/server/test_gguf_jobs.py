@@ -27,7 +27,9 @@ async def test_gguf_job_over_http(server, tmp_path: Path) -> None:
     assert job["input"]["format"] == "gguf" and job["input"]["tensors"] == 39
     done = await server.wait_job(job["id"], timeout=300)
     assert done["status"] == "succeeded", done
-    art = (await server.client.get(f"/v1/jobs/{job['id']}/artifact")).content
+    resp = await server.client.get(f"/v1/jobs/{job['id']}/artifact")
+    assert f'filename="{job["id"]}.gguf"' in resp.headers["content-disposition"]
+    art = resp.content
     out = tmp_path / "job.gguf"
     out.write_bytes(art)
     local = tmp_path / "local.gguf"

@@ -295,6 +295,15 @@ _ARTIFACT_ERRORS = {**_JOB_ERRORS, **problem_responses(409, 416)}
 _ARTIFACT_HEADERS = {"parameters": ARTIFACT_PARAMETERS}
 
 
+def _artifact_filename(job_id: str, output: str) -> str:
+    """The download's name: quantd's own artifact keeps v1's ``.quantd.safetensors``; other formats end in
+    their own suffix (``.gguf``)."""
+    from quantd.io.outputs import get_format
+
+    suffix = get_format(output).suffix
+    return f"{job_id}.quantd{suffix}" if output == "safetensors" else f"{job_id}{suffix}"
+
+
 @router.head("/{job_id}/artifact", summary="The artifact's headers (size, ETag, ranges), no body",
              response_class=Response, openapi_extra=_ARTIFACT_HEADERS,
              responses={200: ARTIFACT_HEAD_200, 206: ARTIFACT_HEAD_206, 304: _ARTIFACT_304, **_ARTIFACT_ERRORS})
@@ -308,7 +317,7 @@ async def job_artifact_head(job_id: str, request: Request, state: StateDep, tena
 async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
     job = await state.jobs.get(tenant, job_id)
     is_tar = job.result is not None and job.result.files is not None  # a directory output: one tar
-    filename = f"{job_id}.tar" if is_tar else f"{job_id}.quantd.safetensors"
+    filename = f"{job_id}.tar" if is_tar else _artifact_filename(job_id, job.config.output)
     media_type = "application/x-tar" if is_tar else "application/octet-stream"
     art = await state.jobs.artifact(tenant, job_id, filename=filename)
     if art.url is not None:  # QUANTD_STORAGE_PRESIGN: the client fetches it from the object store itself
