@@ -679,6 +679,63 @@ def service_file_section(svc: dict[str, Any]) -> list[str]:
     return [*md, service_section(svc)]
 
 
+def model_dir_section(data: dict[str, Any]) -> list[str]:
+    """model_dir.json (bench/model_dir.py): a model directory job over HTTP against the in-process run on the
+    same directory, alternating in one run."""
+    m, cfg = data["model"], data["config"]
+    rows = [[str(i), fmt(a["wall_s"], ".2f"), fmt(b["succeeded_s"], ".2f"), fmt(b["accepted_s"], ".2f"),
+             fmt(b["download_s"], ".2f"), fmt(a["peak_rss_bytes"] / 2**20, ".0f"),
+             fmt(b["server_peak_rss_bytes"] / 2**20, ".0f")]
+            for i, (a, b) in enumerate(zip(data["inprocess"], data["http"], strict=True))]
+    lines = [
+        f"all-MiniLM-L6-v2 as a model directory ({m['files']} files, {m['bytes'] / 1e6:.1f} MB, {m['tensors']} "
+        f"tensors in {m['shards']} shards with an index), `output: {cfg['output']!r}`, scheme "
+        f"`{json.dumps(cfg['scheme'])}`.", "", machine_line(data["machine"]), "",
+        "Baseline: `quantize_directory` in-process on the same directory, alternating with the HTTP jobs.",
+        "",
+        table(["round", "in-process s", "HTTP job s", "of which upload (202) s", "download s",
+               "in-process peak RSS MiB", "server peak RSS MiB"], rows),
+        "",
+        f"Median HTTP job / median in-process: **{data['ratio_http_over_inprocess']:.2f}** "
+        f"({data['median_http_job_s']:.2f} s / {data['median_inprocess_s']:.2f} s); fastest runs, the least "
+        f"disturbed by other load: {min(a['wall_s'] for a in data['inprocess']):.2f} s in-process, "
+        f"{min(b['succeeded_s'] for b in data['http']):.2f} s over HTTP. Outputs byte-identical in every round: "
+        f"{data['identical_outputs']}.",
+    ]
+    return lines
+
+
+# ---- GGUF: quantd against llama.cpp's llama_model_quantize (bench/gguf_vs_llamacpp.py) ----------------------------
+
+
+def gguf_section(data: dict[str, Any]) -> list[str]:
+    """gguf.json: per mix, wall time of quantd and of llama.cpp (1 and N threads) on the same GGUF, and the
+    per-tensor mse ratio quantd / llama.cpp (same decoder, same float32 input)."""
+    m, th = data["model"], data["threads"]
+    lines = [
+        machine_line(data["machine"]),
+        "",
+        f"Model: llama architecture written by the benchmark, {m['layers']} blocks, width {m['embd']}, "
+        f"ffn {m['ff']}, vocab {m['vocab']} ({m['params'] / 1e6:.1f} M parameters, float32), weights {m['weights']}. "
+        f"quantd in-process with {th['quantd_torch']} torch threads; llama.cpp with "
+        f"{' and '.join(str(n) for n in th['llama_cpp'])} thread(s). Same machine, same run "
+        f"(load average at start {', '.join(f'{v:.1f}' for v in data['machine'].get('loadavg_1_5_15min', []))}). "
+        "mse ratio = quantd's mse / llama.cpp's on the same tensor (below 1: quantd closer to the input).",
+        "",
+    ]
+    rows = []
+    for r in data["mixes"]:
+        n = th["llama_cpp"][-1]
+        rows.append([r["mix"], fmt(r["quantd_s"], ".2f"), fmt(r["llama_cpp_1t_s"], ".2f"),
+                     fmt(r[f"llama_cpp_{n}t_s"], ".2f"), fmt(r["speedup_vs_llama_1t"], ".2f"),
+                     fmt(r[f"speedup_vs_llama_{n}t"], ".2f"), f"{r['tensors_no_worse']}/{r['tensors_total']}",
+                     fmt(r["worst_ratio"], ".4f"), fmt(r["numel_weighted_mse_ratio"], ".4f")])
+    n = th["llama_cpp"][-1]
+    lines.append(table(["mix", "quantd s", "llama.cpp 1t s", f"llama.cpp {n}t s", "speed vs 1t", f"speed vs {n}t",
+                        "tensors no worse", "worst mse ratio", "total mse ratio"], rows))
+    return lines
+
+
 # (heading, results file, section function): one entry per results file, in page order.
 # -- the job queue (bench/job_queue.py) -------------------------------------------------------------------
 
@@ -737,7 +794,9 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
      service_file_section),
     ("The engine against a memory copy", "engine.json", engine_section),
     ("Range observers against min-max", "observers.json", observers_section),
+    ("A model directory: HTTP job against in-process", "model_dir.json", model_dir_section),
     ("The job queue: SQLite against PostgreSQL", "queue.json", queue_section),
+    ("GGUF: quantd against llama.cpp's llama_model_quantize (bench/gguf_vs_llamacpp.py)", "gguf.json", gguf_section),
     ("One-shot runs: the CLI end to end and a new server's first request", "oneshot.json", oneshot_section),
 ]
 

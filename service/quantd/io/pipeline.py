@@ -18,8 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -42,31 +41,29 @@ from quantd_client import (
     TensorReport,
 )
 
-from .artifact import ArtifactWriter, OutputTensor, encode_quantized, quantized_layout, quantized_meta
-from .formats import QUANTIZABLE, TORCH_TO_ST, torch_dtype
+from .artifact import encode_quantized, quantized_layout
+from .formats import QUANTIZABLE, torch_dtype
+from .outputs import ModelStructure, OutputFormat, PlannedTensor, Sink, get_format
 from .readers import ModelReader, TensorInfo, open_model
 
 ProgressCallback = Callable[[Progress], None]
 
 
-@dataclass(frozen=True)
-class TensorPlan:
-    """What happens to one input tensor: its scheme (None: left as it is, with ``reason``) and the
-    artifact tensors it becomes."""
-
-    info: TensorInfo
-    scheme: Scheme | None
-    reason: str | None
-    outputs: tuple[OutputTensor, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.info.shape)
+# One tensor's plan: its scheme (None: left as it is, with ``reason``) and the output tensors it becomes.
+TensorPlan = PlannedTensor
 
 
-def plan(tensors: list[TensorInfo], config: QuantConfig) -> list[TensorPlan]:
-    """The plan of every tensor, in file order. Raises ConfigError (field + tensor) when a scheme
-    cannot apply to a tensor's shape, or when an output name would collide with another tensor."""
+def plan(tensors: list[TensorInfo], config: QuantConfig, *, structure: ModelStructure | None = None
+         ) -> list[TensorPlan]:
+    """The plan of every tensor, in file order, for the output format ``config.output``. Raises
+    ConfigError (field + tensor) when a scheme cannot apply to a tensor's shape, when the format cannot
+    hold it, or when an output name would collide with another tensor."""
+    if config.output == "gguf":  # the GGUF format plans with llama.cpp's mixes
+        from .outputs.gguf import plan_gguf
+
+        return plan_gguf(tensors, config)
+    fmt = get_format(config.output)
+    known = structure or ModelStructure()
     plans: list[TensorPlan] = []
     for t in tensors:
         dt = torch_dtype(t.dtype)
@@ -78,10 +75,12 @@ def plan(tensors: list[TensorInfo], config: QuantConfig) -> list[TensorPlan]:
             scheme, reason = None, "empty tensor"
         else:
             scheme, reason = config.scheme_for(t.name, t.shape)
+        scheme, reason = fmt.select(t, scheme, reason, known)
         if scheme is None:
-            outputs: tuple[OutputTensor, ...] = (OutputTensor(t.name, TORCH_TO_ST[dt], t.shape),)
+            outputs = tuple(fmt.passthrough(t))
         else:
-            outputs = tuple(quantized_layout(t.name, t.shape, scheme))
+            fmt.check(t.name, t.shape, scheme)
+            outputs = tuple(fmt.layout(t.name, t.shape, scheme))
         plans.append(TensorPlan(t, scheme, reason, outputs))
     owner: dict[str, str] = {}
     for p in plans:
@@ -109,7 +108,23 @@ def _measure(x: torch.Tensor, scheme: Scheme, name: str) -> tuple[ErrorStats, Qu
     return quantized_error_stats(x, qt), qt
 
 
-def _process(reader: ModelReader, writer: ArtifactWriter, p: TensorPlan, device: torch.device) -> TensorReport:
+def _is_ggml(scheme: Scheme) -> bool:
+    from quantd_client import DTYPES
+
+    return DTYPES[scheme.dtype].kind == "ggml"
+
+
+def _ggml_stats(x: torch.Tensor, scheme: Scheme, name: str) -> ErrorStats:
+    """The statistics of ``x`` quantized to the ggml type ``scheme.dtype`` (``/v1/analyze`` of ggml types)."""
+    from quantd.engine import ggml
+    from quantd.engine.ggml.stats import ggml_error_stats
+
+    return ggml_error_stats(x, ggml.quantize(x, ggml.GGML_TYPES[scheme.dtype], name=name),
+                            in_bits=x.element_size() * 8)
+
+
+def _process(reader: ModelReader, writer: Sink, fmt: OutputFormat, p: TensorPlan, device: torch.device
+             ) -> TensorReport:
     name = p.info.name
     shape, in_dtype = list(p.info.shape), p.info.dtype
     # load_transient: x may share the reader's buffer, so nothing derived from it outlives this call
@@ -124,7 +139,7 @@ def _process(reader: ModelReader, writer: ArtifactWriter, p: TensorPlan, device:
     except NonFiniteError:
         check_finite(x, name)  # the error with a count of the bad values
         raise
-    for out_name, t in encode_quantized(qt, name).items():
+    for out_name, t in fmt.encode(qt, name).items():
         writer.write(out_name, t)
     return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=p.scheme, stats=stats, skipped=False)
 
@@ -168,13 +183,18 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
     """
     started = time.perf_counter()
     activations = None
-    if calibration is not None:  # first: a bad calibration file fails before any weight work
+    importance = None
+    if calibration is not None and config.output == "gguf":  # a llama.cpp importance matrix
+        from .imatrix import load_imatrix
+
+        importance = load_imatrix(calibration)
+    elif calibration is not None:  # first: a bad calibration file fails before any weight work
         spec = config.activations or ObserverSpec()
         activations = calibrate_file(calibration, spec, device=device).layers
     with open_model(src, filename) as reader:
         return quantize_model(reader, dst, config, device=device, input_bytes=lambda: os.path.getsize(src),
                               job_id=job_id, on_progress=on_progress, should_cancel=should_cancel,
-                              activations=activations, started=started)
+                              activations=activations, started=started, importance=importance)
 
 
 def quantize_model(reader: ModelReader, dst: str | os.PathLike[str], config: QuantConfig, *,
@@ -182,25 +202,31 @@ def quantize_model(reader: ModelReader, dst: str | os.PathLike[str], config: Qua
                    on_progress: ProgressCallback | None = None,
                    should_cancel: Callable[[], bool] | None = None,
                    activations: Sequence[LayerCalibration] | None = None,
-                   started: float | None = None) -> Report:
+                   started: float | None = None,
+                   importance: Mapping[str, torch.Tensor] | None = None) -> Report:
     """:func:`quantize_file` on an open reader, tensor by tensor in the reader's order.
     ``input_bytes()`` is asked for the input's size once every tensor is written (the summary's
     ``input_bytes``); ``started`` is the ``perf_counter`` the summary's ``elapsed_s`` counts from."""
     t0 = time.perf_counter() if started is None else started
     dev = torch.device(device)
+    if config.output == "gguf":  # llama.cpp's format: ggml block types, the input's metadata kept
+        from .outputs.gguf import quantize_gguf
+
+        return quantize_gguf(reader, dst, config, device=dev, input_bytes=input_bytes, job_id=job_id,
+                             on_progress=on_progress, should_cancel=should_cancel, started=t0,
+                             importance=importance)
+    fmt = get_format(config.output)
     plans = plan(reader.tensors, config)
-    meta = {p.info.name: quantized_meta(p.info.shape, torch_dtype(p.info.dtype), p.scheme)
-            for p in plans if p.scheme is not None}
     progress = Progress(tensors_total=len(plans), bytes_total=sum(p.info.nbytes for p in plans))
     if on_progress is not None:
         on_progress(progress)
     reports: list[TensorReport] = []
     extra = None if activations is None else {"activations": [a.model_dump(mode="json") for a in activations]}
-    with ArtifactWriter(dst, [o for p in plans for o in p.outputs], meta, extra_meta=extra) as writer:
+    with fmt.open_sink(dst, plans, extra_meta=extra) as writer:
         for p in plans:
             if should_cancel is not None and should_cancel():
                 raise JobCancelled(f"cancelled after {len(reports)} of {len(plans)} tensors")
-            reports.append(_process(reader, writer, p, dev))
+            reports.append(_process(reader, writer, fmt, p, dev))
             done = progress.bytes_done + p.info.nbytes
             progress = Progress(tensors_done=len(reports), tensors_total=len(plans), bytes_done=done,
                                 bytes_total=progress.bytes_total,
@@ -277,14 +303,23 @@ def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: 
         for t in targets:
             for i, s in enumerate(schemes):
                 with naming(f"configs[{i}]"):
-                    quantized_layout(t.name, t.shape, s)
+                    if _is_ggml(s):  # ggml's blocks run along rows
+                        from quantd.engine import ggml
+
+                        ggml.check_shape(ggml.GGML_TYPES[s.dtype], t.shape, name=t.name)
+                    else:
+                        quantized_layout(t.name, t.shape, s)
+        if analyses and _is_ggml(schemes[0]):
+            raise ConfigError("analyses run on an integer, nf4 or float scheme; configs[0] is a ggml block type",
+                              field="analyses")
         for t in targets:
             x = reader.load(t.name, dev)
             results = []
             for i, s in enumerate(schemes):
                 try:
                     with naming(f"configs[{i}]"):
-                        results.append(AnalyzeResult(scheme=s, stats=_measure(x, s, t.name)[0]))
+                        stats = _ggml_stats(x, s, t.name) if _is_ggml(s) else _measure(x, s, t.name)[0]
+                        results.append(AnalyzeResult(scheme=s, stats=stats))
                 except NonFiniteError:
                     check_finite(x, t.name)
                     raise

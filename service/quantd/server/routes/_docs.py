@@ -37,8 +37,17 @@ QUANTIZE_BODY = multipart_body(
     {"file": _FILE, "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"}},
     ["file", "config"], ["config"], {"file": "(binary)", "config": CONFIG_EXAMPLE})
 
+_DIRECTORY_FILES = {
+    "type": "array", "minItems": 2, "items": {"type": "string", "format": "binary"},
+    "description": "a model directory: one part per file, each filename the file's relative POSIX path "
+                   "(config.json, model-00001-of-00002.safetensors, model.safetensors.index.json, ...); a path that "
+                   "is absolute, has '..', '.' or empty components, backslashes or control characters, or comes "
+                   "twice is refused with 422 naming it; the size limit applies to the sum"}
+
 JOB_BODY = multipart_body(
-    {"file": _FILE, "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"},
+    {"file": {"anyOf": [_FILE, _DIRECTORY_FILES],
+              "description": "one weight file (a one-file job), or several parts: a model directory"},
+     "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"},
      "calibration": {**_FILE, "description": "optional activation samples (name → [N, ...])"}},
     ["file", "config"], ["config"], {"file": "(binary)", "config": CONFIG_EXAMPLE})
 # Or, as JSON, a job by reference: the server reads the s3:// source itself (CONTRACT §11).
@@ -78,10 +87,13 @@ _FILE_HEADERS = {
 }
 _RANGE_HEADERS = {**_FILE_HEADERS, "Content-Range": {"schema": _STRING, "example": "bytes 0-1023/4096"}}
 
-ARTIFACT_200 = {"description": "The artifact (safetensors, CONTRACT §5)", "headers": _FILE_HEADERS,
-                "content": _BINARY}
+# A one-file job's artifact is its output file; a directory job's is the whole output as one tar (CONTRACT §8).
+_ARTIFACT_CONTENT = {**_BINARY, "application/x-tar": {"schema": {"type": "string", "format": "binary"}}}
+ARTIFACT_200 = {"description": "The artifact: the output file (safetensors CONTRACT §5, GGUF), or for a "
+                               "directory job the output directory as one uncompressed tar",
+                "headers": _FILE_HEADERS, "content": _ARTIFACT_CONTENT}
 ARTIFACT_206 = {"description": "Partial content: the one range asked for", "headers": _RANGE_HEADERS,
-                "content": _BINARY}
+                "content": _ARTIFACT_CONTENT}
 # HEAD: the headers GET would send, no body.
 ARTIFACT_HEAD_200 = {"description": "The artifact's headers, no body", "headers": _FILE_HEADERS}
 ARTIFACT_HEAD_206 = {"description": "The headers of the range asked for, no body", "headers": _RANGE_HEADERS}
@@ -122,6 +134,19 @@ def finish_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def without_auth(schema: dict[str, Any]) -> dict[str, Any]:
+    """The document of a server running open (no API keys): no security scheme, no ``security`` requirement
+    and no 401 answer on any operation, since none is asked for or given."""
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            if isinstance(op, dict):
+                op.pop("security", None)
+                op.get("responses", {}).pop("401", None)
+    comps = schema.get("components", {})
+    comps.pop("securitySchemes", None)
+    return schema
+
+
 JOB_EXAMPLE: dict[str, Any] = {
     "id": "3f2c9b7e0a4d4c1e9f6b2a8d7c5e4f10", "status": "queued", "created_at": "2026-01-01T12:00:00Z",
     "started_at": None, "finished_at": None,
@@ -152,7 +177,7 @@ INFO_EXAMPLE: dict[str, Any] = {
                "bfloat16"],
     "observers": ["minmax", "percentile", "meanstd", "ema", "mse", "entropy"], "methods": ["rtn"],
     "granularities": ["tensor", "channel", "group"],
-    "input_formats": ["safetensors", "pytorch", "npy", "npz"], "output_formats": ["safetensors"],
+    "input_formats": ["safetensors", "pytorch", "npy", "npz", "gguf"], "output_formats": ["safetensors", "compressed-tensors", "gguf"],
     "limits": {"max_upload_bytes": 10737418240, "max_sync_bytes": 268435456, "max_analyze_configs": 16,
                "max_queue": 1000},
     "auth": True,
