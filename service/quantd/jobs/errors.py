@@ -15,7 +15,6 @@ class JobNotFound(QuantdError):
 class JobFileNotFound(QuantdError):
     """A path that is not one of a job's output files."""
 
-    status = 404
     title = "File not found"
     type_ = "urn:quantd:file-not-found"
 
