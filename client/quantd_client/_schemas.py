@@ -19,7 +19,9 @@ DType = Literal[
 ]
 GranularityName = Literal["tensor", "channel", "group"]
 ObserverName = Literal["minmax", "percentile", "meanstd", "ema", "mse", "entropy"]
-MethodName = Literal["rtn"]
+# The one table of method names (the engine's method registry is pinned to it by a test).
+MethodName = Literal["rtn", "hqq", "gptq", "awq"]
+MethodArgValue = float | bool
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 InputFormat = Literal["safetensors", "pytorch", "npy", "npz"]
@@ -55,6 +57,9 @@ class Scheme(_Strict):
     observer: ObserverName = "minmax"
     observer_args: dict[str, float] = Field(default_factory=dict)
     method: MethodName = "rtn"
+    method_args: dict[str, MethodArgValue] = Field(
+        default_factory=dict, description="the method's own arguments (/v1/info.method_args lists them); "
+                                          "an argument the method does not take is refused with 422")
     scale_dtype: ScaleDType = "float16"
 
     model_config = ConfigDict(
@@ -117,6 +122,7 @@ class SchemeOverride(_Strict):
     observer: ObserverName | None = None
     observer_args: dict[str, float] | None = None
     method: MethodName | None = None
+    method_args: dict[str, MethodArgValue] | None = None
     scale_dtype: ScaleDType | None = None
 
 
@@ -240,6 +246,8 @@ class ErrorStats(BaseModel):
     bits_per_weight: float
     compression_ratio: float
     theoretical_sqnr_db: float | None = None  # 6.02·b + 1.76 dB for integer dtypes
+    # With calibration for the tensor (CONTRACT §10): tr(ΔW H ΔWᵀ) / tr(W H Wᵀ), H = Σ x xᵀ of its inputs.
+    output_rel_error: float | None = None
 
 
 class TensorReport(BaseModel):
@@ -413,6 +421,27 @@ class DeviceInfo(BaseModel):
     memory_bytes: int | None = None
 
 
+class MethodArg(BaseModel):
+    """One argument a method takes in ``scheme.method_args``."""
+
+    name: str
+    type: Literal["float", "int", "bool"]
+    default: float | bool
+    min: float | None = None
+    max: float | None = None
+    description: str
+
+
+class MethodInfo(BaseModel):
+    """A method of ``scheme.method``: what it needs (``none``; ``hessian``: a calibration file with each
+    Linear's input rows or Hessian, CONTRACT §10) and the arguments it takes."""
+
+    name: str
+    needs: Literal["none", "hessian"]
+    description: str
+    args: list[MethodArg]
+
+
 class Limits(BaseModel):
     max_upload_bytes: int
     max_sync_bytes: int
@@ -426,6 +455,7 @@ class Info(BaseModel):
     dtypes: list[str]
     observers: list[str]
     methods: list[str]
+    method_args: list[MethodInfo] = Field(default_factory=list, description="each method with its arguments")
     granularities: list[str]
     input_formats: list[str]
     output_formats: list[str]
