@@ -14,9 +14,9 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from quantd_client._schemas import AnalyzeResponse, QuantConfig, Report, Scheme, Summary
+from quantd_client._schemas import AnalyzeResponse, MethodName, QuantConfig, Report, Scheme, Summary
 
 DEFAULT_ANALYZE_DTYPES = ("int8", "int4")
 
@@ -157,8 +157,10 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
         if not isinstance(data, dict) or not isinstance(data.get("scheme", {}), dict):
             raise UsageError(f"--config {args.config}: a QuantConfig is a JSON object whose \"scheme\" is an object, "
                              f'e.g. {{"scheme": {{"dtype": "int4", "group_size": 128}}}}')
-    flags = {key: getattr(args, key) for key in ("dtype", "group_size", "granularity", "observer", "symmetric")
-             if getattr(args, key, None) is not None}
+    flags = {key: getattr(args, key) for key in ("dtype", "group_size", "granularity", "observer", "symmetric",
+                                                  "method") if getattr(args, key, None) is not None}
+    if getattr(args, "method_arg", None):
+        flags["method_args"] = _method_args(args.method_arg)
     try:
         config = QuantConfig.model_validate(data)
         if flags:
@@ -170,15 +172,35 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
                                                 for x in e.errors())) from None
 
 
+def _method_args(pairs: Sequence[str]) -> dict[str, float | bool]:
+    """``--method-arg KEY=VALUE`` pairs: true/false, else a number."""
+    out: dict[str, float | bool] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--method-arg {pair!r}: expected KEY=VALUE, e.g. act_order=true or damp=0.01")
+        low = raw.strip().lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+            continue
+        try:
+            out[key] = float(raw)
+        except ValueError:
+            raise UsageError(f"--method-arg {pair!r}: the value must be true, false or a number") from None
+    return out
+
+
 def build_schemes(args: argparse.Namespace) -> list[Scheme]:
     import pydantic
 
     out = []
     for dtype in args.dtype or DEFAULT_ANALYZE_DTYPES:
         data: dict[str, Any] = {"dtype": dtype}
-        for key in ("group_size", "granularity", "observer", "symmetric"):
+        for key in ("group_size", "granularity", "observer", "symmetric", "method"):
             if getattr(args, key, None) is not None:
                 data[key] = getattr(args, key)
+        if getattr(args, "method_arg", None):
+            data["method_args"] = _method_args(args.method_arg)
         try:
             out.append(Scheme.model_validate(data))
         except pydantic.ValidationError as e:
@@ -272,7 +294,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.server:  # as a job: no sync size limit, and the same Report as in-process
         progress = False if args.json else None  # bars on a TTY only
         with make_client(args) as c:
-            job = c.submit(args.input, config, progress=progress)
+            job = c.submit(args.input, config, progress=progress, calibration=args.calibration)
             # On stderr, so that --json stays one document: the id to follow or fetch the job by if this
             # command is interrupted (quantd jobs show|download ID).
             print(f"quantd quantize: job {job.id} submitted to {c.base_url}", file=sys.stderr)
@@ -286,7 +308,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         _prepare_in_process()
         from quantd.io.pipeline import quantize_file
 
-        report = quantize_file(args.input, args.output, config, device=resolve_device(args.device))
+        report = quantize_file(args.input, args.output, config, device=resolve_device(args.device),
+                               calibration=args.calibration)
     if args.json:
         _print_json(report.model_dump(mode="json"))
     else:
@@ -368,6 +391,10 @@ def _scheme_flags(p: argparse.ArgumentParser, *, many_dtypes: bool) -> None:
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
     p.add_argument("--observer", choices=["minmax", "percentile", "meanstd", "ema", "mse", "entropy"])
+    p.add_argument("--method", choices=list(get_args(MethodName)),
+                   help="rtn (default) | hqq | gptq, awq (these two need --calibration)")
+    p.add_argument("--method-arg", action="append", metavar="KEY=VALUE",
+                   help="an argument of the method, e.g. act_order=true; repeatable (quantd info lists them)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -394,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True)
     p.add_argument("--config", help="a QuantConfig JSON file; flags override its scheme")
+    p.add_argument("--calibration", type=Path, default=None,
+                   help="the layers' inputs for gptq/awq: per Linear M, rows M [N, in] or M.hessian + "
+                        "M.hessian_count (safetensors; quantd_client.calibration.record writes it)")
     p.add_argument("--wait-timeout", type=float, default=None,
                    help="with --server: seconds to wait for the job (default: no limit); the job id is on stderr")
     _scheme_flags(p, many_dtypes=False)

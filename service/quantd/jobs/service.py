@@ -128,7 +128,11 @@ class JobService:
         """Start quantizing the upload being written at ``upload`` while it streams (see
         ``quantd.jobs.prepared``), or None when this process has no idle embedded worker for it.
         Thread-safe. Pass the run to :meth:`submit`, or ``discard_prepared`` it if there is no submit."""
-        return None if self._prepared is None else self._prepared.start(upload, config, size_bound=size_bound)
+        from quantd.io.calibration import uses_calibrated_method
+
+        if self._prepared is None or uses_calibrated_method(config):  # those wait for the calibration file
+            return None
+        return self._prepared.start(upload, config, size_bound=size_bound)
 
     def discard_prepared(self, run: PreparedRun) -> None:
         if self._prepared is not None:

@@ -39,6 +39,23 @@ def quantize_tensor(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor",
     return method.quantize(x, scheme, args, calibration if method.needs == "hessian" else None, name)
 
 
+def output_rel_error(x: torch.Tensor, qt: QuantizedTensor, hessian: torch.Tensor) -> float | None:
+    """``tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)`` (ΔW = Ŵ − W): the relative error of the layer's output over its
+    calibration inputs; None when the weight is not a ``[out, in]`` matrix of ``H``'s width or ``W H Wᵀ``
+    has no trace."""
+    from quantd.engine.primitives import dequantize
+
+    if x.dim() != 2 or x.shape[1] != hessian.shape[0]:
+        return None
+    w = x.float()
+    h = hessian.float()
+    dw = dequantize(qt) - w
+    den = float(((w @ h) * w).sum(dtype=torch.float64))
+    if den <= 0.0:
+        return None
+    return float(((dw @ h) * dw).sum(dtype=torch.float64)) / den
+
+
 def artifact_extras(scheme: Scheme, *, name: str = "tensor") -> tuple[str, bool, bool]:
     """What the method's result adds to the artifact: the zero point domain (``int``/``float``), whether it
     carries ``g_idx`` and whether it carries ``channel_scale``."""
@@ -49,4 +66,4 @@ def artifact_extras(scheme: Scheme, *, name: str = "tensor") -> tuple[str, bool,
 
 
 __all__ = ["METHODS", "Arg", "LayerHessian", "Method", "artifact_extras", "check_method", "get_method",
-           "quantize_tensor", "register"]
+           "output_rel_error", "quantize_tensor", "register"]

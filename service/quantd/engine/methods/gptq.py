@@ -40,6 +40,7 @@ def inverse_hessian_factor(h: torch.Tensor, *, damp: float, name: str) -> torch.
         chol, info = torch.linalg.cholesky_ex(h + lam * mean_diag * eye)
         if int(info) == 0:
             inv = torch.cholesky_inverse(chol)
+            upper: torch.Tensor
             upper, info = torch.linalg.cholesky_ex(inv, upper=True)
             if int(info) == 0:
                 return upper

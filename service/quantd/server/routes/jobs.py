@@ -45,17 +45,22 @@ _CONFIG = TypeAdapter(QuantConfig)
 _JOB_ERRORS = problem_responses(401, 404, 410)
 _IDEM_MAX = 200
 
-def _check_upload(up: UploadedFile, config: QuantConfig | None) -> Any:
-    """Format by magic bytes, tensor list, and (for the model) the config planned against it:
-    415/422 before the job is accepted. Returns the jobs layer's StoredUpload."""
+def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: UploadedFile | None = None) -> Any:
+    """Format by magic bytes, tensor list, and (for the model) the config planned against it and the
+    calibration file's index: 415/422 before the job is accepted. Returns the jobs layer's StoredUpload."""
     from quantd import io
+    from quantd.io.calibration import MethodCalibration
     from quantd.jobs.storage import StoredUpload
 
     fmt = io.detect_format(up.path)
     with io.open_model(up.path, filename=up.filename) as reader:
         tensors = list(reader.tensors)
     if config is not None:
-        io.plan(tensors, config)
+        index = None
+        if calibration is not None:
+            with naming("the calibration file"):
+                index = MethodCalibration.describe(calibration.path)
+        io.plan(tensors, config, index)
     return StoredUpload(path=up.path, filename=up.filename, bytes=up.bytes, sha256=up.sha256, format=fmt,
                         tensors=len(tensors))
 
@@ -86,12 +91,12 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             on_file_start=on_file_start)
         try:
             config = parse_json_field(form, "config", _CONFIG)
-            upload = await run_engine(state, _check_upload, form.files["file"], config)
             calib = form.files.get("calibration")
             calibration = None
             if calib is not None:
                 with naming("the calibration file"):  # not the model's: both are checked the same way
                     calibration = await run_engine(state, _check_upload, calib, None)
+            upload = await run_engine(state, _check_upload, form.files["file"], config, calib)
             state.metrics.inc("quantd_uploads_total", endpoint="jobs")
             run = runs.pop() if runs else None  # the jobs layer owns it from here
             return await state.jobs.submit(tenant=tenant, upload=upload, config=config, calibration=calibration,
