@@ -31,18 +31,21 @@ from .base import Arg, LayerHessian, Method, register
 
 
 def inverse_hessian_factor(h: torch.Tensor, *, damp: float, name: str) -> torch.Tensor:
-    """The upper Cholesky factor of ``(H + damp·mean(diag H)·I)⁻¹``, on ``h``'s device. The damping grows
-    tenfold (up to four times) while ``H`` is not positive definite in float32."""
+    """The upper Cholesky factor ``U`` of ``(H + damp·mean(diag H)·I)⁻¹`` (``H⁻¹ = Uᵀ U``), on ``h``'s device.
+
+    With ``J`` the reversal permutation and ``J H J = L Lᵀ``: ``H = R Rᵀ`` for the upper ``R = J L J``, so
+    ``H⁻¹ = (R⁻¹)ᵀ R⁻¹`` and ``U = R⁻¹ = J L⁻¹ J``: one Cholesky and one triangular solve, no explicit
+    inverse. The damping grows tenfold (up to four times) while ``H`` is not positive definite in float32."""
     eye = torch.eye(h.shape[0], device=h.device, dtype=h.dtype)
     mean_diag = float(torch.diagonal(h).mean())
+    flipped = h.flip(0, 1)
     lam = damp
     for _ in range(5):
-        chol, info = torch.linalg.cholesky_ex(h + lam * mean_diag * eye)
+        chol, info = torch.linalg.cholesky_ex(flipped + lam * mean_diag * eye)
         if int(info) == 0:
-            inv = torch.cholesky_inverse(chol)
-            upper: torch.Tensor
-            upper, info = torch.linalg.cholesky_ex(inv, upper=True)
-            if int(info) == 0:
+            inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+            upper: torch.Tensor = inv.flip(0, 1)
+            if bool(torch.isfinite(upper).all()):
                 return upper
         lam *= 10.0
     raise MalformedInputError(f"tensor {name!r}: the calibration Hessian is not positive definite even with "
