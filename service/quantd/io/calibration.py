@@ -103,7 +103,11 @@ class MethodCalibration:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._reader: ModelReader = open_model(path)
-        self.index = index_calibration(self._reader.tensors)
+        try:
+            self.index = index_calibration(self._reader.tensors)
+        except BaseException:
+            self._reader.close()
+            raise
 
     @classmethod
     def describe(cls, path: str | os.PathLike[str]) -> dict[str, CalibrationEntry]:
