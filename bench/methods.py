@@ -63,7 +63,11 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "gptq": {"method": "gptq"},
     "gptq_act_order": {"method": "gptq", "method_args": {"act_order": True}},
     "gptq_static_act_order": {"method": "gptq", "method_args": {"act_order": True, "static_groups": True}},
+    # damping 0.1 (96 sentences give ~1600 rows: the 1536-wide Hessians are nearly singular), act-order, and
+    # AWQ's channel scales before GPTQ
+    "gptq_tuned": {"method": "gptq", "method_args": {"damp": 0.1, "act_order": True, "awq_scales": True}},
 }
+SEQUENTIAL = ("awq", "gptq_act_order", "gptq_tuned")
 GROUP_SCHEMES: dict[str, dict[str, Any]] = {
     "asym_g64": {"dtype": "int4", "symmetric": False, "granularity": "group", "group_size": 64},
     "sym_g128": {"dtype": "int4", "symmetric": True, "granularity": "group", "group_size": 128},
@@ -91,8 +95,8 @@ def run_agnostic(probe: EmbeddingProbe, weights: Path, calibration: Path, tmp: P
     rows = []
     for g in groups:
         for name in schemes:
-            if name == "hqq" and GROUP_SCHEMES[g]["symmetric"]:
-                continue
+            if GROUP_SCHEMES[g]["symmetric"] and name in ("hqq", "awq", "gptq_static_act_order"):
+                continue  # hqq is affine only; the symmetric g128 row compares GPTQ with llm-compressor's
             config = QuantConfig.model_validate({"scheme": {**GROUP_SCHEMES[g], **SCHEMES[name]}})
             out = tmp / f"{name}_{g}.safetensors"
             t0 = time.perf_counter()
@@ -110,8 +114,8 @@ def run_agnostic(probe: EmbeddingProbe, weights: Path, calibration: Path, tmp: P
     return rows
 
 
-def _encoder_layers(probe: EmbeddingProbe) -> list[tuple[str, torch.nn.Module]]:
-    return [(n, m) for n, m in probe.model.named_modules() if type(m).__name__ == "BertLayer"]
+def _encoder_layers(probe: EmbeddingProbe) -> list[str]:
+    return [n for n, m in probe.model.named_modules() if type(m).__name__ == "BertLayer"]
 
 
 @torch.no_grad()
@@ -127,13 +131,13 @@ def run_sequential(probe: EmbeddingProbe, sentences: list[str], schemes: list[st
     layers = _encoder_layers(probe)
     for g in groups:
         for name in schemes:
-            if SCHEMES[name]["method"] in ("rtn", "hqq"):
+            if name not in SEQUENTIAL:
                 continue
             scheme = Scheme.model_validate({**GROUP_SCHEMES[g], **SCHEMES[name]})
             quantized: dict[str, torch.Tensor] = {}
             t0 = time.perf_counter()
             try:
-                for lname, layer in layers:
+                for lname in layers:
                     prefix = lname + "."
                     with CalibrationRecorder(probe.model, include=lambda n, p=prefix: n.startswith(p)) as rec:
                         probe.model.encode(sentences, batch_size=len(sentences), convert_to_tensor=True)
@@ -192,41 +196,38 @@ def run_hqq_library(probe: EmbeddingProbe, repeats: int) -> list[dict[str, Any]]
     return rows
 
 
-def run_llmcompressor(llmc_path: str | None, weights_out: Path, sentences: list[str], probe: EmbeddingProbe,
-                      timeout_s: float) -> list[dict[str, Any]]:
-    """llm-compressor's oneshot in a subprocess (its own package directory first on the path)."""
+def run_llmcompressor(llmc_path: str | None, sentences: list[str], timeout_s: float) -> list[dict[str, Any]]:
+    """llm-compressor's oneshot in a subprocess (its own package directory first on the path); the subprocess
+    measures the embeddings itself, since AWQ also changes the layers it folds its scales into."""
     script = Path(__file__).resolve().parent / "_llmc_run.py"
-    rows = []
-    for method, group, actorder in (("gptq", "asym_g64", None), ("gptq", "asym_g64", "weight"),
-                                    ("gptq", "sym_g128", None), ("gptq", "sym_g128", "weight"),
+    rows: list[dict[str, Any]] = []
+    for method, group, actorder in (("gptq", "asym_g64", None), ("gptq", "asym_g64", "static"),
+                                    ("gptq", "sym_g128", None), ("gptq", "sym_g128", "static"),
                                     ("awq", "asym_g64", None)):
         env = dict(os.environ)
         if llmc_path:
             env["PYTHONPATH"] = os.pathsep.join([llmc_path, env.get("PYTHONPATH", "")])
-        spec = {"method": method, **GROUP_SCHEMES[group], "actorder": actorder, "out": str(weights_out),
-                "sentences": sentences}
+        spec = {"method": method, "symmetric": GROUP_SCHEMES[group]["symmetric"],
+                "group_size": GROUP_SCHEMES[group]["group_size"], "actorder": actorder, "sentences": sentences,
+                "evaluation": list(SENTENCES)}
         label = f"llm-compressor {method} {group}{' act-order ' + actorder if actorder else ''}"
+        row: dict[str, Any] = {"library": "llm-compressor", "method": method, "scheme": group, "actorder": actorder,
+                               "calibration": "sequential (its pipeline, BertLayer)"}
         try:
             proc = subprocess.run([sys.executable, str(script), json.dumps(spec)], env=env, capture_output=True,
                                   text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            rows.append({"library": "llm-compressor", "method": method, "scheme": group, "actorder": actorder,
-                         "unavailable": f"timed out after {timeout_s} s"})
+            rows.append({**row, "unavailable": f"timed out after {timeout_s} s"})
             continue
-        if proc.returncode != 0:
-            log(f"{label} failed: {proc.stderr[-2000:]}")
-            rows.append({"library": "llm-compressor", "method": method, "scheme": group, "actorder": actorder,
-                         "unavailable": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"})
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            log(f"{label} failed: {proc.stderr[-3000:]}")
+            last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+            rows.append({**row, "unavailable": last[-1][:500] if last else "failed"})
             continue
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        from safetensors.torch import load_file
-
-        deq = load_file(str(weights_out))
-        cos = probe.cosine({k: v.float() for k, v in deq.items() if k in probe.weights})
-        log(f"{label}: cos {cos['embedding_cos_mean']:.4f} in {result['seconds']:.2f} s")
-        rows.append({"library": "llm-compressor", "version": result.get("version"), "method": method,
-                     "scheme": group, "actorder": actorder, "calibration": "sequential (its pipeline)",
-                     "seconds": result["seconds"], "weights_replaced": len(deq), **cos})
+        result = json.loads(lines[-1])
+        log(f"{label}: cos {result['embedding_cos_mean']:.4f} in {result['seconds']:.2f} s")
+        rows.append({**row, **result})
     return rows
 
 
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     private_inductor_cache()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="asym g64 only, no llm-compressor, 1 repeat")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats of the HQQ comparison")
+    ap.add_argument("--repeats", type=int, default=2, help="timed repeats of the HQQ comparison")
     ap.add_argument("--llmc-path", default=os.environ.get("QUANTD_BENCH_LLMC_PATH"),
                     help="a directory with llmcompressor and its pinned dependencies (pip install --target)")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor")
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             probe, cal_sentences, list(SCHEMES), groups))
         if not (args.quick or args.no_llmc):
             payload["llmcompressor"] = _section("llm-compressor", lambda: run_llmcompressor(
-                args.llmc_path, tmp / "llmc.safetensors", cal_sentences, probe, timeout_s=900.0))
+                args.llmc_path, cal_sentences, timeout_s=900.0))
     payload["elapsed_s"] = time.perf_counter() - t_start
     path = write_results(args.out or ("methods_quick.json" if args.quick else "methods.json"), payload)
     log(f"wrote {path}")

@@ -94,7 +94,7 @@ def test_engine_result_equals_the_artifact_decoding(tmp_path: Path) -> None:
 
 
 def test_calibration_problems_fail_before_any_work(tmp_path: Path) -> None:
-    src, cal, _ = _model(tmp_path)
+    src, _, _ = _model(tmp_path)
     gptq = QuantConfig.model_validate({"scheme": {"dtype": "int4", "group_size": 32, "method": "gptq"}})
     with pytest.raises(ConfigError, match=r"tensor 'enc.o.weight'.*needs calibration"):  # the first in the file
         quantize_file(src, tmp_path / "o.safetensors", gptq, device="cpu")
@@ -121,7 +121,7 @@ def test_rows_and_hessian_calibration_agree(tmp_path: Path) -> None:
 
 
 def test_artifact_metadata_names_method_args(tmp_path: Path) -> None:
-    src, cal, _ = _model(tmp_path)
+    src, _, _ = _model(tmp_path)
     config = QuantConfig.model_validate({"scheme": {"dtype": "int4", "group_size": 32, "method": "hqq",
                                                     "method_args": {"iters": 5}}})
     quantize_file(src, tmp_path / "o.safetensors", config, device="cpu")

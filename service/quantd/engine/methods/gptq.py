@@ -10,7 +10,10 @@ scheme's observer on the group's columns as they are when the group is reached (
 included). ``act_order`` visits columns by decreasing ``diag H``; the groups then follow that order and
 ``g_idx`` maps each column to its group, unless ``static_groups`` fixes every group's parameters on the
 original weight first (groups stay contiguous, no ``g_idx``). Dead inputs (``H_jj = 0``) get zero weights,
-as in the reference implementations. Memory: a few ``[in, in]`` and ``[out, in]`` float32 matrices.
+as in the reference implementations. ``clip_grid`` picks each group's range (shrunk by up to ``max_shrink``)
+for the least output error through the group's block of ``H``; ``awq_scales`` first scales the input
+channels as AWQ does (:mod:`quantd.engine.methods.awq`), stored as ``channel_scale``. Memory: a few
+``[in, in]`` and ``[out, in]`` float32 matrices.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from quantd_client import Scheme
 from quantd_client._dtypes import DTypeInfo, dtype_info
 
 from ._common import check_linear_weight, encode, group_columns
+from .awq import awq_scales
 from .base import Arg, LayerHessian, Method, register
 
 
@@ -60,8 +64,33 @@ def _qparams(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tenso
     return scale.float().unsqueeze(1), None if zp is None else zp.float().unsqueeze(1)
 
 
+def _qparams_searched(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, ratios: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As :func:`_qparams`, each row's range shrunk by the ratio whose rounding error ``d`` of the block
+    ``w[rows, k]`` has the least output error ``d H dᵀ`` through the block's own ``H[k, k]``."""
+    lo, hi = observe_range(w, scheme)
+    best_s = best_z = None
+    best_err = torch.full((w.shape[0], 1), float("inf"), device=w.device)
+    for r in ratios.tolist():  # a few candidates, each for every row at once
+        scale, zp = choose_qparams(lo * r, hi * r, dtype=scheme.dtype, symmetric=scheme.symmetric,
+                                   scale_dtype=scheme.scale_dtype)
+        s = scale.float().unsqueeze(1)
+        z = None if zp is None else zp.float().unsqueeze(1)
+        code = encode(w, s, z, info)
+        d = (code if z is None else code - z) * s - w
+        err = ((d @ h) * d).sum(dim=1, keepdim=True)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = s if best_s is None else torch.where(better, s, best_s)
+        if z is not None:
+            best_z = z if best_z is None else torch.where(better, z, best_z)
+    if best_s is None:
+        raise ValueError("no clipping ratio to search")
+    return best_s, best_z
+
+
 def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, damp: float, block_size: int,
-         act_order: bool, static_groups: bool, name: str
+         act_order: bool, static_groups: bool, name: str, clip_grid: int = 0, max_shrink: float = 0.0
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Codes ``[out, in]`` (float32 integers, original column order), scale and zero point ``[out, G]``
     (float32), and ``g_idx`` (None when the groups are the contiguous ones)."""
@@ -81,7 +110,9 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, d
     if perm is not None:
         w, h = w[:, perm], h[perm][:, perm]
     u = inverse_hessian_factor(h, damp=damp, name=name)
-    del h
+    ratios = None
+    if clip_grid > 0 and max_shrink > 0:
+        ratios = 1.0 - torch.arange(max(1, int(max_shrink * clip_grid))) / clip_grid
     q = torch.empty_like(w)
     scale = torch.empty(rows, n_groups, device=w.device)
     zero = None if scheme.symmetric else torch.empty(rows, n_groups, device=w.device)
@@ -100,7 +131,10 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, d
         for i in range(b1 - b0):  # column by column: each one's rounding depends on the previous ones' errors
             j = b0 + i
             if static is None and j % gs == 0:  # a new group starts: its parameters from its columns as they are
-                s, z = _qparams(w1[:, i:i + gs], scheme)
+                if ratios is None:
+                    s, z = _qparams(w1[:, i:i + gs], scheme)
+                else:
+                    s, z = _qparams_searched(w1[:, i:i + gs], h[j:j + gs, j:j + gs], scheme, info, ratios)
                 scale[:, j // gs] = s[:, 0]
                 if zero is not None and z is not None:
                     zero[:, j // gs] = z[:, 0]
@@ -130,10 +164,18 @@ def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool],
     if calibration is None:
         raise ConfigError("method 'gptq' needs calibration for this tensor", field="calibration", tensor=name)
     act_order = bool(args["act_order"]) and scheme.granularity == "group"
-    codes, scale, zero, g_idx = gptq(x, calibration.hessian / max(calibration.count, 1), scheme, info,
+    w, h = x.float(), calibration.hessian.float() / max(calibration.count, 1)
+    channel_scale = None
+    if args["awq_scales"]:  # AWQ's per-input-channel scales first: GPTQ then rounds W·s against H / (s sᵀ)
+        channel_scale = awq_scales(w, calibration.hessian.float(), calibration.count, scheme, grid=20,
+                                   duo_scaling=True, name=name)
+        w = w * channel_scale
+        h = h / channel_scale.unsqueeze(0) / channel_scale.unsqueeze(1)
+    codes, scale, zero, g_idx = gptq(w, h, scheme, info,
                                      damp=float(args["damp"]), block_size=int(args["block_size"]),
-                                     act_order=act_order, static_groups=bool(args["static_groups"]), name=name)
-    return _result(x, scheme, info, codes, scale, zero, g_idx, method="gptq")
+                                     act_order=act_order, static_groups=bool(args["static_groups"]), name=name,
+                                     clip_grid=int(args["clip_grid"]), max_shrink=float(args["max_shrink"]))
+    return _result(x, scheme, info, codes, scale, zero, g_idx, method="gptq", channel_scale=channel_scale)
 
 
 def _result(x: torch.Tensor, scheme: Scheme, info: DTypeInfo, codes: torch.Tensor, scale: torch.Tensor,
@@ -160,6 +202,7 @@ def _uses_g_idx(scheme: Scheme, args: Mapping[str, float | bool]) -> bool:
 
 GPTQ = register(Method(
     name="gptq", needs="hessian", quantize=_quantize, check=_check, uses_g_idx=_uses_g_idx,
+    uses_channel_scale=lambda scheme, args: bool(args.get("awq_scales")),
     description="GPTQ: columns rounded in turn, each error compensated on the later columns through the "
                 "inverse Hessian of the layer's inputs (needs calibration; 2-D Linear weights, integer, "
                 "per channel or group)",
@@ -170,4 +213,8 @@ GPTQ = register(Method(
                                         "unless static_groups)"),
         Arg("static_groups", "bool", False, "fix every group's scale and zero point on the original weight "
                                             "before the column loop"),
+        Arg("clip_grid", "int", 0, "search each group's range shrink on this grid (0: the observer's range as "
+                                   "it is), for the least output error through the group's block of H", 0, 200),
+        Arg("max_shrink", "float", 0.2, "the most a group's range is shrunk by the search", 0.0, 0.9),
+        Arg("awq_scales", "bool", False, "scale the input channels as AWQ does before GPTQ (stores channel_scale)"),
     )))

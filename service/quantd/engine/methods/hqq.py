@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
+from quantd.engine import kernels
 from quantd.engine.granularity import block_view, check_applicable, granularity_of, unblock
 from quantd.engine.qparams import round_up_to, scale_torch_dtype, smallest_positive
 from quantd.engine.types import QuantizedTensor
@@ -35,32 +36,36 @@ from .base import Arg, LayerHessian, Method, register
 _CHUNK_ELEMENTS = 1 << 18
 
 
-def _shrink(e: torch.Tensor, beta: float, p: float) -> torch.Tensor:
-    """The proximal step of ``|e|^p / β``: soft threshold for p = 1, its generalisation below."""
-    a = e.abs()
-    if p == 1.0:
-        return torch.sign(e) * torch.relu(a - 1.0 / beta)
-    return torch.sign(e) * torch.relu(a - a.clamp_min(1e-30).pow(p - 1.0) / beta)
+def _step(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, beta: torch.Tensor, levels: torch.Tensor,
+          p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One half-quadratic iteration: the mean absolute error of ``zero`` and the next zero point, per row."""
+    wq = torch.minimum(torch.round(w / scale + zero).clamp_min(0.0), levels)
+    diff = w - (wq - zero) * scale
+    a = diff.abs()
+    we = torch.sign(diff) * torch.relu(a - a.clamp_min(1e-30).pow(p - 1.0) / beta)
+    return a.mean(dim=1, keepdim=True), (wq - (w - we) / scale).mean(dim=1, keepdim=True)
 
 
 def optimize_zero_point(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *, levels: int, iters: int,
                         lp_norm: float, beta: float, kappa: float) -> torch.Tensor:
     """The optimised float zero point (offset domain: ``W_q ∈ [0, levels]``) of each row of ``w[B, K]``,
-    given float32 ``scale[B, 1]`` and the initial ``zero[B, 1]``."""
+    given float32 ``scale[B, 1]`` and the initial ``zero[B, 1]``. On CPU each iteration is one fused
+    compiled kernel when the compiled kernels are on (the same arithmetic as eager)."""
     best = zero.clone()
     best_err = torch.full_like(zero, float("inf"))
+    dev = w.device
+    lv, p = torch.tensor(float(levels), device=dev), torch.tensor(float(lp_norm), device=dev)
+    compiled = kernels.KERNELS.wants(w)
     for _ in range(iters):
-        wq = torch.round(w / scale + zero).clamp_(0, levels)
-        wr = (wq - zero) * scale
-        diff = w - wr
-        err = diff.abs().mean(dim=1, keepdim=True)
+        b = torch.tensor(beta, device=dev)
+        out = kernels.KERNELS.call("hqq_step", _step, (w.dtype,), w, scale, zero, b, lv, p) if compiled else None
+        err, nxt = out if out is not None else _step(w, scale, zero, b, lv, p)
         better = err < best_err
         if not bool(better.any()):
             break
         best = torch.where(better, zero, best)
         best_err = torch.where(better, err, best_err)
-        we = _shrink(diff, beta, lp_norm)
-        zero = (wq - (w - we) / scale).mean(dim=1, keepdim=True)
+        zero = nxt
         beta *= kappa
     return best
 
