@@ -201,3 +201,18 @@ def test_methods_run_on_cuda(method: str) -> None:
     assert qt_gpu.codes.is_cuda
     rtn = dequantize(quantize(w, scheme.model_copy(update={"method": "rtn"})))
     assert _rel(w, dequantize(qt_gpu).cpu(), x) < _rel(w, rtn, x)
+
+
+def test_gptq_with_awq_scales_and_clip_search() -> None:
+    w, x = _layer(rows=32, cols=128, n=1024)
+    h = LayerHessian(x.T @ x, x.shape[0])
+    plain = quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq"), name="w", calibration=h)
+    scaled = quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq",
+                                       method_args={"awq_scales": True, "clip_grid": 20}), name="w", calibration=h)
+    assert plain.channel_scale is None and scaled.channel_scale is not None
+    assert scaled.scale is not None and scaled.zero_point is not None
+    idx = torch.arange(128) // 32
+    manual = ((scaled.codes.float() - scaled.zero_point.float()[:, idx]) * scaled.scale.float()[:, idx]
+              / scaled.channel_scale)
+    torch.testing.assert_close(dequantize(scaled), manual)
+    assert _rel(w, dequantize(scaled), x) < _rel(w, dequantize(plain), x)
