@@ -196,7 +196,8 @@ def run_hqq_library(probe: EmbeddingProbe, repeats: int) -> list[dict[str, Any]]
     return rows
 
 
-def run_llmcompressor(llmc_path: str | None, sentences: list[str], timeout_s: float) -> list[dict[str, Any]]:
+def run_llmcompressor(llmc_path: str | None, sentences: list[str], groups: list[str], timeout_s: float
+                      ) -> list[dict[str, Any]]:
     """llm-compressor's oneshot in a subprocess (its own package directory first on the path); the subprocess
     measures the embeddings itself, since AWQ also changes the layers it folds its scales into."""
     script = Path(__file__).resolve().parent / "_llmc_run.py"
@@ -204,6 +205,8 @@ def run_llmcompressor(llmc_path: str | None, sentences: list[str], timeout_s: fl
     for method, group, actorder in (("gptq", "asym_g64", None), ("gptq", "asym_g64", "static"),
                                     ("gptq", "sym_g128", None), ("gptq", "sym_g128", "static"),
                                     ("awq", "asym_g64", None)):
+        if group not in groups:
+            continue
         env = dict(os.environ)
         if llmc_path:
             env["PYTHONPATH"] = os.pathsep.join([llmc_path, env.get("PYTHONPATH", "")])
@@ -250,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llmc-path", default=os.environ.get("QUANTD_BENCH_LLMC_PATH"),
                     help="a directory with llmcompressor and its pinned dependencies (pip install --target)")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor")
+    ap.add_argument("--groups", default=",".join(GROUP_SCHEMES), help=f"comma-separated, of {list(GROUP_SCHEMES)}")
     ap.add_argument("--out", default=None, help="file under bench/results/ (default methods.json)")
     args = ap.parse_args(argv)
-    groups = ["asym_g64"] if args.quick else list(GROUP_SCHEMES)
+    groups = ["asym_g64"] if args.quick else args.groups.split(",")
     repeats = 1 if args.quick else args.repeats
     t_start = time.perf_counter()
     torch.manual_seed(0)
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             probe, cal_sentences, list(SCHEMES), groups))
         if not (args.quick or args.no_llmc):
             payload["llmcompressor"] = _section("llm-compressor", lambda: run_llmcompressor(
-                args.llmc_path, cal_sentences, timeout_s=900.0))
+                args.llmc_path, cal_sentences, groups, timeout_s=900.0))
     payload["elapsed_s"] = time.perf_counter() - t_start
     path = write_results(args.out or ("methods_quick.json" if args.quick else "methods.json"), payload)
     log(f"wrote {path}")

@@ -519,6 +519,47 @@ def engine_section(data: Any) -> str:
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------- methods (bench/methods.py)
+
+
+def methods_section(data: dict[str, Any]) -> str:
+    """methods.json: RTN, HQQ, GPTQ and AWQ on all-MiniLM-L6-v2 int4 beside the hqq library and
+    llm-compressor, every figure from one run on one machine."""
+    m = data.get("machine", {})
+    out = [
+        f"{data.get('model')}: {data.get('metric')}; {data.get('evaluation_sentences')} evaluation sentences, "
+        f"{data.get('calibration_sentences')} other calibration sentences. Machine: {m.get('cpu')}, "
+        f"{m.get('cores')} cores, torch {m.get('torch')}, {m.get('date')}, load average "
+        f"{m.get('loadavg_1_5_15min')} at the start (seconds are noisy on this shared machine).",
+        "",
+    ]
+    rows: list[list[str]] = []
+    for key in ("agnostic", "sequential", "llmcompressor"):
+        section = data.get(key)
+        if isinstance(section, dict) and "error" in section:
+            rows.append([key, "", "", "", f"failed: {section['error']}", "", ""])
+            continue
+        for r in section or []:
+            label = r["method"] + (f" (act-order {r['actorder']})" if r.get("actorder") else "")
+            if "unavailable" in r:
+                rows.append([r["library"], label, r["scheme"], r.get("calibration", ""),
+                             f"not run: {r['unavailable']}", "", ""])
+                continue
+            rows.append([r["library"], label, r["scheme"], r.get("calibration", ""),
+                         fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r.get("embedding_cos_min"), ".4f"),
+                         fmt(r.get("seconds"), ".1f")])
+    out += [table(["library", "method", "scheme", "calibration", "emb. cos mean", "emb. cos min", "seconds"],
+                  rows), ""]
+    hqq = data.get("hqq")
+    if isinstance(hqq, list) and hqq:
+        out += ["HQQ, int4 affine g64, every Linear weight (engine time, median of the timed repeats):", "",
+                table(["library", "emb. cos mean", "seconds", "quantd speed-up"],
+                      [[r["library"] + (f" {r['version']}" if r.get("version") else ""),
+                        fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r.get("seconds"), ".2f"),
+                        fmt(r.get("speedup_vs_hqq"), ".2f")] for r in hqq if "unavailable" not in r]), ""]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="prefer *_quick.json results (smoke runs)")
@@ -649,6 +690,9 @@ def main(argv: list[str] | None = None) -> int:
                    "separate the disk from the service's own cost:", "", service_section(tmpfs), ""]
     else:
         md += ["No `bench/results/service.json` yet: run `python bench/service.py`.", ""]
+    methods = load("methods.json")
+    if methods:
+        md += ["## Methods: RTN, HQQ, GPTQ, AWQ (bench/methods.py)", "", methods_section(methods), ""]
     md += ["## The engine (bench/engine.py)", ""]
     md_tail = [REPRODUCE]
     md += [engine_section(engine) if engine is not None else "No `bench/results/engine.json` yet.", ""]
