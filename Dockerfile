@@ -33,7 +33,7 @@ RUN if ! python -c "import torch" 2>/dev/null; then \
 COPY pyproject.toml README.md ./
 COPY client ./client
 COPY service ./service
-RUN pip install "/app[server]" \
+RUN pip install "/app[server,scale]" \
     && useradd --system --uid 10001 --create-home --home-dir /home/quantd quantd \
     && mkdir -p /data \
     && chown quantd:quantd /data

@@ -29,8 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
 SHARED_MACHINE_NOTE = (
-    "Timings were taken on a shared 2-core CPU machine while other engineers ran tests on it: "
-    "expect run-to-run noise of tens of percent; medians of several repeats are reported."
+    "Timings were taken on a machine shared with other work: expect run-to-run noise of tens of percent; "
+    "medians of several repeats are reported."
 )
 
 T = TypeVar("T")

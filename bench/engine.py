@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when imported
 
-from common import private_inductor_cache
+from common import machine_info, private_inductor_cache
 from quantd.engine import kernels
 from quantd.engine.primitives import quantize
 from quantd_client import Scheme
@@ -97,8 +96,8 @@ def run(size: int, repeats: int, threads: int) -> dict[str, Any]:
             copy_times, fn_times = paired_times(copy, fn, repeats)
             copy_s, s = min(copy_times), min(fn_times)
             copies.append(copy_s)
-            # The copy of this VM runs at two speeds (memory shared with other tenants, it seems): the
-            # fraction is best against best, and also given median against median.
+            # A copy's speed can vary within a run on a shared machine: the fraction is best against
+            # best, and also given median against median.
             copy_med, fn_med = statistics.median(copy_times), statistics.median(fn_times)
             row[key] = {"s": s, "gbps": gb / s, "fraction_of_copy": copy_s / s, "paired_copy_s": copy_s,
                         "paired_copy_median_s": copy_med, "median_s": fn_med,
@@ -132,9 +131,7 @@ def main() -> None:
         kernels.KERNELS.reset(available=False)
     default_threads = torch.get_num_threads()
     result: dict[str, Any] = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "cpu_isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-                    "loadavg_before": os.getloadavg()},
+        "machine": {**machine_info(), "loadavg_before": os.getloadavg()},
         "kernels": "compiled" if kernels.KERNELS.available() else "eager",
         "inductor_cache": inductor_cache,
         "shape": [args.size, args.size],

@@ -215,7 +215,7 @@ def run_http_job(server: Server, src: Path, timeout_s: float) -> dict[str, Any]:
     }
 
 
-# The floor under any upload to a uvicorn server on this machine: an ASGI app that reads the body and
+# The floor under any upload to a uvicorn server on the machine: an ASGI app that reads the body and
 # drops it (no multipart parsing, no hashing, no file), receiving the same request from the same client.
 DISCARD_APP = """
 async def app(scope, receive, send):

@@ -325,6 +325,23 @@ class Job(BaseModel):
     attempts: int = 0
     cancel_requested: bool = False  # DELETE seen on a running job; it ends cancelled at the next tensor
     expired_at: datetime | None = None  # files removed after the TTL (report/artifact then answer 410)
+    source: str | None = None  # a job by reference: the s3:// object it reads
+    destination: str | None = None  # ... and where its artifact is written too
+
+
+class JobByReference(BaseModel):
+    """``POST /v1/jobs`` as JSON: quantize an object the server reads itself (CONTRACT §11). Only ``s3://``
+    URLs under the tenant's allowed prefixes (``QUANTD_SOURCE_PREFIXES``); anything else is 403."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "config": {"scheme": {"dtype": "int4", "group_size": 128}},
+        "source": "s3://models/llama/model.safetensors", "destination": "s3://models/llama-int4/"}]})
+
+    config: QuantConfig
+    source: str = Field(max_length=1024, description="s3://bucket/key of one model file")
+    destination: str | None = Field(default=None, max_length=1024, description=(
+        "s3://bucket/key for the artifact, or a prefix ending in '/' (the source's name + .quantd.safetensors); "
+        "the job's own artifact stays downloadable too"))
 
 
 class JobList(BaseModel):

@@ -287,6 +287,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    """Apply the database migrations this quantd needs (QUANTD_DATABASE_URL; SQLite by default)."""
+    from quantd.jobs.backends import upgrade_database
+    from quantd.server.app import jobs_config
+
+    shown, applied = upgrade_database(jobs_config(_settings(args), workers=0))
+    print(f"{shown}: " + (f"applied migration(s) {applied}" if applied else "schema up to date"))
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     config = build_config(args)
     if Path(args.output).resolve() == Path(args.input).resolve():
@@ -416,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--workers", type=int, help="worker count (default: QUANTD_WORKERS)")
         p.add_argument("--device", help=DEVICE_HELP)
         p.set_defaults(func=cmd_serve if name == "serve" else cmd_worker)
+
+    p = sub.add_parser("db", help="the job database")
+    db = p.add_subparsers(dest="db_command", required=True)
+    q = db.add_parser("upgrade", help="apply pending schema migrations (QUANTD_DATABASE_URL)")
+    q.add_argument("--data-dir", help="the data dir of the default SQLite database (default: QUANTD_DATA_DIR)")
+    q.set_defaults(func=cmd_db_upgrade)
 
     p = sub.add_parser("quantize", parents=[client], help="quantize a file, in-process or through --server")
     p.add_argument("input", type=Path)

@@ -197,7 +197,7 @@ def test_in_process_work_without_the_server_extra_says_what_to_install(model: Pa
 
 
 def test_serve_keeps_compiled_kernels_in_its_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Inductor's default cache is /tmp/torchinductor_<user>: outside the data dir (found by an audit).
+    # Inductor's default cache is /tmp/torchinductor_<user>: outside the data dir.
     import os
     import platform
 
@@ -222,7 +222,7 @@ def test_serve_keeps_compiled_kernels_in_its_data_dir(tmp_path: Path, monkeypatc
 def test_in_process_runs_keep_compiled_kernels_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        model: Path) -> None:
     # The CLI's in-process engine uses Inductor's default cache dir, one subdirectory per kind of CPU: that
-    # dir outlives machines in images and snapshots (kernels made for an AVX2 CPU ran 2-3x slower on AVX-512).
+    # dir outlives machines in images and snapshots, and kernels compiled for one CPU's ISA do not suit another.
     import os
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -239,10 +239,9 @@ def test_in_process_runs_keep_compiled_kernels_per_cpu(tmp_path: Path, monkeypat
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="sets glibc's malloc")
 def test_keep_freed_memory_serves_large_blocks_from_the_heap_in_worker_threads() -> None:
-    # By default glibc maps every block of 32 MiB and more anew and unmaps it when freed: each large tensor
-    # faulted its pages in again, ~0.9 µs per 4 KiB page on the VM this was measured on, more than the
-    # kernels that filled them. With the setting a worker thread's 96 MiB tensor comes from the one heap
-    # (below the program break), where a freed block stays to be reused.
+    # By default glibc maps every block of 32 MiB and more anew and unmaps it when freed, so each large
+    # tensor faults its pages in again. With the setting a worker thread's 96 MiB tensor comes from the one
+    # heap (below the program break), where a freed block stays to be reused.
     script = (
         "import ctypes, sys, threading\n"
         "import torch\n"

@@ -49,7 +49,7 @@ def test_percentile_observer_clips_a_spike() -> None:
 
 @pytest.mark.parametrize("granularity,axis", [("tensor", 0), ("channel", -1), ("channel", 1)])
 def test_ema_steps_once_per_sample(granularity: str, axis: int) -> None:
-    # a calibration file holds each layer's N samples as one tensor: momentum used to make no difference
+    # a calibration file holds each layer's N samples as one tensor: the average steps once per sample
     g = torch.Generator().manual_seed(3)
     chunks = [torch.randn(7, 5, 6, generator=g) * (1 + i) for i in range(2)]  # the layer's samples, in 2 tensors
     spec = ObserverSpec(dtype="int8", symmetric=False, observer="ema", granularity=granularity, axis=axis,
@@ -89,7 +89,7 @@ def test_ema_steps_per_sample_of_a_1d_layer_and_after_a_prior_state() -> None:
 
 
 def test_the_default_observer_is_int8_affine_per_tensor() -> None:
-    # an ObserverSpec without a dtype became a weight Scheme's default, int4
+    # activations default to int8 per tensor, not to a weight Scheme's default (int4)
     for spec in (ObserverSpec(), ObserverSpec(observer="ema"), ObserverSpec(symmetric=True)):
         scheme = spec.as_scheme()
         assert (scheme.dtype, scheme.granularity) == ("int8", "tensor") and scheme.symmetric == spec.symmetric

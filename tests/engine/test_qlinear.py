@@ -95,9 +95,9 @@ def test_cuda_accumulation_is_exact(rows: int) -> None:
 
 
 def test_pruned_and_tiny_rows_keep_their_bias() -> None:
-    # An all-zero row's absmax scale is the smallest float32: its bias code was clamped to ±2³¹ (the output
-    # ~1e-38 instead of the bias), and a row of ~1e-7 weights overflowed int32 when the bias was added
-    # (the output's sign flipped). Such rows' scales now leave the bias room in the accumulator.
+    # An all-zero row's absmax scale is the smallest float32, so its bias code would clamp to ±2³¹, and a row
+    # of ~1e-7 weights would overflow int32 when the bias is added: such rows' scales leave the bias room in
+    # the accumulator.
     torch.manual_seed(0)
     lin = nn.Linear(64, 8)
     with torch.no_grad():

@@ -334,8 +334,8 @@ def test_theoretical_sqnr_formula() -> None:
 @pytest.mark.parametrize("dtype", ["nf4", "fp8_e4m3"])
 def test_nf4_and_fp8_count_as_clipped_only_beyond_half_a_step(dtype: str) -> None:
     # As for integer dtypes: a value within half a step beyond the end level rounds onto it anyway, its
-    # error within the bound. nf4 counted every |x/s| > 1 (with a percentile range ~1 % of a g64 weight,
-    # elements off by a hair), fp8 every |x/s| > max_finite.
+    # error within the bound. Counting every |x/s| beyond the end level would flag elements off by a hair
+    # (with a percentile range, ~1 % of a g64 weight).
     top, step = (1.0, 1 - 0.7229568362236023) if dtype == "nf4" else (448.0, 32.0)
     s = 0.5
     x = torch.tensor([[top * s, (top + 0.4 * step) * s, (top + 0.6 * step) * s, -top * s, 0.1]])

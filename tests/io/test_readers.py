@@ -69,7 +69,7 @@ def test_pytorch_non_tensor_leaves_skipped_and_top_level_kept(tmp_path: Path) ->
 
 
 def test_pytorch_tensors_in_lists_are_named_by_index(tmp_path: Path) -> None:
-    # they were dropped without a word: a 200 with an artifact that lacked them
+    # tensors inside lists and tuples are model weights too: each gets a name from its index
     a, b, c, d = (torch.randn(4, 8) for _ in range(4))
     p = tmp_path / "ckpt.pt"
     torch.save({"enc": {"w": a}, "layers": [b, {"w": c}], "pair": (d, 3)}, p)

@@ -359,7 +359,7 @@ async def test_a_worker_that_lost_its_lease_leaves_the_finished_job_alone(make_s
                                                                           model_file: Path) -> None:
     """A worker stalled past its lease (a paused VM, swap) while another finished the job must not
     replace that job's artifact and report when it comes back: the served file would no longer match
-    the job's ETag/sha256. Found by a durability audit with SIGSTOP/SIGCONT."""
+    the job's ETag/sha256."""
     started, release = threading.Event(), threading.Event()
 
     def stalled(src: Path, dst: Path, config: QuantConfig, **kwargs: Any) -> Report:

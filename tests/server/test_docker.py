@@ -44,3 +44,45 @@ def test_compose_layout():
     assert cpu["profiles"] == ["cpu"] and cpu["command"][:2] == ["quantd", "serve"]
     assert cpu["build"]["args"]["BASE_IMAGE"].startswith("python:3.11")
     assert "deploy" not in cpu and "profiles" not in api and "profiles" not in worker
+
+
+def test_compose_scale_profiles():
+    """PostgreSQL, MinIO, two API replicas behind one port, two GPU workers (one GPU each) or, in the
+    CPU profile, two CPU workers; every quantd container on the same database and bucket."""
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = doc["services"]
+    both = ["scale", "scale-cpu"]
+    for name in ("postgres", "minio", "minio-init", "db-upgrade", "api-1", "api-2", "lb"):
+        assert services[name]["profiles"] == both, name
+    assert services["db-upgrade"]["command"] == ["quantd", "db", "upgrade"]
+    quantd = {n: s for n, s in services.items() if n in ("db-upgrade", "api-1", "api-2") or n.startswith("worker-")}
+    assert len(quantd) == 7
+    for name, svc in quantd.items():
+        env = svc["environment"]
+        assert env["QUANTD_DATABASE_URL"].startswith("postgresql://") and "@postgres:5432/" in env["QUANTD_DATABASE_URL"]
+        assert env["QUANTD_STORAGE_URL"] == "s3://quantd/jobs" and env["QUANTD_S3_ENDPOINT_URL"] == "http://minio:9000"
+        assert env["QUANTD_DB_MIGRATE"] == "0", name  # the schema is db-upgrade's, before anything starts
+        if name != "db-upgrade":
+            assert svc["depends_on"]["db-upgrade"]["condition"] == "service_completed_successfully", name
+    for name in ("api-1", "api-2"):
+        cmd = services[name]["command"]
+        assert cmd[:2] == ["quantd", "serve"] and cmd[cmd.index("--workers") + 1] == "0"
+        assert "ports" not in services[name]  # reached through the balancer only
+    assert services["lb"]["ports"] == ["8000:8000"]
+    conf = (ROOT / "deploy" / "nginx.conf").read_text()
+    assert "server api-1:8000" in conf and "server api-2:8000" in conf
+    assert "proxy_request_buffering off;" in conf and "proxy_buffering off;" in conf  # streams both ways
+    assert "client_max_body_size 0;" in conf  # quantd answers 413 itself
+    gpus = []
+    for name in ("worker-gpu-1", "worker-gpu-2"):
+        svc = services[name]
+        assert svc["profiles"] == ["scale"] and svc["command"] == ["quantd", "worker", "--device", "cuda"]
+        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
+        gpus += dev["device_ids"]
+    assert sorted(gpus) == ["0", "1"]
+    for name in ("worker-cpu-1", "worker-cpu-2"):
+        svc = services[name]
+        assert svc["profiles"] == ["scale-cpu"] and svc["command"] == ["quantd", "worker", "--device", "cpu"]
+        assert "deploy" not in svc and svc["build"]["args"]["BASE_IMAGE"].startswith("python:3.11")
+    assert {"postgres-data", "minio-data"} <= set(doc["volumes"])

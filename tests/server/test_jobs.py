@@ -69,7 +69,7 @@ async def test_submit_follow_and_download(server):
     r = await server.client.get(f"/v1/jobs/{job['id']}/artifact",
                                 headers={"Range": "bytes=0-3", "If-Range": '"stale"'})
     assert r.status_code == 200 and r.content == art  # If-Range mismatch → the whole file
-    r = await server.client.head(f"/v1/jobs/{job['id']}/artifact")  # download tools probe with HEAD (was 405)
+    r = await server.client.head(f"/v1/jobs/{job['id']}/artifact")  # download tools probe with HEAD
     assert r.status_code == 200 and r.content == b"" and r.headers["etag"] == f'"{sha}"'
     assert int(r.headers["content-length"]) == len(art) and r.headers["accept-ranges"] == "bytes"
     r = await server.client.head(f"/v1/jobs/{job['id']}/artifact", headers={"Range": "bytes=10-19"})

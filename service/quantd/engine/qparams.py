@@ -60,7 +60,7 @@ def round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     For positive finite floats the next representable value up is the bit pattern plus one. To float16
     and bfloat16 the value is rounded up to float32 first and then in float32 arithmetic
     (:func:`_round_up_to_half`): both are subsets of float32, so this is the same value, and it is
-    code Inductor vectorises (its float64 → float16 conversion is scalar, 13x slower than eager).
+    code Inductor vectorises (its float64 → float16 conversion is not vectorised).
     """
     if dtype in (torch.float16, torch.bfloat16) and s.dtype in (torch.float64, torch.float32):
         v = round_up_to(s, torch.float32) if s.dtype == torch.float64 else s.clamp(min=0.0)
@@ -141,9 +141,7 @@ def _half_scale_of_absmax(absmax: torch.Tensor, divisor: float, dtype: torch.dty
     (When ``q`` is not a ``dtype`` value, the next ``dtype`` value above it is at least a float32 ulp above
     ``q``, so above the quotient too.) For a ``dtype`` value ``q`` (≤ 11 significant bits) ``q · divisor``
     (≤ 8 bits) is exact in float32, so ``q · divisor < absmax`` tells exactly whether ``q`` fell below.
-    Against the float64 route (its conversions do not vectorise well), min-max of a 4096² weight, timed in
-    alternation: g64 12–14 % faster (float32 and bfloat16 weights), g32 19–20 %, nf4 g64 6 %, per channel
-    the same; the qparams of 262 144 blocks alone 0.62 → 0.31 ms."""
+    This avoids the float64 route, whose conversions do not vectorise on CPU."""
     q = absmax / divisor
     up = _round_up_to_half(q, dtype)
     low = (up == q) & (q * divisor < absmax)  # q is a dtype value below the quotient: one step up
@@ -179,7 +177,7 @@ def _clear_of_ties(absmax: torch.Tensor, scale: torch.Tensor, half: float) -> to
     the tie for about a quarter of blocks. A quotient exactly on it keeps its scale: its error is exactly
     ``scale/2`` either way. float16 and bfloat16 scales are left alone: rounded up, they put the extreme
     2⁻¹¹ or 2⁻⁸ inside at random, and the division lands on the tie for ~3·10⁻⁵ of blocks, as rarely as
-    for any other element; the check cost their min-max kernel 8 % at g64."""
+    for any other element, so the check would cost their kernels more than it corrects."""
     if scale.dtype != torch.float32:
         return scale
     a32 = absmax.float()

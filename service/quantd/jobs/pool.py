@@ -11,8 +11,9 @@ from types import FrameType
 
 from .config import JobsConfig, worker_devices
 from .prepared import PreparedRuns
-from .storage import ArtifactStore, LocalStorage
-from .store import JobStore, SQLiteJobStore
+from .references import References
+from .storage import ArtifactStore
+from .store import JobStore
 from .worker import QuantizeFn, Worker, default_quantize_fn, owner_is_dead
 
 log = logging.getLogger("quantd.jobs")
@@ -22,12 +23,11 @@ ORPHAN_UPLOAD_AGE_S = 3600.0  # uploads moved in place by a submit whose transac
 
 
 def open_backends(config: JobsConfig) -> tuple[JobStore, ArtifactStore]:
-    """The embedded backends: SQLite at ``data_dir/quantd.db`` and files under ``data_dir``."""
-    storage = LocalStorage(config.data_dir)
-    storage.init()
-    store = SQLiteJobStore(storage.root / "quantd.db")
-    store.init()
-    return store, storage
+    """The backends the config's URLs name: SQLite at ``data_dir/quantd.db`` and files under ``data_dir``
+    by default (see :mod:`quantd.jobs.backends`)."""
+    from .backends import open_backends as open_by_url
+
+    return open_by_url(config)
 
 
 def sweep(config: JobsConfig, store: JobStore, storage: ArtifactStore) -> None:
@@ -59,11 +59,12 @@ class WorkerPool:
         self.workers: list[Worker] = []
         if workers:
             fn = quantize_fn or default_quantize_fn()
+            references = References.for_storage(storage, config.s3_endpoint_url)
             self.workers = [
                 Worker(i, device, store=store, storage=storage, quantize_fn=fn, lease_s=config.lease_s,
                        heartbeat_s=config.heartbeat_s, poll_s=config.poll_s,
                        progress_write_s=config.progress_write_s, wake=self.wake, stop=self.stop_event,
-                       on_change=on_change, prepared=prepared)
+                       on_change=on_change, prepared=prepared, references=references)
                 for i, device in enumerate(worker_devices(config))
             ]
         self.prepared = prepared

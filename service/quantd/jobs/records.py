@@ -63,6 +63,7 @@ class JobRecord:
             "input": self.input, "config": self.config, "progress": self.progress, "device": self.device,
             "result": self.result, "error": self.error, "attempts": self.attempts,
             "cancel_requested": self.cancel_requested, "expired_at": _dt(self.expired_at),
+            "source": self.input.get("source"), "destination": self.input.get("destination"),
         })
 
 

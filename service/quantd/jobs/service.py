@@ -8,7 +8,8 @@ import binascii
 import builtins
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,13 +20,15 @@ from .errors import IdempotencyConflict, InvalidListQuery, JobExpired, JobNotFou
 from .pool import WorkerPool, open_backends
 from .prepared import PreparedRun, PreparedRuns
 from .records import STATUSES, JobRecord
+from .references import References, check_access
 from .signals import JobSignals
-from .storage import ArtifactStore, StoredUpload, is_job_id
+from .storage import ArtifactStore, FileSinkLike, LocalStorage, StoredUpload, is_job_id
 from .store import JobStore
 from .worker import QuantizeFn, owner_is_dead
 
 T = TypeVar("T")
 MAX_LIMIT = 100
+LISTENING_POLL_S = 1.0
 
 
 def encode_cursor(created_at: float, job_id: str) -> str:
@@ -41,6 +44,18 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
     except (ValueError, TypeError, binascii.Error):
         raise InvalidListQuery(f"cursor {cursor[:64]!r} is not one this server issued", field="cursor") from None
     return float(created_at), job_id
+
+
+@dataclass(frozen=True)
+class ArtifactHandle:
+    """A succeeded job's artifact as the HTTP layer serves it: a local ``path``, or ``size`` bytes read by
+    ``read(start, length)`` (an object store's ranged GETs); ``url`` a presigned URL to redirect to instead."""
+
+    sha256: str
+    size: int
+    path: Path | None
+    url: str | None
+    read: Callable[[int, int], Iterator[bytes]]
 
 
 def _input_info(upload: StoredUpload) -> dict[str, Any]:
@@ -66,14 +81,18 @@ class JobService:
         # The device a queued job shows until a worker claims it (and writes its own): this process's first
         # embedded worker's; None when the workers are other processes.
         self._planned_device: str | None = None
+        self._listener: Any = None  # PostgreSQL: LISTEN for other processes' job changes
+        self._stream_poll_s = config.events_poll_s  # how often an event stream re-reads its job's row
+        self._references: References | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start_sync(self) -> None:
         self._store, self._storage = open_backends(self.config)
         storage = self._storage
         self._planned_device = worker_devices(self.config)[0] if self.config.workers != 0 else None
-        # Runs during uploads replace the embedded workers' own pipeline, so only when that is the default.
-        if self.config.workers != 0 and self._quantize_fn is None:
+        # Runs during uploads replace the embedded workers' own pipeline, so only when that is the default
+        # (and on local files: they read the upload where it is being written).
+        if self.config.workers != 0 and self._quantize_fn is None and isinstance(storage, LocalStorage):
             devices = worker_devices(self.config)
             overlap = self.config.quantize_during_upload
             if overlap is None:
@@ -88,8 +107,20 @@ class JobService:
                                 workers=self.config.workers != 0, on_change=self._signals.notify,
                                 prepared=self._prepared)
         self._pool.start()
+        conninfo = getattr(self._store, "conninfo", None)
+        if conninfo is not None:  # other replicas' and hosts' workers wake this one's event streams at once
+            from .backends.postgres import JobListener
+
+            self._listener = JobListener(conninfo, self._signals.notify)
+            self._listener.start()
+            # Every change wakes the streams: re-reading the row is only the fallback while the listener
+            # reconnects, so many followers cost the database a query a second each, not five.
+            self._stream_poll_s = max(self.config.events_poll_s, LISTENING_POLL_S)
 
     def stop_sync(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
         if self._pool is not None:  # first: jobs running on adopted runs see the shutdown and stop
             self._pool.stop()
         if self._prepared is not None:
@@ -134,23 +165,44 @@ class JobService:
             return None
         return self._prepared.start(upload, config, size_bound=size_bound)
 
+    @staticmethod
+    def new_job_id() -> str:
+        """An id for a job whose upload is stored while it streams in (:meth:`stream_upload`), before
+        :meth:`submit` (given the same ``job_id``) creates it."""
+        return uuid.uuid4().hex
+
+    def stream_upload(self, path: Path, job_id: str, kind: str) -> FileSinkLike | None:
+        """A sink that stores the upload being written at ``path`` in the file store while it streams (an
+        object store's multipart upload), or None where the file store keeps it where it is written.
+        Thread-safe. The upload is the job's once :meth:`submit` adopts it; :meth:`discard_upload` otherwise."""
+        if kind not in ("input", "calibration") or not is_job_id(job_id):
+            raise ValueError(f"{kind!r} / {job_id!r}")
+        return self.storage.stream_upload(path, job_id, "input" if kind == "input" else "calibration")
+
+    def discard_upload(self, path: Path) -> None:
+        """An upload no job took: its file, and whatever the file store received of it (thread-safe, idempotent)."""
+        self.storage.discard(path)
+
     def discard_prepared(self, run: PreparedRun) -> None:
         if self._prepared is not None:
             self._prepared.discard(run)
 
     async def submit(self, *, tenant: str, upload: StoredUpload, config: QuantConfig,
                      calibration: StoredUpload | None = None, idempotency_key: str | None = None,
-                     prepared: PreparedRun | None = None) -> Job:
+                     prepared: PreparedRun | None = None, job_id: str | None = None) -> Job:
         """Persist a queued job (committed before this returns) and wake a worker. Takes ownership
         of the upload files: moved under ``uploads/`` or deleted, and of ``prepared`` (a run of
         :meth:`prepare` over this upload): the job's worker adopts it, or it is discarded. An upload
         outside ``data_dir`` is refused (StorageError) and left alone."""
-        return await self._run(self._submit, tenant, upload, config, calibration, idempotency_key, prepared)
+        return await self._run(self._submit, tenant, upload, config, calibration, idempotency_key, prepared,
+                               job_id)
 
     def _submit(self, tenant: str, upload: StoredUpload, config: QuantConfig,
                 calibration: StoredUpload | None, idempotency_key: str | None,
-                prepared: PreparedRun | None = None) -> Job:
-        job_id, storage = uuid.uuid4().hex, self.storage
+                prepared: PreparedRun | None = None, job_id: str | None = None) -> Job:
+        if job_id is not None and not is_job_id(job_id):
+            raise ValueError(f"{job_id!r} is not a job id")
+        job_id, storage = job_id or uuid.uuid4().hex, self.storage
         config_json = config.model_dump(mode="json", exclude_unset=True)
         runs = self._prepared
         if prepared is not None and runs is not None:
@@ -189,6 +241,59 @@ class JobService:
         if created and self._pool is not None:
             self._pool.wake.set()
         return rec.to_job()
+
+    async def submit_reference(self, *, tenant: str, source: str, destination: str | None, config: QuantConfig,
+                               max_bytes: int, idempotency_key: str | None = None) -> Job:
+        """Persist a job that reads ``source`` (an ``s3://`` model file) and writes its artifact to
+        ``destination`` too. SourceForbidden (403) before anything is fetched unless both are under the
+        tenant's allowed prefixes; the object's header is read and the config planned against it (415/422)
+        before the job is accepted, as for an upload."""
+        return await self._run(self._submit_reference, tenant, source, destination, config, max_bytes,
+                               idempotency_key)
+
+    def _submit_reference(self, tenant: str, source: str, destination: str | None, config: QuantConfig,
+                          max_bytes: int, idempotency_key: str | None) -> Job:
+        from quantd import io
+
+        rules = self.config.source_prefixes
+        loc = check_access(rules, tenant, source, field="source")
+        if destination is not None:
+            check_access(rules, tenant, destination, field="destination")
+        obj = self.references.head(loc, max_bytes=max_bytes)
+        filename = loc.key.rsplit("/", 1)[-1]
+        sample = self.storage.new_tmp_path(prefix="source")
+        try:
+            self.references.sample(obj, sample)
+            fmt, tensors = io.detect_format(sample), 0
+            if fmt == "safetensors":  # the whole header is in the sample: the same checks as an upload's
+                with io.open_model(sample, filename=filename) as reader:
+                    infos = list(reader.tensors)
+                io.plan(infos, config)
+                tensors = len(infos)
+        finally:
+            self.storage.discard(sample)
+        job_id = uuid.uuid4().hex
+        config_json = config.model_dump(mode="json", exclude_unset=True)
+        info = {"filename": filename, "bytes": obj.bytes, "sha256": "", "format": fmt, "tensors": tensors,
+                "source": loc.url, "etag": obj.etag, "destination": destination}
+        rec, created = self.store.insert(
+            job_id=job_id, tenant=tenant, config=config_json, input=info, calibration=None,
+            idempotency_key=idempotency_key, max_attempts=self.config.max_attempts,
+            max_queue=self.config.max_queue, retry_after=self.config.queue_full_retry_after_s,
+            before_commit=lambda: None, device=self._planned_device, progress={"tensors_total": tensors})
+        if not created and ((rec.input.get("source"), rec.input.get("etag"), rec.input.get("destination"))
+                            != (loc.url, obj.etag, destination) or rec.config != config_json):
+            raise IdempotencyConflict(f"idempotency key {idempotency_key!r} was used for job {rec.id} "
+                                      "with a different source, destination or config", field="idempotency_key")
+        if created and self._pool is not None:
+            self._pool.wake.set()
+        return rec.to_job()
+
+    @property
+    def references(self) -> References:
+        if self._references is None:
+            self._references = References.for_storage(self.storage, self.config.s3_endpoint_url)
+        return self._references
 
     # -- reads -------------------------------------------------------------------------------
     def _record(self, tenant: str, job_id: str) -> JobRecord:
@@ -274,6 +379,21 @@ class JobService:
 
         return await self._run(find)
 
+    async def artifact(self, tenant: str, job_id: str, *, filename: str) -> ArtifactHandle:
+        """The artifact wherever the file store keeps it (see :class:`ArtifactHandle`); JobNotReady (409)
+        until succeeded, JobExpired (410) once deleted."""
+        def find() -> ArtifactHandle:
+            rec = self._succeeded(tenant, job_id)
+            storage = self.storage
+            size = storage.artifact_info(job_id)
+            if size is None or rec.result is None:
+                raise JobExpired(f"the artifact of job {job_id} is gone")
+            return ArtifactHandle(sha256=str(rec.result["artifact_sha256"]), size=size,
+                                  path=storage.local_artifact(job_id), url=storage.artifact_url(job_id, filename),
+                                  read=lambda start, length: storage.read_artifact(job_id, start, length))
+
+        return await self._run(find)
+
     async def events(self, tenant: str, job_id: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """("progress", Progress) first and on every change, then one terminal (status, Job) event.
         Raises JobNotFound on the first step (call ``get`` first to answer 404 before streaming)."""
@@ -287,7 +407,7 @@ class JobService:
                 last = progress
                 yield "progress", progress
             # A local worker's write wakes the stream at once; other processes' are seen at the next poll.
-            await self._signals.wait(job_id, self.config.events_poll_s)
+            await self._signals.wait(job_id, self._stream_poll_s)
             rec = await self._run(self._record, tenant, job_id)
         yield rec.status, rec.to_job().model_dump(mode="json")
 

@@ -14,7 +14,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -59,18 +59,26 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+class FileSinkLike(Protocol):
+    """Told how far an upload has been written while it streams (``quantd.server.uploads.FileSink``)."""
+
+    def advance(self, nbytes: int) -> None: ...
+    def complete(self) -> None: ...
+    def abort(self) -> None: ...
+
+
 class ArtifactStore(Protocol):
     """The file side of the job layer. An object-store backend implements the same calls."""
 
     def init(self) -> None: ...
     def new_tmp_path(self, suffix: str = "", *, prefix: str = "upload") -> Path: ...
-    def adopt_upload(self, src: Path, job_id: str, kind: UploadKind) -> Path: ...
+    def adopt_upload(self, src: Path, job_id: str, kind: UploadKind) -> Path | None: ...
     def discard(self, path: Path) -> None: ...
     def upload_path(self, job_id: str, kind: UploadKind) -> Path: ...
     def artifact_tmp_path(self, job_id: str) -> Path: ...
     def commit_artifact(self, tmp: Path, job_id: str) -> StoredArtifact: ...
     def seal_artifact(self, tmp: Path) -> tuple[str, int]: ...
-    def install_artifact(self, tmp: Path, job_id: str) -> Path: ...
+    def install_artifact(self, tmp: Path, job_id: str) -> Path | None: ...
     def artifact_path(self, job_id: str) -> Path: ...
     def put_report(self, job_id: str, report_json: str) -> None: ...
     def stage_report(self, job_id: str, report_json: str) -> Path: ...
@@ -80,6 +88,14 @@ class ArtifactStore(Protocol):
     def writable(self) -> bool: ...
     def sweep_tmp(self, older_than_s: float) -> int: ...
     def list_upload_ids(self, older_than_s: float) -> list[str]: ...
+    # Streams and ranges, for stores whose files are not local paths (quantd.jobs.backends.s3):
+    def stage_upload(self, job_id: str, kind: UploadKind) -> Path | None: ...
+    def unstage(self, path: Path) -> None: ...
+    def local_artifact(self, job_id: str) -> Path | None: ...
+    def artifact_info(self, job_id: str) -> int | None: ...
+    def read_artifact(self, job_id: str, start: int, length: int) -> Iterator[bytes]: ...
+    def artifact_url(self, job_id: str, filename: str) -> str | None: ...
+    def stream_upload(self, path: Path, job_id: str, kind: UploadKind) -> FileSinkLike | None: ...
 
 
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -266,3 +282,36 @@ class LocalStorage:
             except FileNotFoundError:
                 continue
         return sorted(ids)
+
+    # -- streams and ranges (the object-store side of the protocol) ------------------------------
+    def stage_upload(self, job_id: str, kind: UploadKind) -> Path | None:
+        """The upload itself (already local), or None when it is gone."""
+        path = self.upload_path(job_id, kind)
+        return path if path.is_file() else None
+
+    def unstage(self, path: Path) -> None:
+        """Nothing to do: :meth:`stage_upload` made no copy."""
+
+    def local_artifact(self, job_id: str) -> Path | None:
+        path = self.artifact_path(job_id)
+        return path if path.is_file() else None
+
+    def artifact_info(self, job_id: str) -> int | None:
+        try:
+            return self.artifact_path(job_id).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def read_artifact(self, job_id: str, start: int, length: int) -> Iterator[bytes]:
+        with open(self.artifact_path(job_id), "rb") as f:
+            f.seek(start)
+            while length > 0 and (chunk := f.read(min(_CHUNK, length))):
+                length -= len(chunk)
+                yield chunk
+
+    def artifact_url(self, job_id: str, filename: str) -> str | None:
+        return None
+
+    def stream_upload(self, path: Path, job_id: str, kind: UploadKind) -> FileSinkLike | None:
+        """None: an upload is stored where it is written (see :meth:`adopt_upload`)."""
+        return None

@@ -28,6 +28,7 @@ from quantd_client import Progress, QuantConfig, Report
 
 from .prepared import PreparedRun, PreparedRuns
 from .records import JobRecord
+from .references import References, destination_key
 from .storage import ArtifactStore
 from .store import JobStore
 
@@ -153,7 +154,8 @@ class Worker:
     def __init__(self, index: int, device: str, *, store: JobStore, storage: ArtifactStore,
                  quantize_fn: QuantizeFn, lease_s: float, heartbeat_s: float, poll_s: float,
                  progress_write_s: float, wake: threading.Event, stop: threading.Event,
-                 on_change: Callable[[str], None] | None = None, prepared: PreparedRuns | None = None) -> None:
+                 on_change: Callable[[str], None] | None = None, prepared: PreparedRuns | None = None,
+                 references: References | None = None) -> None:
         self.id = new_worker_id(index)
         self.prepared = prepared
         self.may_claim: Callable[[Worker], bool] = lambda worker: True  # set by the pool
@@ -164,6 +166,7 @@ class Worker:
         self.progress_write_s = progress_write_s
         self.wake, self.stop = wake, stop
         self.busy_job: str | None = None
+        self.references = references or References()
         self._thread = threading.Thread(target=self._loop, name=f"quantd-worker-{index}", daemon=True)
 
     def start(self) -> None:
@@ -232,6 +235,9 @@ class Worker:
                       "summary": report.summary.model_dump(mode="json")}
 
             def install() -> None:  # only while the lease is held (store.complete): the files are the job's
+                destination = job.input.get("destination")
+                if destination is not None:
+                    self.references.put(tmp, destination_key(destination, str(job.input.get("source", ""))))
                 self.storage.install_artifact(tmp, job.id)
                 self.storage.install_report(report_tmp, job.id)
 
@@ -247,14 +253,45 @@ class Worker:
 
     def _quantize(self, job: JobRecord, tmp: Path, lease: _Lease) -> Report | dict[str, str] | None:
         """The pipeline's Report; an error dict when the job fails; None when interrupted."""
+        staged: list[Path] = []  # the file store's local copies of the job's files, given back at the end
+        fetched: list[Path] = []  # a job by reference: its source, downloaded to scratch
+        try:
+            source = job.input.get("source")
+            src: Path | None
+            if source is not None:  # a job by reference: its object, as it was when the job was accepted
+                src = self.storage.new_tmp_path(prefix="source")
+                try:
+                    self.references.stage(source, job.input.get("etag", ""), src)
+                except Exception as e:
+                    self.storage.discard(src)
+                    return _error("urn:quantd:source-invalid", "Source cannot be read",
+                                  f"source {source!r} could not be read (changed or deleted since the job was "
+                                  f"accepted?): {type(e).__name__}: {e}")
+                fetched.append(src)
+            else:
+                src = self.storage.stage_upload(job.id, "input")
+            if src is None:
+                return _error("urn:quantd:storage-error", "Storage error", f"the upload of job {job.id} is gone")
+            staged.append(src)
+            extra: dict[str, Any] = {}
+            if job.calibration is not None:
+                calibration = self.storage.stage_upload(job.id, "calibration")
+                if calibration is None:
+                    return _error("urn:quantd:storage-error", "Storage error",
+                                  f"the calibration file of job {job.id} is gone")
+                staged.append(calibration)
+                extra["calibration"] = calibration
+            return self._run_pipeline(job, src, tmp, lease, extra)
+        finally:
+            for path in staged:
+                self.storage.unstage(path)
+            for path in fetched:
+                self.storage.discard(path)
+
+    def _run_pipeline(self, job: JobRecord, src: Path, tmp: Path, lease: _Lease,
+                      extra: dict[str, Any]) -> Report | dict[str, str] | None:
         import torch
 
-        src = self.storage.upload_path(job.id, "input")
-        if not src.is_file():
-            return _error("urn:quantd:storage-error", "Storage error", f"the upload of job {job.id} is gone")
-        extra: dict[str, Any] = {}
-        if job.calibration is not None:
-            extra["calibration"] = self.storage.upload_path(job.id, "calibration")
         run = self.prepared.pop(job.id) if self.prepared is not None else None
         try:
             if run is not None:  # quantized while its upload streamed in: the rest, then its artifact

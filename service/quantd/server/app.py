@@ -28,7 +28,7 @@ from .metrics import Metrics
 from .problems import install_problem_handlers
 from .routes import health, info, jobs, sync
 from .routes._docs import finish_openapi
-from .settings import Settings
+from .settings import Settings, parse_source_prefixes
 
 log = logging.getLogger("quantd.server")
 
@@ -64,7 +64,11 @@ def jobs_config(settings: Settings, *, workers: int | None) -> Any:
                       lease_s=settings.lease_s, heartbeat_s=min(5.0, settings.lease_s / 3),
                       ttl_s=settings.job_ttl_s, max_queue=settings.max_queue,
                       quantize_during_upload={"auto": None, "on": True, "off": False}[
-                          settings.quantize_during_upload])
+                          settings.quantize_during_upload],
+                      database_url=settings.database_url.get_secret_value() if settings.database_url else None,
+                      storage_url=settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url,
+                      storage_presign=settings.storage_presign, migrate=settings.db_migrate,
+                      source_prefixes=parse_source_prefixes(settings.source_prefixes or ""))
 
 
 def embedded_worker_count(settings: Settings) -> int | None:

@@ -60,7 +60,20 @@ def file_response(request: Request, path: Path, *, etag_hex: str, media_type: st
                   on_done: Callable[[], None] | None = None) -> Response:
     """The file at ``path`` with strong ETag ``"<etag_hex>"``, honouring If-None-Match, Range and If-Range, and
     HEAD (the headers a GET would get, no body)."""
-    size = os.stat(path).st_size
+    return ranged_response(request, os.stat(path).st_size, lambda start, length: _chunks(path, start, length),
+                           etag_hex=etag_hex, media_type=media_type, filename=filename, headers=headers,
+                           on_done=on_done)
+
+
+# Reads ``length`` bytes from ``start`` of what is served, as chunks.
+ChunkReader = Callable[[int, int], AsyncIterator[bytes]]
+
+
+def ranged_response(request: Request, size: int, read: ChunkReader, *, etag_hex: str,
+                    media_type: str = "application/octet-stream", filename: str | None = None,
+                    headers: dict[str, str] | None = None, on_done: Callable[[], None] | None = None) -> Response:
+    """``size`` bytes served through ``read`` (a local file, an object store's ranged GETs) as
+    :func:`file_response` serves a file."""
     etag = f'"{etag_hex}"'
     base = {"ETag": etag, "Accept-Ranges": "bytes", **(headers or {})}
     if filename:
@@ -81,16 +94,16 @@ def file_response(request: Request, path: Path, *, etag_hex: str, media_type: st
         if isinstance(parsed, tuple):
             start, end = parsed
             length = end - start + 1
-            return _body(request, path, start, length, 206, media_type, background,
+            return _body(request, read, start, length, 206, media_type, background,
                          {**base, "Content-Range": f"bytes {start}-{end}/{size}"})
-    return _body(request, path, 0, size, 200, media_type, background, base)
+    return _body(request, read, 0, size, 200, media_type, background, base)
 
 
-def _body(request: Request, path: Path, start: int, length: int, status: int, media_type: str,
+def _body(request: Request, read: ChunkReader, start: int, length: int, status: int, media_type: str,
           background: BackgroundTask | None, headers: dict[str, str]) -> Response:
     """``length`` bytes of the file from ``start``, streamed; for HEAD the same status and headers, no body."""
     headers = {**headers, "Content-Length": str(length)}
     if request.method == "HEAD":
         return Response(status_code=status, media_type=media_type, headers=headers, background=background)
-    return StreamingResponse(_chunks(path, start, length), status_code=status, media_type=media_type,
+    return StreamingResponse(read(start, length), status_code=status, media_type=media_type,
                              background=background, headers=headers)

@@ -6,6 +6,7 @@ The data directory defaults to ``./quantd-data`` (relative to the working direct
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import logging
 import re
@@ -50,6 +51,31 @@ def parse_api_keys(spec: str, *, source: str = "QUANTD_API_KEYS") -> dict[str, s
     return keys
 
 
+def parse_source_prefixes(spec: str) -> tuple[tuple[str, str], ...]:
+    """``"tenant-a=s3://b/x/,*=s3://b/shared/"`` → ``(("tenant-a", "s3://b/x/"), ("*", "s3://b/shared/"))``.
+    Prefixes are s3:// URLs ending in ``/`` (a prefix ``s3://b/x`` would also grant ``s3://b/xy``)."""
+    from quantd.jobs.backends.s3 import parse_s3_url
+    from quantd.jobs.errors import StorageError
+
+    out: list[tuple[str, str]] = []
+    for n, raw in enumerate(spec.split(","), start=1):
+        item = raw.strip()
+        if not item:
+            continue
+        tenant, sep, prefix = item.partition("=")
+        tenant, prefix = tenant.strip(), prefix.strip()
+        if not sep or not (tenant == "*" or _TENANT_RE.match(tenant)):
+            raise SettingsError(f"QUANTD_SOURCE_PREFIXES: entry {n} is not 'tenant=s3://bucket/prefix/'")
+        if not prefix.endswith("/"):
+            raise SettingsError(f"QUANTD_SOURCE_PREFIXES: entry {n}: {prefix!r} must end with '/'")
+        try:
+            parse_s3_url(prefix)
+        except StorageError as e:
+            raise SettingsError(f"QUANTD_SOURCE_PREFIXES: entry {n}: {e}") from None
+        out.append((tenant, prefix))
+    return tuple(out)
+
+
 class Settings(BaseSettings):
     """Every field reads ``QUANTD_<NAME>`` (e.g. ``QUANTD_MAX_UPLOAD_BYTES``)."""
 
@@ -84,6 +110,24 @@ class Settings(BaseSettings):
         "compile the engine's CPU kernels for the common schemes in the background at start, so that the "
         "first request does not pay for it"))
 
+    database_url: SecretStr | None = Field(default=None, description=(
+        "the job store: sqlite:///PATH (default: quantd.db in the data dir) or postgresql://USER:PASSWORD@HOST/DB, "
+        "shared by every API replica and worker process"))
+    storage_url: str | None = Field(default=None, description=(
+        "the file store: file:///PATH (default: the data dir) or s3://BUCKET/PREFIX (credentials and region from "
+        "the AWS_* variables; the data dir is then local scratch)"))
+    s3_endpoint_url: str | None = Field(default=None, description=(
+        "an S3-compatible endpoint (MinIO, Ceph RGW, GCS): http(s)://HOST:PORT; default: AWS or AWS_ENDPOINT_URL"))
+    storage_presign: bool = Field(default=False, description=(
+        "artifacts in an object store are answered with a 307 redirect to a presigned URL instead of being "
+        "streamed through the API"))
+    db_migrate: bool = Field(default=True, description=(
+        "apply pending database migrations at start (they are additive and serialised between processes by a "
+        "lock); off: refuse to start on an old schema, and run `quantd db upgrade` yourself"))
+    source_prefixes: str | None = Field(default=None, description=(
+        "jobs by reference: the s3:// prefixes each tenant may read and write, 'tenant=s3://bucket/prefix/' "
+        "separated by commas ('*=' for every tenant); none = no job by reference"))
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, v: object) -> object:
@@ -113,6 +157,18 @@ class Settings(BaseSettings):
                              f"max_upload_bytes ({self.max_upload_bytes})")
         if self.api_keys is not None:
             parse_api_keys(self.api_keys.get_secret_value())
+        if self.source_prefixes is not None:
+            parse_source_prefixes(self.source_prefixes)
+        database_url = None if self.database_url is None else self.database_url.get_secret_value()
+        for name, url, schemes in (("database_url", database_url, ("sqlite://", "postgresql://", "postgres://")),
+                                   ("storage_url", self.storage_url, ("file://", "s3://"))):
+            if url is not None and not url.startswith(schemes):
+                raise ValueError(f"{name} must start with one of {list(schemes)}")
+        needs = {"psycopg": database_url is not None and database_url.startswith("postgres"),
+                 "boto3": (self.storage_url or "").startswith("s3://") or bool(self.source_prefixes)}
+        for package, needed in needs.items():
+            if needed and importlib.util.find_spec(package) is None:
+                raise ValueError(f"the PostgreSQL and S3 backends need {package}: pip install 'quantd[scale]'")
         if self.api_keys_file is not None:
             if not self.api_keys_file.is_file():
                 raise ValueError(f"api_keys_file {str(self.api_keys_file)!r} is not a readable file")

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from quantd_client import ObserverSpec, QuantConfig, Scheme
+from quantd_client._schemas import JobByReference
 
 from ..problems import problem_responses
 
 # Models referenced from multipart fields; app.py adds them to components.schemas.
-FORM_MODELS = (QuantConfig, Scheme, ObserverSpec)
+FORM_MODELS = (QuantConfig, Scheme, ObserverSpec, JobByReference)
 
 _FILE = {"type": "string", "format": "binary",
          "description": "safetensors, PyTorch state dict (.pt/.pth/.bin, weights-only), .npy or .npz; "
@@ -42,6 +43,11 @@ JOB_BODY = multipart_body(
                                                "and awq methods, per Linear module M its input rows M [N, in] "
                                                "or M.hessian [in, in] with M.hessian_count"}},
     ["file", "config"], ["config"], {"file": "(binary)", "config": CONFIG_EXAMPLE})
+# Or, as JSON, a job by reference: the server reads the s3:// source itself (CONTRACT §11).
+JOB_BODY["requestBody"]["content"]["application/json"] = {
+    "schema": _ref(JobByReference),
+    "example": {"config": CONFIG_EXAMPLE, "source": "s3://models/llama/model.safetensors",
+                "destination": "s3://models/llama-int4/"}}
 
 ANALYZE_BODY = multipart_body(
     {"file": _FILE, "configs": {"type": "array", "items": _ref(Scheme), "minItems": 1, "maxItems": 16,

@@ -4,22 +4,25 @@ follow (SSE), report, artifact (Range/ETag), cancel."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
+from starlette.concurrency import iterate_in_threadpool
 
 from quantd.errors import naming
-from quantd.jobs.errors import IdempotencyConflict, InvalidListQuery
+from quantd.jobs.errors import IdempotencyConflict, InvalidListQuery, SourceForbidden
 from quantd_client import Job, JobList, QuantConfig, Report
-from quantd_client._schemas import JobStatus
+from quantd_client._schemas import JobByReference, JobStatus
 
 from ..deps import AppState, StateDep, TenantDep
-from ..files import file_response
-from ..problems import ProblemException, problem_responses
+from ..files import file_response, ranged_response
+from ..problems import ProblemException, problem_responses, validation_errors
 from ..sse import sse_stream
-from ..uploads import UploadedFile, receive_multipart
+from ..uploads import FileSink, UploadedFile, receive_multipart
 from ._docs import (
     ARTIFACT_200,
     ARTIFACT_206,
@@ -67,8 +70,23 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: Upl
 
 async def _accept(request: Request, state: AppState, tenant: str, idempotency_key: str | None) -> Job:
     runs: list[PreparedRun] = []  # at most one: quantizing the model while it streams in
+    job_id = state.jobs.new_job_id()
+    streamed: list[Path] = []  # files an object store receives while they stream in, under job_id's keys
 
-    def on_file_start(up: UploadedFile, fields: dict[str, str]) -> PreparedRun | None:
+    def on_file_start(up: UploadedFile, fields: dict[str, str]) -> FileSink | None:
+        run = start_run(up, fields)
+        if run is not None:
+            return run
+        try:
+            sink = state.jobs.stream_upload(up.path, job_id, "input" if up.field == "file" else "calibration")
+        except Exception:  # the upload goes on; the file is sent whole when the job is submitted
+            log.exception("could not start storing the upload while it streams")
+            return None
+        if sink is not None:
+            streamed.append(up.path)
+        return sink
+
+    def start_run(up: UploadedFile, fields: dict[str, str]) -> PreparedRun | None:
         if up.field != "file" or "config" not in fields:  # a config after the file: nothing to start with
             return None
         try:
@@ -100,12 +118,38 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             state.metrics.inc("quantd_uploads_total", endpoint="jobs")
             run = runs.pop() if runs else None  # the jobs layer owns it from here
             return await state.jobs.submit(tenant=tenant, upload=upload, config=config, calibration=calibration,
-                                           idempotency_key=idempotency_key, prepared=run)
+                                           idempotency_key=idempotency_key, prepared=run, job_id=job_id)
         finally:
             form.cleanup()  # files the jobs layer adopted have moved; the rest go
     finally:
         for run in runs:  # the upload or its checks failed: the run stops and its artifact goes
             state.jobs.discard_prepared(run)
+        for path in streamed:  # what the object store received of uploads no job took (a no-op for the rest)
+            await anyio.to_thread.run_sync(state.jobs.discard_upload, path)
+
+
+_BY_REFERENCE = TypeAdapter(JobByReference)
+_MAX_JSON_BYTES = 256 * 1024
+
+
+async def _accept_reference(request: Request, state: AppState, tenant: str, idempotency_key: str | None) -> Job:
+    """A JSON body naming its data (CONTRACT §11): 403 outside the tenant's prefixes, before any fetch."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > _MAX_JSON_BYTES:
+            raise ProblemException(413, f"a JSON job body is at most {_MAX_JSON_BYTES} bytes",
+                                   title="Payload too large", type_="urn:quantd:too-large")
+    try:
+        spec = _BY_REFERENCE.validate_json(bytes(body))
+    except ValidationError as e:
+        errs = validation_errors(e.errors(include_url=False), prefix=("body",))
+        first = errs[0] if errs else {"loc": ["body"], "msg": "invalid"}
+        raise ProblemException(422, f"{'.'.join(str(p) for p in first['loc'][1:])}: {first['msg']}",
+                               title="Validation failed", type_="urn:quantd:validation-error", errors=errs) from None
+    return await state.jobs.submit_reference(tenant=tenant, source=spec.source, destination=spec.destination,
+                                             config=spec.config, max_bytes=state.settings.max_upload_bytes,
+                                             idempotency_key=idempotency_key)
 
 
 @router.post("", status_code=202, response_model=Job, openapi_extra=JOB_BODY,
@@ -113,14 +157,19 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
              responses={202: {**json_example("Accepted: the job is persisted and queued", JOB_EXAMPLE),
                               "headers": {"Location": {"schema": {"type": "string"},
                                                        "description": "/v1/jobs/{id}"}}},
-                        **UPLOAD_ERRORS, **problem_responses(409, 429, examples={
-                            IdempotencyConflict: "Idempotency-Key 'k1' was used for another input or config"})})
+                        **UPLOAD_ERRORS, **problem_responses(403, 409, 429, examples={
+                            IdempotencyConflict: "Idempotency-Key 'k1' was used for another input or config",
+                            SourceForbidden: "source 's3://other/x.safetensors': it is not under an allowed prefix "
+                                             "(QUANTD_SOURCE_PREFIXES)"})})
 async def submit_job(
     request: Request, state: StateDep, tenant: TenantDep,
     idempotency_key: Annotated[str | None, Header(max_length=_IDEM_MAX,
                                                   description="same key + same input → the same job")] = None,
 ) -> JSONResponse:
-    job = await _accept(request, state, tenant, idempotency_key)
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
+        job = await _accept_reference(request, state, tenant, idempotency_key)
+    else:
+        job = await _accept(request, state, tenant, idempotency_key)
     return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
 
 
@@ -182,9 +231,15 @@ async def job_artifact_head(job_id: str, request: Request, state: StateDep, tena
             response_class=Response, openapi_extra=_ARTIFACT_HEADERS,
             responses={200: ARTIFACT_200, 206: ARTIFACT_206, 304: _ARTIFACT_304, **_ARTIFACT_ERRORS})
 async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
-    path, sha = await state.jobs.artifact_path(tenant, job_id)
+    filename = f"{job_id}.quantd.safetensors"
+    art = await state.jobs.artifact(tenant, job_id, filename=filename)
+    if art.url is not None:  # QUANTD_STORAGE_PRESIGN: the client fetches it from the object store itself
+        return RedirectResponse(art.url, status_code=307, headers={"ETag": f'"{art.sha256}"'})
     try:
-        return file_response(request, path, etag_hex=sha, filename=f"{job_id}.quantd.safetensors")
+        if art.path is not None:
+            return file_response(request, art.path, etag_hex=art.sha256, filename=filename)
+        return ranged_response(request, art.size, lambda start, length: iterate_in_threadpool(art.read(start, length)),
+                               etag_hex=art.sha256, filename=filename)
     except FileNotFoundError:  # deleted (TTL sweep, DELETE) since the job layer looked
         raise ProblemException(410, f"the artifact of job {job_id!r} is gone", title="Job files expired",
                                type_="urn:quantd:job-expired") from None
