@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from quantd.engine.primitives import quantize
+from quantd.engine import primitives
 from quantd.engine.types import QuantizedTensor
 from quantd_client import Scheme
 
@@ -16,7 +16,7 @@ from .base import LayerHessian, Method, register
 
 def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool], calibration: LayerHessian | None,
               name: str) -> QuantizedTensor:
-    return quantize(x, scheme, name=name)
+    return primitives.quantize(x, scheme, name=name)  # looked up at call time: one quantize for every caller
 
 
 RTN = register(Method(
