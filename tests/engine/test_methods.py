@@ -216,3 +216,18 @@ def test_gptq_with_awq_scales_and_clip_search() -> None:
               / scaled.channel_scale)
     torch.testing.assert_close(dequantize(scaled), manual)
     assert _rel(w, dequantize(scaled), x) < _rel(w, dequantize(plain), x)
+
+
+def test_the_docs_tables_list_every_method_and_argument() -> None:
+    """docs/methods.md's tables name every registered method and each argument with its default."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "methods.md").read_text(encoding="utf-8")
+    for m in METHODS.values():
+        assert f"| `{m.name}`" in text, m.name
+        for a in m.args:
+            row = next((ln for ln in text.splitlines()
+                        if ln.startswith(f"| `{m.name}` |") and f"`{a.name}`" in ln.split("|")[2]), None)
+            assert row is not None, (m.name, a.name)
+            default = str(a.default).lower() if isinstance(a.default, bool) else f"{a.default:g}"
+            assert default in row, (m.name, a.name, default, row)
