@@ -379,7 +379,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         devices = ", ".join(f"{d.name} ({d.type})" for d in info.devices) or "-"
         print(table(["field", "value"], [
             ["version", info.version], ["devices", devices], ["dtypes", " ".join(info.dtypes)],
-            ["observers", " ".join(info.observers)], ["input formats", " ".join(info.input_formats)],
+            ["observers", " ".join(info.observers)],
+            *[[f"method {m.name}", " ".join(f"{a.name}={a.default}" for a in m.args) or "-"] for m in info.method_args],
+            ["input formats", " ".join(info.input_formats)],
             ["max upload bytes", info.limits.max_upload_bytes], ["max sync bytes", info.limits.max_sync_bytes],
             ["auth", info.auth]]))
     return 0
