@@ -52,7 +52,10 @@ def main() -> int:
             AWQMapping(r"re:.*attention\.self\.value$", [r"re:.*attention\.output\.dense$"]),
             AWQMapping(r"re:.*attention\.output\.LayerNorm$", [r"re:.*intermediate\.dense$"]),
         ]
-        recipe = AWQModifier(config_groups={"group_0": scheme}, mappings=mappings)
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        # AWQ here only smooths; the int4 weights come from the quantization modifier after it
+        recipe = [AWQModifier(mappings=mappings), QuantizationModifier(config_groups={"group_0": scheme})]
     t0 = time.perf_counter()
     oneshot(model=bert, dataset=ds, recipe=recipe, num_calibration_samples=len(spec["sentences"]),
             pipeline="sequential", sequential_targets=["BertLayer"], shuffle_calibration_samples=False)

@@ -225,8 +225,9 @@ def run_llmcompressor(llmc_path: str | None, sentences: list[str], groups: list[
         lines = proc.stdout.strip().splitlines()
         if proc.returncode != 0 or not lines:
             log(f"{label} failed: {proc.stderr[-3000:]}")
-            last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-            rows.append({**row, "unavailable": last[-1][:500] if last else "failed"})
+            lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "Error" in ln.split(":", 1)[0]]  # the exception line, not pydantic's hint
+            rows.append({**row, "unavailable": (errors or lines or ["failed"])[-1][:500]})
             continue
         result = json.loads(lines[-1])
         log(f"{label}: cos {result['embedding_cos_mean']:.4f} in {result['seconds']:.2f} s")
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "evaluation_sentences": len(SENTENCES), "calibration_sentences": len(cal_sentences),
         "metric": "cosine of mean-pooled, L2-normalised sentence embeddings against fp32, mean over sentences",
         "versions": {"torch": torch.__version__, "hqq": library_version("hqq")},
+        "schemes": {k: v.get("method_args", {}) for k, v in SCHEMES.items() if v.get("method_args")},
     }
     with tempfile.TemporaryDirectory(prefix="quantd-bench-methods-") as tmp_s:
         tmp = Path(tmp_s)

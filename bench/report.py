@@ -700,13 +700,23 @@ def queue_section(data: dict[str, Any]) -> list[str]:
     return out
 
 
+# What bench/methods.py's row labels run (its SCHEMES), for results files that do not record them.
+METHOD_LABELS: dict[str, Any] = {
+    "gptq_act_order": {"act_order": True},
+    "gptq_static_act_order": {"act_order": True, "static_groups": True},
+    "gptq_tuned": {"damp": 0.1, "act_order": True, "awq_scales": True},
+}
+
+
 def methods_section(data: dict[str, Any]) -> list[str]:
     """methods.json (bench/methods.py): RTN, HQQ, GPTQ and AWQ on all-MiniLM-L6-v2 int4, beside the hqq
     library and llm-compressor measured in the same run."""
     out = [machine_line(data["machine"]), "",
            f"{data.get('model')}: {data.get('metric')}; {data.get('evaluation_sentences')} evaluation sentences, "
            f"{data.get('calibration_sentences')} other sentences for calibration. Baseline: RTN (min-max) of the "
-           "same run; *seconds* include the statistics and the artifact for quantd's file pipeline.", ""]
+           "same run; *seconds* include the statistics and the artifact for quantd's file pipeline.", "",
+           "Labels (bench/methods.py `SCHEMES`): " + "; ".join(
+               f"`{k}` = {json.dumps(v)}" for k, v in (data.get("schemes") or METHOD_LABELS).items()) + ".", ""]
     rows: list[list[str]] = []
     for key in ("agnostic", "sequential", "llmcompressor"):
         part = data.get(key)
