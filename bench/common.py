@@ -13,18 +13,19 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+
+from quantd.testing import LiveServer, live_server
+from quantd.testing import free_port as free_port  # re-exported for the benchmarks
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -137,23 +138,8 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------- a local quantd server
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen[bytes]
-    data_dir: Path
-    log_path: Path
-
-    def log_tail(self, n: int = 40) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        return ""
+# The process launcher the test suite uses too.
+Server = LiveServer
 
 
 def _wait_warm_up(server: Server, env: dict[str, str], proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
@@ -175,64 +161,15 @@ def _wait_warm_up(server: Server, env: dict[str, str], proc: subprocess.Popen[by
 def quantd_server(
     *, env: dict[str, str] | None = None, start_timeout_s: float = 60.0, workers: int = 1
 ) -> Iterator[Server]:
-    """Start ``python -m quantd serve`` on a free loopback port with a temp data dir; stop it after.
-
-    Waits for ``/readyz`` (polling with a deadline) and fails with the server log if it never comes up.
-    """
-    import httpx
-
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="quantd-bench-") as tmp:
-        data_dir = Path(tmp) / "data"
-        data_dir.mkdir()
-        log_path = Path(tmp) / "server.log"
-        full_env = {
-            **os.environ,
-            "QUANTD_MAX_UPLOAD_BYTES": str(4 << 30),
-            "QUANTD_MAX_SYNC_BYTES": str(256 << 20),
-            **(env or {}),
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "quantd",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data_dir),
-            "--workers",
-            str(workers),
-            "--device",
-            "cpu",
-        ]
-        with open(log_path, "wb") as logf:
-            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=full_env)
-        server = Server(f"http://127.0.0.1:{port}", proc, data_dir, log_path)
-        try:
-            deadline = time.monotonic() + start_timeout_s
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"quantd serve exited with {proc.returncode}:\n{server.log_tail()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{server.url}/readyz", timeout=2.0).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"quantd serve not ready after {start_timeout_s}s:\n{server.log_tail()}"
-                    )
-                time.sleep(0.2)
-            _wait_warm_up(server, full_env, proc)
-            yield server
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=15)
+    """Start ``python -m quantd serve`` on a free loopback port with a temp data dir (this shell's
+    ``QUANTD_*`` settings kept, ``env`` on top); yields once ``/readyz`` answers and the kernel warm-up
+    is done, and stops it after."""
+    full_env = {"QUANTD_MAX_UPLOAD_BYTES": str(4 << 30), "QUANTD_MAX_SYNC_BYTES": str(256 << 20), **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="quantd-bench-") as tmp, live_server(
+        Path(tmp), env=full_env, inherit_quantd_env=True, workers=workers, timeout_s=start_timeout_s
+    ) as server:
+        _wait_warm_up(server, {**os.environ, **full_env}, server.process)
+        yield server
 
 
 TERMINAL = ("succeeded", "failed", "cancelled")

@@ -679,6 +679,32 @@ def service_file_section(svc: dict[str, Any]) -> list[str]:
     return [*md, service_section(svc)]
 
 
+def model_dir_section(data: dict[str, Any]) -> list[str]:
+    """model_dir.json (bench/model_dir.py): a model directory job over HTTP against the in-process run on the
+    same directory, alternating in one run."""
+    m, cfg = data["model"], data["config"]
+    rows = [[str(i), fmt(a["wall_s"], ".2f"), fmt(b["succeeded_s"], ".2f"), fmt(b["accepted_s"], ".2f"),
+             fmt(b["download_s"], ".2f"), fmt(a["peak_rss_bytes"] / 2**20, ".0f"),
+             fmt(b["server_peak_rss_bytes"] / 2**20, ".0f")]
+            for i, (a, b) in enumerate(zip(data["inprocess"], data["http"], strict=True))]
+    lines = [
+        f"all-MiniLM-L6-v2 as a model directory ({m['files']} files, {m['bytes'] / 1e6:.1f} MB, {m['tensors']} "
+        f"tensors in {m['shards']} shards with an index), `output: {cfg['output']!r}`, scheme "
+        f"`{json.dumps(cfg['scheme'])}`.", "", machine_line(data["machine"]), "",
+        "Baseline: `quantize_directory` in-process on the same directory, alternating with the HTTP jobs.",
+        "",
+        table(["round", "in-process s", "HTTP job s", "of which upload (202) s", "download s",
+               "in-process peak RSS MiB", "server peak RSS MiB"], rows),
+        "",
+        f"Median HTTP job / median in-process: **{data['ratio_http_over_inprocess']:.2f}** "
+        f"({data['median_http_job_s']:.2f} s / {data['median_inprocess_s']:.2f} s); fastest runs, the least "
+        f"disturbed by other load: {min(a['wall_s'] for a in data['inprocess']):.2f} s in-process, "
+        f"{min(b['succeeded_s'] for b in data['http']):.2f} s over HTTP. Outputs byte-identical in every round: "
+        f"{data['identical_outputs']}.",
+    ]
+    return lines
+
+
 # (heading, results file, section function): one entry per results file, in page order.
 # -- the job queue (bench/job_queue.py) -------------------------------------------------------------------
 
@@ -752,6 +778,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
      service_file_section),
     ("The engine against a memory copy", "engine.json", engine_section),
     ("Range observers against min-max", "observers.json", observers_section),
+    ("A model directory: HTTP job against in-process", "model_dir.json", model_dir_section),
     ("The job queue: SQLite against PostgreSQL", "queue.json", queue_section),
     ("Methods: RTN, HQQ, GPTQ and AWQ on all-MiniLM-L6-v2", "methods.json", methods_section),
 ]

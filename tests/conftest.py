@@ -51,3 +51,22 @@ def eager() -> Iterator[None]:
     kernels.KERNELS.reset(available=False)
     yield
     kernels.KERNELS.reset()
+
+
+# Live ``quantd serve`` processes shared by the whole session (the CLI's --server paths, the SDK's happy
+# paths, the OpenAPI conformance run): one open, one with API keys, each started once.
+@pytest.fixture(scope="session")
+def live_open_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from _live import live_server
+
+    # The port through QUANTD_PORT: serve's flags default from QUANTD_* (test_cli checks it works).
+    with live_server(tmp_path_factory.mktemp("live-open"), port_from_env=True) as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def live_keyed_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from _live import LIVE_API_KEY, live_server
+
+    with live_server(tmp_path_factory.mktemp("live-keyed"), api_keys=f"sdk:{LIVE_API_KEY}") as base:
+        yield base

@@ -213,14 +213,14 @@ class AsyncClient(BaseClient):
             await response.aclose()
 
     async def _download(self, job_id: str, path: str | os.PathLike[str], expected: str | None,
-                  progress: ProgressArg) -> Path:
+                        progress: ProgressArg, file: str | None = None) -> Path:
         """Stream the artifact into ``path.part`` (resuming it with Range), check sha256, rename."""
         dst = Path(path)
         part = part_path(dst)
         attempt = 0
         while True:
             try:
-                return await self._download_once(job_id, dst, part, expected, progress)
+                return await self._download_once(job_id, dst, part, expected, progress, file)
             except APIConnectionError:
                 if attempt >= self.max_retries:
                     raise
@@ -228,16 +228,16 @@ class AsyncClient(BaseClient):
                 attempt += 1
 
     async def _download_once(self, job_id: str, dst: Path, part: Path, expected: str | None,
-                       progress: ProgressArg) -> Path:
+                             progress: ProgressArg, file: str | None = None) -> Path:
         have = part.stat().st_size if part.exists() else 0
         try:
-            response = await self._request(self._spec_download(job_id, have, expected), stream=True)
+            response = await self._request(self._spec_download(job_id, have, expected, file), stream=True)
         except APIStatusError as e:
             if e.status != 416 or not have:
                 raise
             part.unlink()  # the partial file does not fit the artifact any more: start over
             have = 0
-            response = await self._request(self._spec_download(job_id, 0, expected), stream=True)
+            response = await self._request(self._spec_download(job_id, 0, expected, file), stream=True)
         try:
             if response.status_code == 206 and content_range_start(response) == have:
                 digest, done = hash_existing(part)

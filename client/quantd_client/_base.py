@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 import pydantic
@@ -28,7 +29,7 @@ from ._exceptions import (
 )
 from ._progress import ProgressArg
 from ._schemas import ObserverSpec, QuantConfig, Scheme
-from ._upload import MultipartBody, UploadInput, make_file_part
+from ._upload import FilePart, MultipartBody, UploadInput, directory_parts, make_file_part
 
 DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
 DEFAULT_MAX_RETRIES = 3
@@ -317,23 +318,31 @@ class BaseClient:
     def _spec_submit(self, x: UploadInput, config: ConfigArg, calibration: UploadInput | None,
                      idempotency_key: str | None, progress: ProgressArg, name: str | None) -> RequestSpec:
         cfg = coerce_config(config)
-        parts = [make_file_part(x, name=name)]
+        parts: list[FilePart]
+        if isinstance(x, (str, os.PathLike)) and Path(x).is_dir():  # a model directory: one part per file
+            parts = directory_parts(Path(x))
+            label = f"upload {Path(x).name}/ ({len(parts)} files)"
+        else:
+            parts = [make_file_part(x, name=name)]
+            label = f"upload {parts[0].filename}"
         if calibration is not None:
             parts.append(make_file_part(calibration, field="calibration"))
         # One key per submit, reused by every retry of it: the server deduplicates on it.
         key = idempotency_key or new_idempotency_key()
         return RequestSpec("POST", "/v1/jobs", headers={"Idempotency-Key": key},
                            body=MultipartBody({"config": config_json(cfg)}, parts),
-                           upload_progress=progress, upload_label=f"upload {parts[0].filename}")
+                           upload_progress=progress, upload_label=label)
 
     @staticmethod
-    def _spec_download(job_id: str, have: int, expected: str | None) -> RequestSpec:
+    def _spec_download(job_id: str, have: int, expected: str | None, file: str | None = None) -> RequestSpec:
+        """The artifact, or with ``file`` one file of the job's output (``/v1/jobs/{id}/files/{file}``)."""
         headers = {"Accept": "application/octet-stream, application/problem+json"}
         if have:
             headers["Range"] = f"bytes={have}-"
             if expected:
                 headers["If-Range"] = f'"{expected}"'
-        return RequestSpec("GET", f"/v1/jobs/{job_id}/artifact", headers=headers)
+        url = f"/v1/jobs/{job_id}/artifact" if file is None else f"/v1/jobs/{job_id}/files/{quote(file)}"
+        return RequestSpec("GET", url, headers=headers)
 
 
 def summary_header(response: httpx.Response) -> dict[str, Any]:

@@ -84,7 +84,7 @@ OBSERVERS = ("minmax", "percentile", "meanstd", "ema", "mse", "entropy")
 METHODS = ("rtn",)
 GRANULARITIES = ("tensor", "channel", "group")
 INPUT_FORMATS = ("safetensors", "pytorch", "npy", "npz")
-OUTPUT_FORMATS = ("safetensors",)
+OUTPUT_FORMATS = ("safetensors", "compressed-tensors")
 
 
 def dtype_info(name: str) -> DTypeInfo:

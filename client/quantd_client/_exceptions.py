@@ -56,7 +56,12 @@ class NotFound(APIStatusError):
 
 
 class Conflict(APIStatusError):
-    """409 or 410: e.g. a job's artifact or report asked for before it succeeded."""
+    """409: e.g. a job's artifact or report asked for before it succeeded."""
+
+
+class Gone(Conflict):
+    """410: a finished job's files were removed (older than the server's job TTL, or cancelled after it
+    succeeded). A subclass of :class:`Conflict`, which 410 raised before."""
 
 
 class PayloadTooLarge(APIStatusError):
@@ -110,7 +115,7 @@ _BY_STATUS: dict[int, type[APIStatusError]] = {
     403: AuthError,
     404: NotFound,
     409: Conflict,
-    410: Conflict,
+    410: Gone,
     413: PayloadTooLarge,
     415: UnsupportedMedia,
     422: ValidationError,

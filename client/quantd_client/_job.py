@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._base import TERMINAL_STATUSES, ServerSentEvent, event_fraction
-from ._exceptions import APIConnectionError, APIStatusError, AuthError, JobTimeout
+from ._base import TERMINAL_STATUSES, ServerSentEvent, event_fraction, hash_existing
+from ._exceptions import APIConnectionError, APIStatusError, AuthError, JobTimeout, ValidationError
 from ._progress import ProgressArg, Reporter
-from ._schemas import Job, JobError, JobResult, JobStatus, Progress, Report
+from ._schemas import FileEntry, Job, JobError, JobResult, JobStatus, Progress, Report
 
 if TYPE_CHECKING:
     from ._async import AsyncClient
@@ -52,6 +52,24 @@ class _HandleBase:
 
     def _expected_sha(self) -> str | None:
         return self.model.result.artifact_sha256 if self.model.result else None
+
+    def _output_files(self, out_dir: Path) -> list[tuple[FileEntry, Path]] | None:
+        """A directory output's files and where each goes under ``out_dir`` (None: a one-file artifact).
+        A path that would leave ``out_dir`` is refused, whatever the server says."""
+        result = self.model.result
+        if result is None or result.files is None:
+            return None
+        root = out_dir.resolve()
+        plan = []
+        for f in result.files:
+            parts = f.path.split("/")
+            target = (root / f.path).resolve()
+            if f.path.startswith("/") or "\\" in f.path or any(p in ("", ".", "..") for p in parts) \
+                    or not target.is_relative_to(root):
+                raise ValidationError(f"job {self.id}: output path {f.path!r} is not a relative path")
+            plan.append((f, target))
+        return plan
+
 
     def _on_event(self, event: ServerSentEvent, reporter: Reporter, deadline: float | None, now: float) -> bool:
         """One SSE event of /events: progress moves the bar; True on the terminal event."""
@@ -122,8 +140,17 @@ class JobHandle(_HandleBase):
             delay = min(delay * POLL_FACTOR, POLL_MAX)
 
     def download(self, path: str | os.PathLike[str], progress: ProgressArg = None) -> Path:
-        """Stream the artifact to ``path`` (via ``path.part``, resumable), sha256-checked."""
-        return self._client._download(self.id, path, self._expected_sha(), progress)
+        """Stream the artifact to ``path`` (via ``path.part``, resumable), sha256-checked. A directory output
+        (a model directory job, or a format that writes one) is written as the directory ``path``, file by
+        file, each sha256-checked; files already there and whole are kept, a partial one is resumed."""
+        plan = self._output_files(Path(path))
+        if plan is None:
+            return self._client._download(self.id, path, self._expected_sha(), progress)
+        for f, target in plan:
+            if not _have(target, f):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self._client._download(self.id, target, f.sha256, progress, file=f.path)
+        return Path(path)
 
     def report(self) -> Report:
         return self._client._report(self.id)
@@ -189,7 +216,15 @@ class AsyncJobHandle(_HandleBase):
             delay = min(delay * POLL_FACTOR, POLL_MAX)
 
     async def download(self, path: str | os.PathLike[str], progress: ProgressArg = None) -> Path:
-        return await self._client._download(self.id, path, self._expected_sha(), progress)
+        """As :meth:`JobHandle.download`."""
+        plan = self._output_files(Path(path))
+        if plan is None:
+            return await self._client._download(self.id, path, self._expected_sha(), progress)
+        for f, target in plan:
+            if not _have(target, f):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                await self._client._download(self.id, target, f.sha256, progress, file=f.path)
+        return Path(path)
 
     async def report(self) -> Report:
         return await self._client._report(self.id)
@@ -199,3 +234,11 @@ class AsyncJobHandle(_HandleBase):
         if handle is not None:
             self.model = handle.model
         return self
+
+
+def _have(target: Path, f: FileEntry) -> bool:
+    """``target`` already holds ``f`` (a download resumed after some files were written)."""
+    if not target.is_file() or target.stat().st_size != f.bytes:
+        return False
+    digest, _ = hash_existing(target)
+    return bool(digest.hexdigest() == f.sha256)

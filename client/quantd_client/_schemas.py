@@ -8,11 +8,19 @@ from __future__ import annotations
 import fnmatch
 import math
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
-from ._dtypes import DTYPES
+from ._dtypes import DTYPES, OUTPUT_FORMATS
 
 DType = Literal[
     "int8", "int4", "int3", "int2", "uint8", "uint4", "nf4", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16"
@@ -25,6 +33,12 @@ MethodArgValue = float | bool
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 InputFormat = Literal["safetensors", "pytorch", "npy", "npz"]
+# The output formats' names, listed once in ``_dtypes.OUTPUT_FORMATS`` (the server's format registry checks
+# at import that it registers exactly these).
+if TYPE_CHECKING:
+    OutputFormatName = str
+else:
+    OutputFormatName = Literal[OUTPUT_FORMATS]
 
 _OBSERVER_ARGS: dict[str, set[str]] = {
     "minmax": set(),
@@ -41,17 +55,37 @@ def default_symmetric(dtype: str) -> bool:
     return DTYPES[dtype].kind in ("nf4", "fp8")
 
 
+def default_granularity(dtype: str) -> GranularityName:
+    """8-bit dtypes (int8, uint8, fp8) default to one scale per output channel, as torchao and llm-compressor
+    quantize 8-bit weights; narrower dtypes to groups of ``group_size``."""
+    return "channel" if DTYPES[dtype].bits == 8 else "group"
+
+
+# Embedding tables and output heads, by the name of their module (the last part before ``.weight``):
+# ``word_embeddings``, ``embed_tokens``, ``token_type_embeddings``, GPT-2's ``wte``/``wpe``, ``lm_head``.
+EMBEDDING_MODULES = ("*embed*", "wte", "wpe", "lm_head", "embed_out")
+
+
+def is_embedding(name: str) -> bool:
+    """Whether ``name`` is the weight of an embedding table or output head (:data:`EMBEDDING_MODULES`)."""
+    module = name.removesuffix(".weight").rsplit(".", 1)[-1].lower()
+    return any(fnmatch.fnmatchcase(module, p) for p in EMBEDDING_MODULES)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class Scheme(_Strict):
     """How one tensor is quantized. ``symmetric`` left out means: affine for integer dtypes,
-    symmetric for nf4/fp8 (they have no zero point)."""
+    symmetric for nf4/fp8 (they have no zero point). ``granularity`` left out means: per channel for
+    8-bit dtypes, per group for narrower ones (and per group whenever ``group_size`` is given)."""
 
     dtype: DType = "int4"
     symmetric: bool = False
-    granularity: GranularityName = "group"
+    granularity: GranularityName = Field(
+        "group", description="tensor | channel | group. Left out: channel for 8-bit dtypes (int8, uint8, fp8), "
+                             "group for narrower ones or when group_size is given")
     axis: int = 0
     group_size: int = Field(128, ge=1)
     observer: ObserverName = "minmax"
@@ -74,6 +108,8 @@ class Scheme(_Strict):
         if "symmetric" not in self.model_fields_set:
             # Resolved without marking the field as set, so rule overrides can still re-resolve it.
             object.__setattr__(self, "symmetric", default_symmetric(self.dtype))
+        if "granularity" not in self.model_fields_set and "group_size" not in self.model_fields_set:
+            object.__setattr__(self, "granularity", default_granularity(self.dtype))  # unset, as symmetric
         if info.kind == "int" and not info.signed and self.symmetric:
             raise ValueError(f"scheme.symmetric: {self.dtype} is unsigned and needs a zero point; "
                              "use symmetric=false or a signed dtype")
@@ -170,8 +206,12 @@ class QuantConfig(_Strict):
     scheme: Scheme = Field(default_factory=lambda: Scheme())
     rules: list[Rule] = Field(default_factory=list)
     skip_1d: bool = True
+    skip_embeddings: bool = Field(
+        True, description="embedding tables and output heads stay in full precision unless a rule matches "
+                          "them: weights whose module name (the last part before .weight) matches one of "
+                          + ", ".join(repr(p) for p in EMBEDDING_MODULES) + " (fnmatch, case-insensitive)")
     min_numel: int = Field(0, ge=0)
-    output: Literal["safetensors"] = "safetensors"
+    output: OutputFormatName = Field("safetensors", description="the artifact's format (GET /v1/info lists them)")
     activations: ObserverSpec | None = Field(
         None, description="how activation ranges are observed when a job comes with a calibration file "
                           "(default: int8 affine min-max per tensor); the ranges land in the report and "
@@ -222,6 +262,8 @@ class QuantConfig(_Strict):
                 return (self.override_scheme(rule.scheme) if rule.scheme else self.scheme), None
         if self.skip_1d and len(shape) <= 1:
             return None, "1-D tensor (skip_1d)"
+        if self.skip_embeddings and is_embedding(name):
+            return None, "embedding table or output head (skip_embeddings)"
         return self.scheme, None
 
 
@@ -282,12 +324,39 @@ class Report(BaseModel):
     activations: list[LayerCalibration] | None = None  # when a calibration file came with the job
 
 
-class InputInfo(BaseModel):
+class FileEntry(BaseModel):
+    """One file of a model directory (relative POSIX path) or of a job's output."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+
+class _FilesWhenSet(BaseModel):
+    """``files`` is left out of the JSON when unset: a one-file job's documents stay exactly v1's."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_files(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("files", 0) is None:
+            del data["files"]
+        return data
+
+
+class FileList(BaseModel):
+    """``GET /v1/jobs/{id}/files``: the job's output files."""
+
+    files: list[FileEntry]
+
+
+class InputInfo(_FilesWhenSet):
     filename: str
     bytes: int
     sha256: str
     format: InputFormat
     tensors: int
+    files: list[FileEntry] | None = Field(
+        None, description="a model directory job's files (relative paths); absent for a one-file job")
 
 
 class Progress(BaseModel):
@@ -298,10 +367,12 @@ class Progress(BaseModel):
     fraction: float = 0.0
 
 
-class JobResult(BaseModel):
+class JobResult(_FilesWhenSet):
     artifact_bytes: int
     artifact_sha256: str
     summary: Summary
+    files: list[FileEntry] | None = Field(
+        None, description="a directory output's files (the artifact is then their tar); absent for one file")
 
 
 class JobError(BaseModel):

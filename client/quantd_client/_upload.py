@@ -117,6 +117,16 @@ def make_file_part(x: UploadInput, *, name: str | None = None, field: str = "fil
     raise TypeError(f"cannot upload a {type(x).__name__}: pass a NumPy array, a dict of arrays, a path or bytes")
 
 
+def directory_parts(root: Path) -> list[FilePart]:
+    """A model directory as ``file`` parts, one per regular file, each named by its relative POSIX path
+    (sorted; streamed from disk like any path)."""
+    parts = [FilePart("file", p.relative_to(root).as_posix(), p.stat().st_size, path=p)
+             for p in sorted(root.rglob("*")) if p.is_file()]
+    if not parts:
+        raise ValidationError(f"{root}: an empty directory has nothing to quantize")
+    return parts
+
+
 def _quote(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', "%22").replace("\r", "%0D").replace("\n", "%0A")
 

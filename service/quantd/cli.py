@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
+from quantd_client._dtypes import OUTPUT_FORMATS
 from quantd_client._schemas import AnalyzeResponse, MethodName, QuantConfig, Report, Scheme, Summary
 
 DEFAULT_ANALYZE_DTYPES = ("int8", "int4")
@@ -157,10 +158,18 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
         if not isinstance(data, dict) or not isinstance(data.get("scheme", {}), dict):
             raise UsageError(f"--config {args.config}: a QuantConfig is a JSON object whose \"scheme\" is an object, "
                              f'e.g. {{"scheme": {{"dtype": "int4", "group_size": 128}}}}')
+    skips = getattr(args, "skip", None) or []
+    rules = data.get("rules", [])
+    if skips and isinstance(rules, list):  # ahead of the file's rules: the first match wins
+        data = {**data, "rules": [{"match": g, "skip": True} for g in skips] + rules}
+    if getattr(args, "quantize_embeddings", False):
+        data = {**data, "skip_embeddings": False}
     flags = {key: getattr(args, key) for key in ("dtype", "group_size", "granularity", "observer", "symmetric",
                                                   "method") if getattr(args, key, None) is not None}
     if getattr(args, "method_arg", None):
         flags["method_args"] = _method_args(args.method_arg)
+    if getattr(args, "format", None) is not None:
+        data = {**data, "output": args.format}
     try:
         config = QuantConfig.model_validate(data)
         if flags:
@@ -316,14 +325,46 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             report = job.report()
     else:
         _prepare_in_process()
-        from quantd.io.pipeline import quantize_file
-
-        report = quantize_file(args.input, args.output, config, device=resolve_device(args.device),
-                               calibration=args.calibration)
+        report = _quantize_in_process(args, config)
     if args.json:
         _print_json(report.model_dump(mode="json"))
     else:
         print(format_report(report))
+    return 0
+
+
+def _quantize_in_process(args: argparse.Namespace, config: QuantConfig) -> Report:
+    """A model directory (or a file whose output format writes a directory) into the directory ``-o``;
+    otherwise one file into the artifact file ``-o``."""
+    from quantd.io.outputs import get_format
+
+    device = resolve_device(args.device)
+    if Path(args.input).is_dir() or get_format(config.output).writes_config:
+        from quantd.io.formats import detect_format
+        from quantd.io.model_dir import ModelFiles, quantize_directory
+
+        if Path(args.input).is_dir():
+            files: Path | ModelFiles = Path(args.input)
+        else:  # one weight file, named as transformers looks for it
+            name = "pytorch_model.bin" if detect_format(args.input) == "pytorch" else "model.safetensors"
+            files = ModelFiles({name: Path(args.input)})
+        return quantize_directory(files, args.output, config, device=device)
+    from quantd.io.pipeline import quantize_file
+
+    return quantize_file(args.input, args.output, config, device=device, calibration=args.calibration)
+
+
+def cmd_dequantize(args: argparse.Namespace) -> int:
+    if Path(args.output).resolve() == Path(args.input).resolve():
+        raise UsageError(f"-o {args.output} is the input file: it would be overwritten")
+    from quantd.io.artifact import write_dense
+
+    layout = write_dense(args.input, args.output)
+    size = Path(args.output).stat().st_size
+    if args.json:
+        _print_json({"path": str(args.output), "bytes": size, "tensors": len(layout)})
+    else:
+        print(f"saved {args.output}: {len(layout)} tensors, {size} bytes")
     return 0
 
 
@@ -435,18 +476,32 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--data-dir", help="the data dir of the default SQLite database (default: QUANTD_DATA_DIR)")
     q.set_defaults(func=cmd_db_upgrade)
 
-    p = sub.add_parser("quantize", parents=[client], help="quantize a file, in-process or through --server")
-    p.add_argument("input", type=Path)
-    p.add_argument("-o", "--output", type=Path, required=True)
+    p = sub.add_parser("quantize", parents=[client],
+                       help="quantize a file or a model directory, in-process or through --server")
+    p.add_argument("input", type=Path, help="a weight file, or a model directory (config.json, shards, index, ...)")
+    p.add_argument("-o", "--output", type=Path, required=True,
+                   help="the artifact file; a directory for a model directory or a format that writes one")
     p.add_argument("--config", help="a QuantConfig JSON file; flags override its scheme")
     p.add_argument("--calibration", type=Path, default=None,
                    help="the layers' inputs for gptq/awq: per Linear M, rows M [N, in] or M.hessian + "
-                        "M.hessian_count (safetensors; quantd_client.calibration.record writes it)")
+                        "M.hessian_count (safetensors; quantd_client.calibration.CalibrationRecorder writes it)")
+    p.add_argument("--format", choices=OUTPUT_FORMATS,
+                   help="output format (the config's \"output\"; default: the config's, else safetensors)")
     p.add_argument("--wait-timeout", type=float, default=None,
                    help="with --server: seconds to wait for the job (default: no limit); the job id is on stderr")
     _scheme_flags(p, many_dtypes=False)
+    p.add_argument("--skip", action="append", default=[], metavar="GLOB",
+                   help="leave tensors whose name matches GLOB as they are (repeatable; before the config's rules)")
+    p.add_argument("--quantize-embeddings", action="store_true",
+                   help="quantize embedding tables and output heads too (skip_embeddings=false)")
     p.add_argument("--device", default=os.environ.get("QUANTD_DEVICE", "auto"), help=DEVICE_HELP)
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("dequantize", help="an artifact back to a plain safetensors file (original names and dtypes)")
+    p.add_argument("input", type=Path, help="a quantd artifact (.safetensors)")
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_dequantize)
 
     p = sub.add_parser("analyze", parents=[client], help="error statistics of several schemes side by side")
     p.add_argument("input", type=Path)
@@ -477,12 +532,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # not a real file descriptor (captured output)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from quantd_client._exceptions import QuantdError as ClientError
 
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        rc = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not as a warning at interpreter exit
+        return rc
+    except BrokenPipeError:  # `quantd ... | head`: the reader has gone; end quietly, as a SIGPIPE'd tool does
+        _discard_stdout()
+        return 128 + 13
     except UsageError as e:
         print(f"quantd {args.command}: {e}", file=sys.stderr)
         return 2

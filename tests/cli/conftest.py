@@ -1,15 +1,10 @@
-"""A live server for the CLI's ``--server`` paths: ``python -m quantd serve`` on a free loopback port."""
+"""A live server for the CLI's ``--server`` paths: the session's open ``quantd serve`` (tests/conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-
-from _live import live_server
 
 
 @pytest.fixture(scope="session")
-def cli_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with live_server(tmp_path_factory.mktemp("cli-live"), port_from_env=True) as base:
-        yield base
+def cli_server(live_open_url: str) -> str:
+    return live_open_url

@@ -323,3 +323,57 @@ def test_cosines_are_shown_to_six_decimals(model: Path, capsys: pytest.CaptureFi
     text = capsys.readouterr().out
     block = text.split("cosine\n", 1)[1].split("\n\n", 1)[0]
     assert re.search(r"layer\.weight\s+0\.99\d{4}\b", block)  # it read "1" at 4 significant digits
+
+
+def test_int8_defaults_to_per_channel_and_embeddings_stay_in_full_precision(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "m.npz"
+    np.savez(src, **{"layer.weight": W, "model.embed_tokens.weight": W[:2], "lm_head.weight": W})
+    assert main(["quantize", str(src), "-o", str(tmp_path / "o"), "--dtype", "int8", "--device", "cpu",
+                 "--json"]) == 0
+    tensors = {t["name"]: t for t in json.loads(capsys.readouterr().out)["tensors"]}
+    w = tensors["layer.weight"]
+    assert (w["scheme"]["granularity"], w["skipped"]) == ("channel", False)
+    assert w["stats"]["bits_per_weight"] == pytest.approx(8 + 24 / 64)  # one fp16 scale and int8 zero point a row
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert tensors[name]["skipped"] and "skip_embeddings" in tensors[name]["reason"]
+    # Explicit choices keep their meaning: groups when asked for, embeddings when asked for.
+    assert main(["quantize", str(src), "-o", str(tmp_path / "o"), "--dtype", "int8", "--granularity", "group",
+                 "--group-size", "32", "--quantize-embeddings", "--device", "cpu", "--json"]) == 0
+    tensors = {t["name"]: t for t in json.loads(capsys.readouterr().out)["tensors"]}
+    assert all(not t["skipped"] and t["scheme"]["granularity"] == "group" for t in tensors.values())
+
+
+def test_skip_globs_leave_tensors_as_they_are(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"skip_1d": False, "rules": [{"match": "layer.*", "scheme": {"dtype": "int8"}}]}))
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--config", str(cfg), "--skip", "*.weight",
+                 "--skip", "nothing*", "--device", "cpu", "--json"]) == 0
+    tensors = {t["name"]: t for t in json.loads(capsys.readouterr().out)["tensors"]}
+    assert tensors["layer.weight"]["skipped"] and tensors["layer.weight"]["reason"] == "rule '*.weight': skip"
+    assert not tensors["layer.bias"]["skipped"]  # the file's rule still applies to the rest
+    out = tmp_path / "o"
+    assert np.array_equal(Artifact(path=out).dequantize()["layer.weight"], W)
+
+
+def _closed_reader(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` with its stdout a pipe whose reader has already gone (``cmd | head -0``)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("where", ["in-process", "server"])
+def test_a_closed_pipe_ends_quietly(where: str, model: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    base = [sys.executable, "-m", "quantd"]
+    if where == "server":
+        cmd = [*base, "jobs", "list", "--server", request.getfixturevalue("cli_server")]
+    else:
+        cmd = [*base, "quantize", str(model), "-o", str(tmp_path / "o"), "--dtype", "int8", "--device", "cpu"]
+    done = _closed_reader(cmd)
+    assert done.returncode == 141, done.stderr  # 128 + SIGPIPE, as `head` leaves any other tool
+    assert "Broken pipe" not in done.stderr and "Traceback" not in done.stderr and "Exception" not in done.stderr

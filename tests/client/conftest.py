@@ -1,14 +1,12 @@
-"""A live quantd server for the SDK's happy paths: ``python -m quantd serve`` on a free loopback port."""
+"""A live quantd server for the SDK's happy paths: the session's keyed ``quantd serve`` (tests/conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from _live import live_server
+from _live import LIVE_API_KEY
 
-API_KEY = "sdk-test-key-0001"
+API_KEY = LIVE_API_KEY
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +15,5 @@ def api_key() -> str:
 
 
 @pytest.fixture(scope="session")
-def live_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with live_server(tmp_path_factory.mktemp("sdk-live"), api_keys=f"sdk:{API_KEY}") as base:
-        yield base
+def live_url(live_keyed_url: str) -> str:
+    return live_keyed_url

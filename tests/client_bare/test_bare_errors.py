@@ -13,7 +13,7 @@ from quantd_client import _exceptions as ex
 
 @pytest.mark.parametrize(("status", "cls"), [
     (400, ex.BadRequest), (401, ex.AuthError), (403, ex.AuthError), (404, ex.NotFound),
-    (409, ex.Conflict), (410, ex.Conflict), (413, ex.PayloadTooLarge), (415, ex.UnsupportedMedia),
+    (409, ex.Conflict), (410, ex.Gone), (413, ex.PayloadTooLarge), (415, ex.UnsupportedMedia),
     (422, ex.ValidationError), (429, ex.RateLimited), (500, ex.ServerError), (502, ex.ServerError),
     (503, ex.ServerError), (418, ex.APIStatusError),
 ])

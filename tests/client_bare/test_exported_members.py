@@ -8,10 +8,11 @@ EXPECTED = {
     "TensorReport", "Job", "JobList", "JobResult", "JobError", "InputInfo", "Progress", "Problem",
     "AnalyzeResponse", "AnalyzeResult", "AnalyzeTensor", "ObserverSpec", "LayerCalibration",
     "CalibrateResponse", "Info", "DeviceInfo", "Limits", "DTYPES", "NF4_CODEBOOK", "DTypeInfo", "dtype_info",
-    "QuantdError", "APIStatusError", "BadRequest", "AuthError", "NotFound", "Conflict", "PayloadTooLarge",
+    "QuantdError", "APIStatusError", "BadRequest", "AuthError", "NotFound", "Conflict", "Gone", "PayloadTooLarge",
     "UnsupportedMedia", "ValidationError", "RateLimited", "ServerError", "APIConnectionError",
     "APITimeoutError", "ChecksumMismatch", "JobTimeout", "__version__",
     "BitWidthResult", "OutlierImpactResult", "ScaleSensitivityResult", "TensorAnalyses",
+    "FileEntry", "FileList",
 }
 
 
@@ -28,6 +29,10 @@ def test_every_exported_name_exists_and_is_public() -> None:
 
 
 def test_contract_errors_derive_from_quantd_error() -> None:
-    for name in ("BadRequest", "AuthError", "NotFound", "Conflict", "PayloadTooLarge", "UnsupportedMedia",
+    for name in ("BadRequest", "AuthError", "NotFound", "Conflict", "Gone", "PayloadTooLarge", "UnsupportedMedia",
                  "ValidationError", "RateLimited", "ServerError"):
         assert issubclass(getattr(quantd_client, name), quantd_client.QuantdError)
+
+
+def test_gone_is_a_conflict_as_410_was_before() -> None:
+    assert issubclass(quantd_client.Gone, quantd_client.Conflict)

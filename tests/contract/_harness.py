@@ -1,16 +1,14 @@
 """Outside-in contract helpers: a real ``python -m quantd serve`` process, plain httpx, and a
 safetensors codec written from the file format alone (struct + json + numpy; no safetensors lib,
-no quantd). Nothing here imports quantd or quantd_client."""
+no quantd). Nothing here imports quantd's internals or quantd_client: only the process launcher
+:mod:`quantd.testing` (stdlib and httpx)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import struct
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +17,11 @@ from typing import Any
 import httpx
 import numpy as np
 
+from quantd.testing import free_port, quantd_env, spawn, stop, wait_ready
+
 KEY_A = "contract-key-aaaa-0001"
 KEY_B = "contract-key-bbbb-0002"
 TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -42,42 +36,25 @@ class Server:
 
 
 def start_server(tmp: Path, env_extra: dict[str, str]) -> Server:
-    port = _free_port()
-    data = tmp / "data"
-    log = tmp / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTD_")}
-    env.update({"QUANTD_DEVICE": "cpu", "QUANTD_WARMUP": "0", **env_extra})
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "quantd", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--data-dir", str(data), "--workers", "1"],
-            env=env, stdout=out, stderr=subprocess.STDOUT)
+    """``quantd serve`` through :mod:`quantd.testing` (a process launcher: stdlib and httpx only), ready once
+    /healthz answers; the tests talk to it over plain HTTP."""
+    env = quantd_env({"QUANTD_DEVICE": "cpu", "QUANTD_WARMUP": "0", **env_extra})
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60.0
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"/healthz not 200 within 60 s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)  # poll step under a deadline
+    log = tmp / "server.log"
+    proc = spawn("serve", tmp / "data", log, "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                 env=env)
+    try:
+        wait_ready(base, proc, log, path="/healthz", timeout_s=60.0)
+    except AssertionError:
+        stop(proc)
+        raise
     return Server(base, proc, log, httpx.Client(base_url=base, timeout=120.0))
 
 
 def stop_server(srv: Server) -> None:
     srv.client.close()
-    if srv.proc.poll() is None:
-        srv.proc.terminate()
-        try:
-            srv.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            srv.proc.kill()
-            srv.proc.wait(timeout=15)
+    stop(srv.proc, timeout_s=15.0)
 
 
 # ---- safetensors, from the format description: u64 LE header length, JSON header, raw data ----

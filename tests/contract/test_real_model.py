@@ -96,7 +96,7 @@ def artifacts(server: Server, original: tuple[bytes, dict[str, Any]]) -> dict[st
     ids = {}
     for label, (scheme, _) in SCHEMES.items():
         r = c.post("/v1/jobs", files={"file": ("model.safetensors", original[0])},
-                   data={"config": json.dumps({"scheme": scheme})})
+                   data={"config": json.dumps({"scheme": scheme, "skip_embeddings": False})})
         assert r.status_code == 202, r.text
         ids[label] = r.json()["id"]
     out = {}

@@ -97,6 +97,7 @@ def test_clipping_observers_beat_minmax_on_outliers(dtype: str, percentile: floa
     assert _mse(x, clip, (lo, hi)) < factor * _mse(x, base)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["int4", "uint4", "int3", "nf4", "fp8_e4m3"])
 def test_mse_never_worse_than_minmax_and_beats_exhaustive_within_1pct(dtype: str) -> None:
     x = _heavy(rows=32, cols=128, seed=3)
@@ -175,6 +176,7 @@ def test_entropy_per_group_and_zero_blocks() -> None:
     assert bool((hi[keep] > 0).all() & (hi[keep] <= amax[keep] * (1 + 1e-6)).all())
 
 
+@pytest.mark.slow
 def test_entropy_calibrates_many_blocks_in_chunks_of_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     # the histograms of all blocks were one [B, nbins] int64 tensor: 32 GiB for 65 536 blocks × 65 536 bins
     x = _heavy(rows=300, cols=64, seed=6)
@@ -419,6 +421,7 @@ def test_mse_search_indices_coarse_grid_and_stages() -> None:
             spacing = finer
         assert spacing == 1
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,symmetric,norm", [("int4", False, 2.0), ("int8", True, 2.0), ("int3", True, 2.4),
                                                   ("nf4", True, 2.0), ("fp8_e4m3", True, 2.0),
                                                   ("fp8_e5m2", True, 3.0)])
@@ -503,6 +506,7 @@ def test_search_qparams_are_choose_qparams_in_float32(path: str, dtype: str, sym
     assert bool(torch.isfinite(inv).all()) and torch.equal(inv, scale.reciprocal().clamp(max=3.4028234663852886e38))
 
 
+@pytest.mark.slow
 def test_only_nf4_mse_steps_fix_the_usual_block_lengths(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """nf4's search step is compiled for the usual group sizes as constants (its own compiled function, one
     variant per length, each in the call's key); other lengths and the other dtypes keep one symbolic variant."""

@@ -544,6 +544,7 @@ assert kernels.row_range(tiny) is not None
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not __import__("shutil").which("c++"), reason="needs a C++ compiler for the compiled kernels")
 def test_kernels_first_compiled_on_a_tiny_tensor_still_run_in_parallel(tmp_path: Path) -> None:
     """Inductor decides serial vs parallel from the sizes of a kernel's first call; with dynamic shapes that

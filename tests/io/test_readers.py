@@ -156,7 +156,14 @@ def test_sanitize_name() -> None:
     assert sanitize_name("layer.0-w") == "layer.0-w"
 
 
-@pytest.mark.parametrize("content", [b"", b"hello world, not a model", b"\x00" * 64, b"GGUF\x03\x00\x00\x00" * 4,
+def test_an_empty_file_says_so(tmp_path: Path) -> None:
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(b"")
+    with pytest.raises(MalformedInputError, match=r"the file is empty \(0 bytes\)"):
+        open_model(p)
+
+
+@pytest.mark.parametrize("content", [b"hello world, not a model", b"\x00" * 64, b"GGUF\x03\x00\x00\x00" * 4,
                                      b"\x89PNG\r\n\x1a\n" + b"\x00" * 32])
 def test_junk_is_unsupported(tmp_path: Path, content: bytes) -> None:
     p = tmp_path / "model.safetensors"

@@ -74,3 +74,56 @@ async def test_expired_lease_requeued_by_the_periodic_reaper(make_service: MakeS
     await asyncio.to_thread(wait_for, lambda: worker.store.get(job.id).status == "succeeded",
                             what="the job to finish")
     assert (await worker.get("a", job.id)).attempts == 2
+
+
+async def test_sigkill_mid_directory_job_then_restart_finishes_it(make_service: MakeService, model_file: Path,
+                                                                   tmp_path: Path) -> None:
+    """A model directory job is stored as one tar, adopted like a one-file upload: a worker killed while it
+    runs loses nothing; the restarted service finishes it with every output file listed."""
+    import json
+    import shutil
+    import tarfile
+
+    from quantd.io.model_dir import pack_tar
+    from quantd.jobs.storage import StoredUpload
+
+    api = make_service(workers=0)
+    src = tmp_path / "dir"
+    src.mkdir()
+    shutil.copyfile(model_file, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"model_type": "unknown-architecture"}))
+    tar = api.new_upload_path(".tar")
+    manifest = pack_tar([("config.json", src / "config.json"), ("model.safetensors", src / "model.safetensors")], tar)
+    upload = StoredUpload(path=tar, filename="model", bytes=sum(f["bytes"] for f in manifest), sha256="0" * 64,
+                          format="safetensors", tensors=3, files=tuple(manifest))
+    job = await api.submit(tenant="a", upload=upload, config=CONFIG.model_copy(update={"output": "compressed-tensors"}))
+    assert [f.path for f in job.input.files or []] == ["config.json", "model.safetensors"]
+    proc = subprocess.Popen([sys.executable, str(HERE / "crash_dir_worker.py"), str(api.config.data_dir), "60"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        await asyncio.to_thread(wait_for, lambda: any(api.storage.tmp.glob("dirjob-*/out/partial.safetensors")),
+                                timeout=60, what="the partial output")
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+        assert proc.stderr is not None
+        proc.stderr.close()
+    assert api.store.get(job.id).status == "running"
+    await api.stop()
+
+    fresh = make_service(data_dir=api.config.data_dir)
+    await asyncio.to_thread(wait_for, lambda: fresh.store.get(job.id).status in ("succeeded", "failed"),
+                            timeout=60, what="the job to finish")
+    done = await fresh.get("a", job.id)
+    assert done.status == "succeeded" and done.attempts == 2, done.error
+    files = {f["path"]: f for f in await fresh.files("a", job.id)}
+    assert set(files) == {"config.json", "model.safetensors"}
+    path, sha = await fresh.artifact_path("a", job.id)
+    assert sha256_file(path) == sha
+    with tarfile.open(path) as t:
+        assert sorted(t.getnames()) == ["config.json", "model.safetensors"]
+    art, window = await fresh.output_file("a", job.id, "config.json")
+    assert window is not None
+    offset, size = window
+    config = json.loads(b"".join(art.read(offset, size)))
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"

@@ -135,9 +135,39 @@ async def test_openapi_documents_multipart_bodies_and_problem_responses(server):
     for name in ("QuantConfig", "Scheme", "ObserverSpec", "Job", "Report"):
         assert name in spec["components"]["schemas"], name
     assert "HTTPValidationError" not in str(spec)
+
+
+async def test_openapi_declares_the_bearer_scheme_only_when_keys_are_configured(make_server):
+    async with make_server() as h:  # open: no key is asked for, and no 401 is ever answered
+        spec = (await h.client.get("/openapi.json")).json()
+    assert "securitySchemes" not in spec["components"]
+    assert not any("security" in op or "401" in op["responses"] for ops in spec["paths"].values()
+                   for op in ops.values())
+    async with make_server(api_keys=f"a:{KEY_A}") as h:
+        spec = (await h.client.get("/openapi.json")).json()
     assert spec["components"]["securitySchemes"]["apiKey"] == {
         "type": "http", "scheme": "bearer", "description": spec["components"]["securitySchemes"]["apiKey"]["description"]}
+    paths = spec["paths"]
     assert paths["/v1/jobs"]["get"]["security"] == [{"apiKey": []}] and "security" not in paths["/healthz"]["get"]
+    assert "401" in paths["/v1/jobs"]["get"]["responses"]
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/jobs/0123", "/v1/jobs/0123/artifact", "/healthz"])
+async def test_options_lists_every_documented_method_of_the_resource(server, path):
+    spec = (await server.client.get("/openapi.json")).json()
+    template = {"/v1/jobs/0123": "/v1/jobs/{job_id}", "/v1/jobs/0123/artifact": "/v1/jobs/{job_id}/artifact"}
+    documented = {m.upper() for m in spec["paths"][template.get(path, path)]}
+    r = await server.client.options(path)
+    assert r.status_code == 204 and r.content == b""
+    assert set(r.headers["allow"].split(", ")) == documented | {"OPTIONS"}
+    # Any other method: 405 naming them all (Starlette names only the first route's, e.g. GET without DELETE).
+    r = await server.client.request("PATCH", path)
+    assert_problem(r, 405)
+    assert set(r.headers["allow"].split(", ")) == documented | {"OPTIONS"}
+
+
+async def test_options_on_an_unknown_path_is_404(server):
+    assert_problem(await server.client.options("/v1/nothing"), 404)
 
 
 async def test_openapi_json_responses_have_examples_that_are_valid(server):

@@ -63,6 +63,14 @@ async def test_hostile_file_is_a_quick_4xx(server, endpoint, case):
     assert (await server.client.get("/healthz")).status_code == 200
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/quantize", "/v1/jobs"])
+async def test_an_empty_upload_says_the_file_is_empty(server, endpoint):
+    r = await server.client.post(endpoint, files={"file": ("m.safetensors", b"", "application/octet-stream")},
+                                 data={"config": json.dumps(CONFIG)})
+    body = assert_problem(r, 422)
+    assert "the file is empty" in body["detail"] and "first bytes" not in body["detail"]
+
+
 async def test_non_finite_weights(server):
     """Sync: 422 at once. Jobs: the weights are only read by the worker, so the job fails with the reason."""
     r = await server.client.post("/v1/quantize", files={"file": ("m.safetensors", NAN_MODEL, "x/y")},

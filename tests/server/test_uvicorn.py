@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,39 +15,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from quantd.testing import free_port, quantd_env, spawn, wait_ready
+
 from .conftest import CONFIG, st_bytes
 
 pytestmark = pytest.mark.slow
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(command: str, data_dir: Path, log: Path, *args: str,
            extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    extra_env = extra_env or {}
-    env = {**os.environ, "QUANTD_LEASE_S": "3", "QUANTD_LOG_LEVEL": "INFO", "QUANTD_DEVICE": "cpu",
-           "QUANTD_WARMUP": "0", **extra_env}
-    env.pop("QUANTD_API_KEYS", None)
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "quantd", command, "--data-dir", str(data_dir), *args],
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/readyz", timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)  # poll step under a deadline
-    raise AssertionError(f"server not ready in {timeout} s:\n{log.read_text()[-3000:]}")
+    env = quantd_env({"QUANTD_LEASE_S": "3", "QUANTD_LOG_LEVEL": "INFO", "QUANTD_DEVICE": "cpu",
+                      "QUANTD_WARMUP": "0", **(extra_env or {})})
+    return spawn(command, data_dir, log, *args, env=env)
 
 
 @pytest.fixture
@@ -71,12 +47,12 @@ def _submit(client: httpx.Client, seed: int) -> str:
 
 def test_real_server_survives_kill_9(tmp_path, procs):
     data_dir, log = tmp_path / "data", tmp_path / "server.log"
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     # Quantizing during uploads on: runs in flight when the process dies are lost, their jobs are not.
     procs.append(_start("serve", data_dir, log, "--port", str(port), "--workers", "1",
                         extra_env={"QUANTD_QUANTIZE_DURING_UPLOAD": "on"}))
-    _wait_ready(base, procs[0], log)
+    wait_ready(base, procs[0], log, timeout_s=60.0)
     with httpx.Client(base_url=base, timeout=30) as c:
         assert c.get("/healthz").json() == {"status": "ok"}
         r = c.get("/v1/info")
@@ -97,7 +73,7 @@ def test_real_server_survives_kill_9(tmp_path, procs):
             time.sleep(0.1)  # poll step under a deadline
         assert status == 503
     procs.append(_start("worker", data_dir, log, "--workers", "1"))
-    _wait_ready(base, procs[1], log)
+    wait_ready(base, procs[1], log, timeout_s=60.0)
     with httpx.Client(base_url=base, timeout=30) as c:
         more = [_submit(c, seed) for seed in range(6, 9)]
         deadline = time.monotonic() + 120
@@ -129,11 +105,11 @@ def test_real_server_warms_the_compiled_kernels_at_start(tmp_path, procs):
     if not kernels.KERNELS.available():
         pytest.skip("no C++ compiler: the compiled kernels (and their warm-up) are off")
     data_dir, log = tmp_path / "data", tmp_path / "server.log"
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     procs.append(_start("serve", data_dir, log, "--port", str(port), "--workers", "1",
                         extra_env={"QUANTD_WARMUP": "1"}))
-    _wait_ready(base, procs[0], log)  # serving while the kernels compile in the background
+    wait_ready(base, procs[0], log, timeout_s=60.0)  # serving while the kernels compile in the background
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and "compiled CPU kernels ready" not in log.read_text():
         assert procs[0].poll() is None, log.read_text()[-3000:]

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -300,38 +300,174 @@ def read_artifact_torch(path: str | os.PathLike[str], *, device: str | torch.dev
         return {n: _decode(reader, n, m, device) for n, m in meta["tensors"].items()}
 
 
-def dequantize_artifact(path: str | os.PathLike[str], *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of the artifact: quantized ones dequantized (to ``dtype``, default their original
-    dtype), the others as stored. One tensor is decoded at a time."""
+def iter_dequantized(path: str | os.PathLike[str], *, device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the artifact, in file order under its original name: quantized ones dequantized
+    (to ``dtype``, default their original dtype), the others as stored. One tensor is decoded at a time,
+    so memory follows the largest tensor, not the model."""
     from quantd.engine.primitives import dequantize
 
-    out: dict[str, torch.Tensor] = {}
     with SafetensorsReader(Path(path)) as reader:
         meta = read_quantd_metadata(reader)
-        for n, m in meta["tensors"].items():
-            qt = _decode(reader, n, m, device)
-            out[n] = dequantize(qt, dtype=dtype or qt.orig_dtype)
-        for n in _passthrough_names(reader, meta["tensors"]):
-            out[n] = reader.load(n, device)
+        quantized: Mapping[str, Any] = meta["tensors"]
+        passthrough = set(_passthrough_names(reader, quantized))
+        for t in reader.tensors:
+            if t.name in passthrough:
+                yield t.name, reader.load(t.name, device)
+            elif t.name.endswith(".qdata") and t.name[:-6] in quantized:
+                name = t.name[:-6]
+                qt = _decode(reader, name, quantized[name], device)
+                yield name, dequantize(qt, dtype=dtype or qt.orig_dtype)
+
+
+def dequantize_artifact(path: str | os.PathLike[str], *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of the artifact (see :func:`iter_dequantized`) in one dict."""
+    return dict(iter_dequantized(path, device=device, dtype=dtype))
+
+
+def _dense_layout(reader: SafetensorsReader, quantized: Mapping[str, Any]) -> list[OutputTensor]:
+    out = []
+    passthrough = set(_passthrough_names(reader, quantized))
+    for t in reader.tensors:
+        if t.name in passthrough:
+            out.append(OutputTensor(t.name, TORCH_TO_ST[torch_dtype(t.dtype)], t.shape))
+        elif t.name.endswith(".qdata") and t.name[:-6] in quantized:
+            m = quantized[t.name[:-6]]
+            out.append(OutputTensor(t.name[:-6], TORCH_TO_ST[torch_dtype(m["orig_dtype"])],
+                                    tuple(int(s) for s in m["shape"])))
     return out
 
 
-def load_into_model(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True) -> Any:
-    """Dequantize the artifact into ``model`` (``load_state_dict``; values are cast to each
-    parameter's dtype and device). Returns ``load_state_dict``'s missing/unexpected keys."""
-    state = dequantize_artifact(path)
-    return model.load_state_dict(state, strict=strict)
+def write_dense(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> list[OutputTensor]:
+    """Write the artifact ``src`` back as a plain safetensors file ``dst``: every tensor under its original
+    name, shape and dtype, quantized ones dequantized (``x̂``, not the original values). The header carries
+    ``{"format": "pt"}`` as ``save_file`` of a torch state dict does, so ``transformers`` loads it.
+    Streamed one tensor at a time to ``dst.tmp``, then renamed. Returns the tensors written."""
+    with SafetensorsReader(Path(src)) as reader:
+        layout = _dense_layout(reader, read_quantd_metadata(reader)["tensors"])
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for o in layout:
+        offsets[o.name] = (pos, pos + o.nbytes)
+        pos += o.nbytes
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for o in layout:
+        header[o.name] = {"dtype": o.dtype, "shape": list(o.shape), "data_offsets": list(offsets[o.name])}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned
+    planned = {o.name: o for o in layout}
+    out = Path(dst)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for name, tensor in iter_dequantized(src):
+                o = planned[name]
+                if TORCH_TO_ST.get(tensor.dtype) != o.dtype or tuple(tensor.shape) != o.shape:
+                    raise MalformedInputError(f"tensor {name!r}: decoded as {tensor.dtype} {list(tensor.shape)}, "
+                                              f"the artifact says {o.dtype} {list(o.shape)}", tensor=name)
+                if o.nbytes:
+                    f.seek(8 + len(raw) + offsets[name][0])
+                    f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            f.truncate(8 + len(raw) + pos)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return layout
+
+
+class LoadResult(NamedTuple):
+    """What :func:`load_into_model` did not match (the fields of ``load_state_dict``'s result)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+    def __repr__(self) -> str:  # as load_state_dict's result prints
+        if not self.missing_keys and not self.unexpected_keys:
+            return "<All keys matched successfully>"
+        return f"LoadResult(missing_keys={self.missing_keys!r}, unexpected_keys={self.unexpected_keys!r})"
+
+
+def _align_prefix(keys: set[str], expected: set[str], prefix: str) -> Callable[[str], str]:
+    """The renaming that lines checkpoint ``keys`` up with the model's: a base model's checkpoint loaded into
+    a model with a head (keys gain ``prefix.``), or the reverse (they lose it), as transformers does."""
+    def same(k: str) -> str:
+        return k
+
+    if not prefix or keys & expected:
+        return same
+    dot = prefix + "."
+
+    def strip(k: str) -> str:
+        return k[len(dot):] if k.startswith(dot) else k
+
+    def add(k: str) -> str:
+        return dot + k
+
+    best = max((same, strip, add), key=lambda f: len({f(k) for k in keys} & expected))
+    return best
+
+
+def load_into_model(model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True) -> LoadResult:
+    """Dequantize the artifact into ``model``'s parameters and buffers, one tensor at a time (values are
+    cast to each one's dtype and device).
+
+    Checkpoints of real models hold keys the model does not persist (transformers' ``position_ids``,
+    registered with ``persistent=False``): those are dropped. A weight tied to another (``lm_head.weight``
+    and the input embeddings) may be absent when its twin is loaded. A checkpoint of the base model loads
+    into a model with a head and the reverse (``model.base_model_prefix``). Anything else missing or
+    unexpected raises ``RuntimeError`` with ``strict=True``, as ``load_state_dict`` does; either way the
+    keys are returned."""
+    targets: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+    transient = {n for n, _ in model.named_buffers(remove_duplicate=False)} - set(targets)
+    with SafetensorsReader(Path(path)) as reader:
+        names = {o.name for o in _dense_layout(reader, read_quantd_metadata(reader)["tensors"])}
+    rename = _align_prefix(names, set(targets), str(getattr(model, "base_model_prefix", "") or ""))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    errors: list[str] = []
+    with torch.no_grad():
+        for name, value in iter_dequantized(path):
+            key = rename(name)
+            if key in transient or name in transient:
+                continue
+            target = targets.get(key)
+            if target is None:
+                unexpected.append(name)
+            elif tuple(target.shape) != tuple(value.shape):
+                errors.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                              f"the artifact, the shape in the model is {tuple(target.shape)}")
+            else:
+                target.copy_(value)
+                loaded.add(key)
+    # Tied weights are one tensor under two names: loading either fills both.
+    loaded_ids = {id(targets[k]) for k in loaded}
+    missing = [k for k in targets if k not in loaded and id(targets[k]) not in loaded_ids]
+    if strict and (missing or unexpected or errors):
+        parts = errors + ([f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}."] if missing else []) \
+            + ([f"Unexpected key(s) in state_dict: {', '.join(map(repr, unexpected))}."] if unexpected else [])
+        raise RuntimeError(f"Error(s) in loading the artifact into {type(model).__name__}:\n\t" + "\n\t".join(parts))
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return LoadResult(missing, unexpected)
 
 
 __all__ = [
     "ST_TO_TORCH",
     "ArtifactWriter",
+    "LoadResult",
     "OutputTensor",
     "dequantize_artifact",
     "encode_quantized",
+    "iter_dequantized",
     "load_into_model",
     "quantized_layout",
     "quantized_meta",
     "read_artifact_torch",
+    "write_dense",
 ]

@@ -99,6 +99,9 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
     p = Path(path)
     with p.open("rb") as f:
         head = f.read(16)
+    if not head:
+        raise MalformedInputError("the file is empty (0 bytes): expected safetensors, a PyTorch checkpoint, "
+                                  ".npy or .npz")
     if head.startswith(NPY_MAGIC):
         return "npy"
     if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY_MAGIC):

@@ -20,7 +20,6 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,9 +43,10 @@ from quantd_client import (
     TensorReport,
 )
 
-from .artifact import ArtifactWriter, OutputTensor, encode_quantized, quantized_layout, quantized_meta
+from .artifact import encode_quantized, quantized_layout
 from .calibration import CalibrationEntry, MethodCalibration, check_against, uses_calibrated_method
-from .formats import QUANTIZABLE, TORCH_TO_ST, torch_dtype
+from .formats import QUANTIZABLE, torch_dtype
+from .outputs import ModelStructure, OutputFormat, PlannedTensor, Sink, get_format
 from .readers import ModelReader, TensorInfo, open_model
 
 if TYPE_CHECKING:
@@ -55,29 +55,22 @@ if TYPE_CHECKING:
 ProgressCallback = Callable[[Progress], None]
 
 
-@dataclass(frozen=True)
-class TensorPlan:
-    """What happens to one input tensor: its scheme (None: left as it is, with ``reason``) and the
-    artifact tensors it becomes."""
-
-    info: TensorInfo
-    scheme: Scheme | None
-    reason: str | None
-    outputs: tuple[OutputTensor, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.info.shape)
+# One tensor's plan: its scheme (None: left as it is, with ``reason``) and the output tensors it becomes.
+TensorPlan = PlannedTensor
 
 
 def plan(tensors: list[TensorInfo], config: QuantConfig,
-         calibration: Mapping[str, CalibrationEntry] | None = None) -> list[TensorPlan]:
-    """The plan of every tensor, in file order. Raises ConfigError (field + tensor) when a scheme
-    cannot apply to a tensor's shape (its method included: arguments, supported schemes, calibration —
-    ``calibration`` is the index of the job's calibration file, None without one), or when an output name
-    would collide with another tensor."""
+         calibration: Mapping[str, CalibrationEntry] | None = None, *, structure: ModelStructure | None = None
+         ) -> list[TensorPlan]:
+    """The plan of every tensor, in file order, for the output format ``config.output``. Raises
+    ConfigError (field + tensor) when a scheme cannot apply to a tensor's shape (its method included:
+    arguments, supported schemes, calibration — ``calibration`` is the index of the job's calibration file,
+    None without one), when the format cannot hold it, or when an output name would collide with another
+    tensor."""
     from quantd.engine.methods import check_method
 
+    fmt = get_format(config.output)
+    known = structure or ModelStructure()
     plans: list[TensorPlan] = []
     for t in tensors:
         dt = torch_dtype(t.dtype)
@@ -89,12 +82,14 @@ def plan(tensors: list[TensorInfo], config: QuantConfig,
             scheme, reason = None, "empty tensor"
         else:
             scheme, reason = config.scheme_for(t.name, t.shape)
+        scheme, reason = fmt.select(t, scheme, reason, known)
         if scheme is None:
-            outputs: tuple[OutputTensor, ...] = (OutputTensor(t.name, TORCH_TO_ST[dt], t.shape),)
+            outputs = tuple(fmt.passthrough(t))
         else:
             has_calibration = calibration is not None and check_against(dict(calibration), t.name, t.shape)
             check_method(t.shape, scheme, name=t.name, has_calibration=has_calibration)
-            outputs = tuple(quantized_layout(t.name, t.shape, scheme))
+            fmt.check(t.name, t.shape, scheme)
+            outputs = tuple(fmt.layout(t.name, t.shape, scheme))
         plans.append(TensorPlan(t, scheme, reason, outputs))
     owner: dict[str, str] = {}
     for p in plans:
@@ -127,7 +122,7 @@ def _measure(x: torch.Tensor, scheme: Scheme, name: str, calibration: LayerHessi
     return stats, qt
 
 
-def _process(reader: ModelReader, writer: ArtifactWriter, p: TensorPlan, device: torch.device,
+def _process(reader: ModelReader, writer: Sink, fmt: OutputFormat, p: TensorPlan, device: torch.device,
              calibration: MethodCalibration | None = None) -> TensorReport:
     name = p.info.name
     shape, in_dtype = list(p.info.shape), p.info.dtype
@@ -144,7 +139,7 @@ def _process(reader: ModelReader, writer: ArtifactWriter, p: TensorPlan, device:
     except NonFiniteError:
         check_finite(x, name)  # the error with a count of the bad values
         raise
-    for out_name, t in encode_quantized(qt, name).items():
+    for out_name, t in fmt.encode(qt, name).items():
         writer.write(out_name, t)
     return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=p.scheme, stats=stats, skipped=False)
 
@@ -215,19 +210,18 @@ def quantize_model(reader: ModelReader, dst: str | os.PathLike[str], config: Qua
     ``calibration``: the layers' inputs for the calibrated methods (and every tensor's ``output_rel_error``)."""
     t0 = time.perf_counter() if started is None else started
     dev = torch.device(device)
+    fmt = get_format(config.output)
     plans = plan(reader.tensors, config, None if calibration is None else calibration.index)
-    meta = {p.info.name: quantized_meta(p.info.shape, torch_dtype(p.info.dtype), p.scheme)
-            for p in plans if p.scheme is not None}
     progress = Progress(tensors_total=len(plans), bytes_total=sum(p.info.nbytes for p in plans))
     if on_progress is not None:
         on_progress(progress)
     reports: list[TensorReport] = []
     extra = None if activations is None else {"activations": [a.model_dump(mode="json") for a in activations]}
-    with ArtifactWriter(dst, [o for p in plans for o in p.outputs], meta, extra_meta=extra) as writer:
+    with fmt.open_sink(dst, plans, extra_meta=extra) as writer:
         for p in plans:
             if should_cancel is not None and should_cancel():
                 raise JobCancelled(f"cancelled after {len(reports)} of {len(plans)} tensors")
-            reports.append(_process(reader, writer, p, dev, calibration))
+            reports.append(_process(reader, writer, fmt, p, dev, calibration))
             done = progress.bytes_done + p.info.nbytes
             progress = Progress(tensors_done=len(reports), tensors_total=len(plans), bytes_done=done,
                                 bytes_total=progress.bytes_total,

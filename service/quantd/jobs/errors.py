@@ -13,6 +13,14 @@ class JobNotFound(QuantdError):
     type_ = "urn:quantd:job-not-found"
 
 
+class JobFileNotFound(QuantdError):
+    """A path that is not one of a job's output files."""
+
+    status = 404
+    title = "File not found"
+    type_ = "urn:quantd:file-not-found"
+
+
 class JobNotReady(QuantdError):
     """The report or artifact was asked for before the job succeeded."""
 

@@ -16,7 +16,14 @@ from typing import Any, TypeVar
 from quantd_client import InputInfo, Job, JobList, Progress, QuantConfig, Report
 
 from .config import JobsConfig, room_to_overlap, worker_devices
-from .errors import IdempotencyConflict, InvalidListQuery, JobExpired, JobNotFound, JobNotReady
+from .errors import (
+    IdempotencyConflict,
+    InvalidListQuery,
+    JobExpired,
+    JobFileNotFound,
+    JobNotFound,
+    JobNotReady,
+)
 from .pool import WorkerPool, open_backends
 from .prepared import PreparedRun, PreparedRuns
 from .records import STATUSES, JobRecord
@@ -59,8 +66,11 @@ class ArtifactHandle:
 
 
 def _input_info(upload: StoredUpload) -> dict[str, Any]:
-    return InputInfo.model_validate({"filename": upload.filename, "bytes": upload.bytes, "sha256": upload.sha256,
-                                     "format": upload.format, "tensors": upload.tensors}).model_dump(mode="json")
+    info = {"filename": upload.filename, "bytes": upload.bytes, "sha256": upload.sha256,
+            "format": upload.format, "tensors": upload.tensors}
+    if upload.files is not None:
+        info["files"] = list(upload.files)
+    return InputInfo.model_validate(info).model_dump(mode="json", exclude_none=True)
 
 
 class JobService:
@@ -376,6 +386,51 @@ class JobService:
             if not path.is_file() or rec.result is None:
                 raise JobExpired(f"the artifact of job {job_id} is gone")
             return path, str(rec.result["artifact_sha256"])
+
+        return await self._run(find)
+
+    async def files(self, tenant: str, job_id: str) -> list[dict[str, Any]]:
+        """The job's output files ``[{"path","bytes","sha256"}]``: a directory output's, or the one artifact
+        (named ``{input stem}.quantd{suffix}``). 409 until succeeded; 410 once deleted."""
+        def listing() -> list[dict[str, Any]]:
+            return self._output_files(self._succeeded(tenant, job_id), job_id)
+
+        return await self._run(listing)
+
+    def _output_files(self, rec: Any, job_id: str) -> list[dict[str, Any]]:
+        result = rec.result or {}
+        if result.get("files") is not None:
+            return list(result["files"])
+        stem = Path(str(rec.input.get("filename") or "model")).stem or "model"
+        return [{"path": f"{stem}.quantd.safetensors", "bytes": result.get("artifact_bytes", 0),
+                 "sha256": result.get("artifact_sha256", "")}]
+
+    async def output_file(self, tenant: str, job_id: str, path: str
+                          ) -> tuple[ArtifactHandle, tuple[int, int] | None]:
+        """One output file: the artifact holding it (its ``sha256`` the file's own) and where the file's bytes
+        lie in it, ``(offset, size)`` (None: all of it). JobFileNotFound (404) for a path the job did not
+        write; 409 until succeeded; 410 once deleted."""
+        def find() -> tuple[ArtifactHandle, tuple[int, int] | None]:
+            from quantd.io.model_dir import tar_window
+
+            rec = self._succeeded(tenant, job_id)
+            entry = next((f for f in self._output_files(rec, job_id) if f["path"] == path), None)
+            if entry is None:
+                raise JobFileNotFound(f"job {job_id} has no output file {path!r} (GET /v1/jobs/{job_id}/files "
+                                      "lists them)", field="path")
+            storage = self.storage
+            size = storage.artifact_info(job_id)
+            if size is None or rec.result is None:
+                raise JobExpired(f"the artifact of job {job_id} is gone")
+            handle = ArtifactHandle(sha256=str(entry["sha256"]), size=size, path=storage.local_artifact(job_id),
+                                    url=None, read=lambda start, length: storage.read_artifact(job_id, start, length))
+            if rec.result.get("files") is None:
+                return handle, None
+            window = tar_window(lambda start, length: b"".join(storage.read_artifact(job_id, start, length)),
+                                size, path)
+            if window is None:
+                raise JobExpired(f"the file {path!r} of job {job_id} is gone")
+            return handle, window
 
         return await self._run(find)
 

@@ -12,12 +12,13 @@ import ctypes
 import hashlib
 import os
 import re
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from .errors import StorageError
 
@@ -38,6 +39,8 @@ class StoredUpload:
     sha256: str
     format: str
     tensors: int
+    # A model directory (stored as one uncompressed tar at ``path``): its files' path, bytes and sha256.
+    files: tuple[dict[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -267,6 +270,9 @@ class LocalStorage:
             try:
                 if path.is_file() and path.stat().st_mtime < cutoff:
                     path.unlink()
+                    n += 1
+                elif path.is_dir() and path.stat().st_mtime < cutoff:  # a dead directory job's work
+                    shutil.rmtree(path, ignore_errors=True)
                     n += 1
             except FileNotFoundError:
                 continue

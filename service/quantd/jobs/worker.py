@@ -63,6 +63,16 @@ def default_quantize_fn() -> QuantizeFn:
     return fn
 
 
+def directory_output(input_info: dict[str, Any], config: dict[str, Any]) -> bool:
+    """Whether a job's output is a directory (its artifact then a tar): a model directory's, or one file's
+    in a format that writes ``config.json`` beside its weights."""
+    if input_info.get("files") is not None:
+        return True
+    from quantd.io.outputs import get_format
+
+    return get_format(str(config.get("output", "safetensors"))).writes_config
+
+
 def new_worker_id(index: int) -> str:
     return f"{HOST}/{os.getpid()}/{BOOT}/w{index}"
 
@@ -166,6 +176,7 @@ class Worker:
         self.progress_write_s = progress_write_s
         self.wake, self.stop = wake, stop
         self.busy_job: str | None = None
+        self._output_files: dict[str, list[dict[str, Any]]] = {}  # a directory job's output, until recorded
         self.references = references or References()
         self._thread = threading.Thread(target=self._loop, name=f"quantd-worker-{index}", daemon=True)
 
@@ -233,6 +244,9 @@ class Worker:
             report_tmp = self.storage.stage_report(job.id, report.model_dump_json())
             result = {"artifact_bytes": size, "artifact_sha256": sha256,
                       "summary": report.summary.model_dump(mode="json")}
+            files = self._output_files.pop(job.id, None)
+            if files is not None:  # a directory output: the artifact is its tar
+                result["files"] = files
 
             def install() -> None:  # only while the lease is held (store.complete): the files are the job's
                 destination = job.input.get("destination")
@@ -249,6 +263,7 @@ class Worker:
                 self._end_interrupted(job, owner)
         finally:
             tmp.unlink(missing_ok=True)
+            self._output_files.pop(job.id, None)
             self.on_change(job.id)  # its end (or release) is in the database: wake the streams
 
     def _quantize(self, job: JobRecord, tmp: Path, lease: _Lease) -> Report | dict[str, str] | None:
@@ -294,6 +309,10 @@ class Worker:
 
         run = self.prepared.pop(job.id) if self.prepared is not None else None
         try:
+            if directory_output(job.input, job.config):
+                if run is not None:
+                    run.cancel()
+                return self._quantize_directory(job, src, tmp, lease)
             if run is not None:  # quantized while its upload streamed in: the rest, then its artifact
                 report = self._adopt(job, run, tmp, lease)
                 if report is not None:
@@ -313,6 +332,35 @@ class Worker:
         except Exception as e:
             log.exception("worker %s: job %s crashed", self.id, job.id)
             return _error("urn:quantd:internal", "Internal error", f"{type(e).__name__}: {e}")
+
+    def _quantize_directory(self, job: JobRecord, src: Path, tmp: Path, lease: _Lease) -> Report:
+        """A model directory job (or a one-file job whose format writes a directory): the stored tar (or
+        file) unpacked under ``tmp/``, quantized into a directory there, packed as the tar ``tmp``."""
+        import shutil
+
+        from quantd.io.model_dir import (
+            ModelFiles,
+            iter_output_files,
+            pack_tar,
+            quantize_directory,
+            unpack_tar,
+        )
+
+        work = self.storage.new_tmp_path(prefix="dirjob")
+        work.mkdir()
+        try:
+            if job.input.get("files") is not None:
+                files = unpack_tar(src, work / "in")
+            else:  # one weight file, named as transformers looks for it
+                name = "pytorch_model.bin" if job.input.get("format") == "pytorch" else "model.safetensors"
+                files = ModelFiles({name: src})
+            report = quantize_directory(files, work / "out", QuantConfig.model_validate(job.config),
+                                        device=self.device, job_id=job.id, on_progress=lease.on_progress,
+                                        should_cancel=lease.should_cancel)
+            self._output_files[job.id] = pack_tar(list(iter_output_files(work / "out")), tmp)
+            return report
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
     def _adopt(self, job: JobRecord, run: PreparedRun, tmp: Path, lease: _Lease) -> Report | None:
         """The run's Report with its artifact moved to ``tmp``; None (the run discarded) when it cannot be

@@ -26,8 +26,8 @@ from .deps import AppState
 from .logging import RequestMiddleware
 from .metrics import Metrics
 from .problems import install_problem_handlers
-from .routes import health, info, jobs, sync
-from .routes._docs import finish_openapi
+from .routes import docs_ui, health, info, jobs, sync
+from .routes._docs import finish_openapi, without_auth
 from .settings import Settings, parse_source_prefixes
 
 log = logging.getLogger("quantd.server")
@@ -154,17 +154,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await service.stop()
             log.info("quantd stopped")
 
-    app = FastAPI(title="quantd", version=quantd.__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="quantd", version=quantd.__version__, description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
     install_problem_handlers(app)
     for module in (health, info, sync, jobs):
         app.include_router(module.router)
+    docs_ui.install(app)
     app.add_middleware(RequestMiddleware, metrics=metrics)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            app.openapi_schema = finish_openapi(schema)
+            schema = finish_openapi(schema)
+            state: AppState | None = getattr(app.state, "quantd", None)
+            keyed = state.auth_enabled if state is not None else bool(settings.tenant_keys())
+            app.openapi_schema = schema if keyed else without_auth(schema)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -57,7 +57,7 @@ async def _chunks(path: Path, start: int, length: int) -> AsyncIterator[bytes]:
 
 def file_response(request: Request, path: Path, *, etag_hex: str, media_type: str = "application/octet-stream",
                   filename: str | None = None, headers: dict[str, str] | None = None,
-                  on_done: Callable[[], None] | None = None) -> Response:
+                  on_done: Callable[[], None] | None = None, window: tuple[int, int] | None = None) -> Response:
     """The file at ``path`` with strong ETag ``"<etag_hex>"``, honouring If-None-Match, Range and If-Range, and
     HEAD (the headers a GET would get, no body)."""
     return ranged_response(request, os.stat(path).st_size, lambda start, length: _chunks(path, start, length),

@@ -9,9 +9,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Mount
 
 from quantd.errors import ConfigError, InputTooLargeError, QuantdError, UnsupportedFormatError
 from quantd.jobs.errors import JobExpired, JobNotFound, JobNotReady, QueueFull
@@ -107,13 +108,33 @@ def _problem(request: Request, exc: ProblemException) -> JSONResponse:
                             headers=exc.headers, request_id=request_id_of(request))
 
 
-def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+_METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this request's path, plus OPTIONS (answered for any of them).
+    Starlette's own ``Allow`` names the methods of the first route whose path matched, and FastAPI makes
+    one route per method: ``GET`` and ``DELETE /v1/jobs/{id}`` are two. Each method is tried against the
+    routing table (mounted apps, which accept any method, answer for themselves)."""
+    routes = [r for r in request.app.router.routes if not isinstance(r, Mount)]
+    methods = [m for m in _METHOD_ORDER
+               if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes)]
+    return [*methods, "OPTIONS"] if methods and "OPTIONS" not in methods else methods
+
+
+def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     detail = exc.detail if isinstance(exc.detail, str) else _phrase(exc.status_code)
+    headers = dict(exc.headers or {})
     if exc.status_code == 404 and detail == "Not Found":
         detail = f"no such endpoint: {request.url.path}"
     elif exc.status_code == 405:
+        allow = allowed_methods(request)
+        if allow:
+            if request.method == "OPTIONS":  # RFC 9110 §9.3.7: what this resource supports, no body
+                return Response(status_code=204, headers={"Allow": ", ".join(allow)})
+            headers["Allow"] = ", ".join(allow)
         detail = f"method {request.method} not allowed on {request.url.path}"
-    return problem_response(exc.status_code, detail, headers=exc.headers, request_id=request_id_of(request))
+    return problem_response(exc.status_code, detail, headers=headers or None, request_id=request_id_of(request))
 
 
 def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -61,16 +61,20 @@ class UploadedFile:
     filename: str
     bytes: int
     sha256: str
+    raw_filename: str | None = None  # as the client sent it: a model directory's relative path, checked later
 
 
 @dataclass
 class MultipartForm:
     files: dict[str, UploadedFile] = field(default_factory=dict)
     fields: dict[str, str] = field(default_factory=dict)
+    # Every part of a field that may repeat (a model directory's files), in the order received; the first
+    # is also ``files[name]``.
+    file_lists: dict[str, list[UploadedFile]] = field(default_factory=dict)
 
     def cleanup(self) -> None:
         """Delete every temp file of this form that still exists (a consumer may have moved it)."""
-        for f in self.files.values():
+        for f in [*self.files.values(), *(f for fs in self.file_lists.values() for f in fs)]:
             with contextlib.suppress(FileNotFoundError):
                 f.path.unlink()
 
@@ -96,8 +100,11 @@ class _Collector:
     """python-multipart callbacks → temp files and text fields, enforcing limits as bytes arrive."""
 
     def __init__(self, tmp_dir: Path, *, file_fields: set[str], text_fields: set[str], max_file_bytes: int,
-                 hint: str, on_file_start: OnFileStart | None = None) -> None:
+                 hint: str, on_file_start: OnFileStart | None = None,
+                 repeatable: frozenset[str] = frozenset()) -> None:
         self.tmp_dir = tmp_dir
+        self.repeatable = repeatable
+        self._files_bytes = 0  # all file parts together (the size limit applies to their sum)
         self.on_file_start = on_file_start
         self._sink: FileSink | None = None
         self.file_fields = file_fields
@@ -144,7 +151,8 @@ class _Collector:
         if disposition != b"form-data" or b"name" not in options:
             raise ProblemException(400, "multipart part without 'Content-Disposition: form-data; name=...'")
         self._name = options[b"name"].decode("utf-8", "replace")
-        if self._name in self.form.files or self._name in self.form.fields:
+        again = self._name in self.form.files and self._name not in self.repeatable
+        if again or self._name in self.form.fields:
             raise ProblemException(400, f"multipart field {self._name!r} given twice")
         self._is_file = self._name in self.file_fields
         if self._is_file:
@@ -152,12 +160,17 @@ class _Collector:
             filename = sanitize_filename(raw.decode("utf-8", "replace") if raw else None)
             path = self.tmp_dir / f"upload-{uuid.uuid4().hex}"
             # Registered before the first byte so cleanup() finds even a half-written file.
-            self._file = UploadedFile(self._name, path, filename, 0, "")
-            self.form.files[self._name] = self._file
+            self._file = UploadedFile(self._name, path, filename, 0, "",
+                                      raw.decode("utf-8", "replace") if raw is not None else None)
+            first = self._name not in self.form.files
+            if first:
+                self.form.files[self._name] = self._file
+            if self._name in self.repeatable:
+                self.form.file_lists.setdefault(self._name, []).append(self._file)
             self._fh = open(path, "xb")  # noqa: SIM115 - closed in _part_end / close()
             self._flushed = 0  # bytes handed to the disk's writeback so far
             self._hash = hashlib.sha256()
-            if self.on_file_start is not None:
+            if self.on_file_start is not None and first:
                 self._sink = self.on_file_start(self._file, dict(self.form.fields))
         elif self._name not in self.text_fields:
             expected = sorted(self.file_fields | self.text_fields)
@@ -168,7 +181,8 @@ class _Collector:
         if self._is_file:
             assert self._fh is not None and self._file is not None  # set in _headers_finished
             self._file.bytes += len(chunk)
-            if self._file.bytes > self.max_file_bytes:
+            self._files_bytes += len(chunk)
+            if self._file.bytes > self.max_file_bytes or self._files_bytes > self.max_file_bytes:
                 raise too_large(self.max_file_bytes, self.hint)
             self._hash.update(chunk)
             self._fh.write(chunk)
@@ -270,10 +284,13 @@ class _BatchWriter:
 
 async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: int, file_fields: set[str],
                             text_fields: set[str], required: set[str], hint: str = "",
-                            on_file_start: OnFileStart | None = None) -> MultipartForm:
+                            on_file_start: OnFileStart | None = None,
+                            repeatable: frozenset[str] = frozenset()) -> MultipartForm:
     """Parse a ``multipart/form-data`` body while it streams. Raises ProblemException 400/413/415;
     on any failure the temp files written so far are deleted (and their sinks aborted).
-    ``on_file_start``: see :data:`OnFileStart`; it must not raise."""
+    ``on_file_start``: see :data:`OnFileStart`; it must not raise; it is called for a field's first part.
+    ``repeatable``: file fields that may come several times (``form.file_lists``); ``max_file_bytes``
+    bounds the sum of all file parts."""
     ctype, options = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or not options.get(b"boundary"):
         raise ProblemException(415, "expected a multipart/form-data body with a boundary",
@@ -286,7 +303,7 @@ async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: 
             raise too_large(max_file_bytes, hint)
     tmp_dir.mkdir(parents=True, exist_ok=True)
     col = _Collector(tmp_dir, file_fields=file_fields, text_fields=text_fields, max_file_bytes=max_file_bytes,
-                     hint=hint, on_file_start=on_file_start)
+                     hint=hint, on_file_start=on_file_start, repeatable=repeatable)
     parser = MultipartParser(options[b"boundary"], cast("MultipartCallbacks", col.callbacks()))
     writer = _BatchWriter(parser)
     total = 0
@@ -323,10 +340,12 @@ async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: 
         col.form.cleanup()
         raise
     missing = sorted(required - set(col.form.files) - set(col.form.fields))
-    if missing or any(f.sha256 == "" for f in col.form.files.values()):
+    unfinished = any(f.sha256 == "" for f in col.form.files.values()) or any(
+        f.sha256 == "" for fs in col.form.file_lists.values() for f in fs)
+    if missing or unfinished:
         col.close()
         col.form.cleanup()
-        if any(f.sha256 == "" for f in col.form.files.values()):
+        if unfinished:
             raise ProblemException(400, "multipart body ended inside a file part")
         # A complete body without a required field: 422 located in the body, as FastAPI answers it.
         raise ProblemException(422, f"multipart body is missing required field(s) {missing}",

@@ -37,8 +37,17 @@ QUANTIZE_BODY = multipart_body(
     {"file": _FILE, "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"}},
     ["file", "config"], ["config"], {"file": "(binary)", "config": CONFIG_EXAMPLE})
 
+_DIRECTORY_FILES = {
+    "type": "array", "minItems": 2, "items": {"type": "string", "format": "binary"},
+    "description": "a model directory: one part per file, each filename the file's relative POSIX path "
+                   "(config.json, model-00001-of-00002.safetensors, model.safetensors.index.json, ...); a path that "
+                   "is absolute, has '..', '.' or empty components, backslashes or control characters, or comes "
+                   "twice is refused with 422 naming it; the size limit applies to the sum"}
+
 JOB_BODY = multipart_body(
-    {"file": _FILE, "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"},
+    {"file": {"anyOf": [_FILE, _DIRECTORY_FILES],
+              "description": "one weight file (a one-file job), or several parts: a model directory"},
+     "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"},
      "calibration": {**_FILE, "description": "optional: activation samples (name → [N, ...]); for the gptq "
                                                "and awq methods, per Linear module M its input rows M [N, in] "
                                                "or M.hessian [in, in] with M.hessian_count"}},
@@ -124,6 +133,19 @@ def finish_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def without_auth(schema: dict[str, Any]) -> dict[str, Any]:
+    """The document of a server running open (no API keys): no security scheme, no ``security`` requirement
+    and no 401 answer on any operation, since none is asked for or given."""
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            if isinstance(op, dict):
+                op.pop("security", None)
+                op.get("responses", {}).pop("401", None)
+    comps = schema.get("components", {})
+    comps.pop("securitySchemes", None)
+    return schema
+
+
 JOB_EXAMPLE: dict[str, Any] = {
     "id": "3f2c9b7e0a4d4c1e9f6b2a8d7c5e4f10", "status": "queued", "created_at": "2026-01-01T12:00:00Z",
     "started_at": None, "finished_at": None,
@@ -158,7 +180,7 @@ INFO_EXAMPLE: dict[str, Any] = {
                      "args": [{"name": "act_order", "type": "bool", "default": False, "min": None, "max": None,
                                "description": "visit columns by decreasing Hessian diagonal"}]}],
     "granularities": ["tensor", "channel", "group"],
-    "input_formats": ["safetensors", "pytorch", "npy", "npz"], "output_formats": ["safetensors"],
+    "input_formats": ["safetensors", "pytorch", "npy", "npz"], "output_formats": ["safetensors", "compressed-tensors"],
     "limits": {"max_upload_bytes": 10737418240, "max_sync_bytes": 268435456, "max_analyze_configs": 16,
                "max_queue": 1000},
     "auth": True,

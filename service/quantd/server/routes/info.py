@@ -38,6 +38,8 @@ router = APIRouter(prefix="/v1", tags=["info"])
 @router.get("/info", response_model=Info, summary="Version, devices, supported dtypes and limits",
             responses={200: json_example("What this server offers", INFO_EXAMPLE), **problem_responses(401)})
 async def info(state: StateDep, _tenant: TenantDep) -> Info:
+    from quantd.io.outputs import format_names  # the registry imports torch: not at app import
+
     s = state.settings
     return Info(
         version=quantd.__version__,
@@ -48,7 +50,7 @@ async def info(state: StateDep, _tenant: TenantDep) -> Info:
         method_args=method_infos(),
         granularities=list(get_args(GranularityName)),
         input_formats=list(get_args(InputFormat)),
-        output_formats=["safetensors"],
+        output_formats=format_names(),
         limits=Limits(max_upload_bytes=s.max_upload_bytes, max_sync_bytes=s.max_sync_bytes, max_queue=s.max_queue),
         auth=state.auth_enabled,
     )

@@ -16,7 +16,7 @@ from starlette.concurrency import iterate_in_threadpool
 from quantd.errors import naming
 from quantd.jobs.errors import IdempotencyConflict, InvalidListQuery, SourceForbidden
 from quantd_client import Job, JobList, QuantConfig, Report
-from quantd_client._schemas import JobByReference, JobStatus
+from quantd_client._schemas import FileList, JobByReference, JobStatus
 
 from ..deps import AppState, StateDep, TenantDep
 from ..files import file_response, ranged_response
@@ -59,6 +59,12 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: Upl
     with io.open_model(up.path, filename=up.filename) as reader:
         tensors = list(reader.tensors)
     if config is not None:
+        from quantd.errors import ConfigError
+        from quantd.io.outputs import get_format
+
+        if get_format(config.output).writes_config and fmt not in ("safetensors", "pytorch"):
+            raise ConfigError(f"{config.output} writes a model directory: its input is a safetensors file or a "
+                              f"PyTorch state dict, not {fmt}", field="output")
         index = None
         if calibration is not None:
             with naming("the calibration file"):
@@ -66,6 +72,37 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: Upl
         io.plan(tensors, config, index)
     return StoredUpload(path=up.path, filename=up.filename, bytes=up.bytes, sha256=up.sha256, format=fmt,
                         tensors=len(tensors))
+
+
+def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any) -> Any:
+    """A model directory upload (CONTRACT §8): every path checked (422 naming it), the shards against the
+    index and the config against every tensor, then the files packed into one tar at ``dst`` (the job's
+    stored input). Its sha256 is that of the sorted ``path sha256`` lines of its files."""
+    import hashlib
+
+    from quantd import io
+    from quantd.io.model_dir import ModelFiles, PathError, check_relpath, pack_tar, plan_directory
+    from quantd.jobs.storage import StoredUpload
+
+    by_path: dict[str, UploadedFile] = {}
+    for up in parts:
+        rel = check_relpath(up.raw_filename or "")
+        if rel in by_path:
+            raise PathError(f"path {rel!r}: given twice", field="file")
+        by_path[rel] = up
+    model = ModelFiles({rel: up.path for rel, up in by_path.items()})
+    plans, _ = plan_directory(model, config)
+    manifest = pack_tar(sorted((rel, up.path) for rel, up in by_path.items()), dst)
+    digest = hashlib.sha256("".join(f"{f['path']}\0{f['sha256']}\n" for f in manifest).encode()).hexdigest()
+    return StoredUpload(path=dst, filename="model", bytes=sum(f["bytes"] for f in manifest), sha256=digest,
+                        format=io.detect_format(model.files[model.weights[0]]),
+                        tensors=sum(len(p) for p in plans.values()), files=tuple(manifest))
+
+
+def _is_directory(parts: list[UploadedFile]) -> bool:
+    """Several ``file`` parts: a model directory. One part is a one-file job whatever its filename (v1: the
+    filename is for display only)."""
+    return len(parts) > 1
 
 
 async def _accept(request: Request, state: AppState, tenant: str, idempotency_key: str | None) -> Job:
@@ -106,19 +143,40 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
         form = await receive_multipart(
             request, tmp_dir=state.settings.tmp_dir, max_file_bytes=state.settings.max_upload_bytes,
             file_fields={"file", "calibration"}, text_fields={"config"}, required={"file", "config"},
-            on_file_start=on_file_start)
+            on_file_start=on_file_start, repeatable=frozenset({"file"}))
         try:
             config = parse_json_field(form, "config", _CONFIG)
             calib = form.files.get("calibration")
             calibration = None
-            if calib is not None:
+            if calib is not None:  # first: the model's plan checks the methods' calibration against it
                 with naming("the calibration file"):  # not the model's: both are checked the same way
                     calibration = await run_engine(state, _check_upload, calib, None)
-            upload = await run_engine(state, _check_upload, form.files["file"], config, calib)
+            parts = form.file_lists.get("file", [])
+            tar = None
+            if _is_directory(parts):
+                for started in runs:  # quantizing during the upload is for one file
+                    state.jobs.discard_prepared(started)
+                runs.clear()
+                tar = state.jobs.new_upload_path(".tar")
+                try:
+                    upload = await run_engine(state, _check_directory, parts, config, tar)
+                except BaseException:
+                    tar.unlink(missing_ok=True)
+                    raise
+                for path in streamed:  # a first part an object store received as the input: the tar is
+                    await anyio.to_thread.run_sync(state.jobs.discard_upload, path)
+                streamed.clear()
+            else:
+                upload = await run_engine(state, _check_upload, form.files["file"], config, calib)
             state.metrics.inc("quantd_uploads_total", endpoint="jobs")
             run = runs.pop() if runs else None  # the jobs layer owns it from here
-            return await state.jobs.submit(tenant=tenant, upload=upload, config=config, calibration=calibration,
-                                           idempotency_key=idempotency_key, prepared=run, job_id=job_id)
+            try:
+                return await state.jobs.submit(tenant=tenant, upload=upload, config=config,
+                                               calibration=calibration, idempotency_key=idempotency_key,
+                                               prepared=run, job_id=job_id)
+            finally:
+                if tar is not None:  # moved under uploads/ by an accepted job; otherwise it goes
+                    tar.unlink(missing_ok=True)
         finally:
             form.cleanup()  # files the jobs layer adopted have moved; the rest go
     finally:
@@ -192,10 +250,21 @@ async def get_job(job_id: str, state: StateDep, tenant: TenantDep) -> Job:
     return await state.jobs.get(tenant, job_id)
 
 
+# One event of the stream, as OpenAPI 3.1 describes a text/event-stream (its ``schema`` is per event).
+SSE_EVENT_SCHEMA = {
+    "type": "object", "required": ["event", "data"],
+    "properties": {
+        "event": {"type": "string", "enum": ["progress", "succeeded", "failed", "cancelled"]},
+        "data": {"type": "string", "contentMediaType": "application/json",
+                 "description": "progress: the job's Progress; succeeded, failed, cancelled: the Job"},
+    },
+}
+
+
 @router.get("/{job_id}/events", summary="Follow a job: progress events, then one terminal event",
             response_class=StreamingResponse,
             responses={200: {"description": "Server-sent events", "content": {"text/event-stream": {
-                "schema": {"type": "string"},
+                "schema": SSE_EVENT_SCHEMA,
                 "example": ('event: progress\ndata: {"tensors_done":3,"tensors_total":10,"bytes_done":0,'
                             '"bytes_total":0,"fraction":0.3}\n\nevent: succeeded\ndata: {"id":"..."}\n\n')}}},
                        **_JOB_ERRORS})
@@ -231,15 +300,18 @@ async def job_artifact_head(job_id: str, request: Request, state: StateDep, tena
             response_class=Response, openapi_extra=_ARTIFACT_HEADERS,
             responses={200: ARTIFACT_200, 206: ARTIFACT_206, 304: _ARTIFACT_304, **_ARTIFACT_ERRORS})
 async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
-    filename = f"{job_id}.quantd.safetensors"
+    job = await state.jobs.get(tenant, job_id)
+    is_tar = job.result is not None and job.result.files is not None  # a directory output: one tar
+    filename = f"{job_id}.tar" if is_tar else f"{job_id}.quantd.safetensors"
+    media_type = "application/x-tar" if is_tar else "application/octet-stream"
     art = await state.jobs.artifact(tenant, job_id, filename=filename)
     if art.url is not None:  # QUANTD_STORAGE_PRESIGN: the client fetches it from the object store itself
         return RedirectResponse(art.url, status_code=307, headers={"ETag": f'"{art.sha256}"'})
     try:
         if art.path is not None:
-            return file_response(request, art.path, etag_hex=art.sha256, filename=filename)
+            return file_response(request, art.path, etag_hex=art.sha256, filename=filename, media_type=media_type)
         return ranged_response(request, art.size, lambda start, length: iterate_in_threadpool(art.read(start, length)),
-                               etag_hex=art.sha256, filename=filename)
+                               etag_hex=art.sha256, filename=filename, media_type=media_type)
     except FileNotFoundError:  # deleted (TTL sweep, DELETE) since the job layer looked
         raise ProblemException(410, f"the artifact of job {job_id!r} is gone", title="Job files expired",
                                type_="urn:quantd:job-expired") from None
@@ -254,3 +326,37 @@ async def cancel_job(job_id: str, state: StateDep, tenant: TenantDep) -> Job:
     finished it deletes the artifact and report (then 410) and leaves the job as it was, its result
     included: the way to free a finished job's storage before its TTL."""
     return await state.jobs.cancel(tenant, job_id)
+
+
+@router.get("/{job_id}/files", response_model=FileList, summary="The output's files: path, bytes, sha256",
+            responses={200: json_example("A directory output's files (one entry for a one-file job)", {"files": [
+                {"path": "config.json", "bytes": 1093, "sha256": "9f2c..."},
+                {"path": "model.safetensors", "bytes": 54174842, "sha256": "4b1e..."}]}),
+                       **_JOB_ERRORS, **problem_responses(409)})
+async def job_files(job_id: str, state: StateDep, tenant: TenantDep) -> FileList:
+    return FileList.model_validate({"files": await state.jobs.files(tenant, job_id)})
+
+
+@router.head("/{job_id}/files/{path:path}", summary="One output file's headers (size, ETag, ranges), no body",
+             response_class=Response, openapi_extra=_ARTIFACT_HEADERS,
+             responses={200: ARTIFACT_HEAD_200, 206: ARTIFACT_HEAD_206, 304: _ARTIFACT_304, **_ARTIFACT_ERRORS})
+async def job_file_head(job_id: str, path: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
+    return await job_file(job_id, path, request, state, tenant)
+
+
+@router.get("/{job_id}/files/{path:path}", summary="One output file, streamed; ETag = its sha256; Range honoured",
+            response_class=Response, openapi_extra=_ARTIFACT_HEADERS,
+            responses={200: ARTIFACT_200, 206: ARTIFACT_206, 304: _ARTIFACT_304, **_ARTIFACT_ERRORS})
+async def job_file(job_id: str, path: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
+    art, window = await state.jobs.output_file(tenant, job_id, path)
+    name = path.rsplit("/", 1)[-1]
+    offset, size = window if window is not None else (0, art.size)
+    try:
+        if window is None and art.path is not None:
+            return file_response(request, art.path, etag_hex=art.sha256, filename=name)
+        return ranged_response(request, size,
+                               lambda start, length: iterate_in_threadpool(art.read(offset + start, length)),
+                               etag_hex=art.sha256, filename=name)
+    except FileNotFoundError:
+        raise ProblemException(410, f"the files of job {job_id!r} are gone", title="Job files expired",
+                               type_="urn:quantd:job-expired") from None

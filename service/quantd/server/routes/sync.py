@@ -83,6 +83,12 @@ async def quantize(request: Request, state: StateDep, _tenant: TenantDep) -> Res
     sent = False
     try:
         config = parse_json_field(form, "config", _CONFIG)
+        from quantd.errors import ConfigError
+        from quantd.io.outputs import get_format
+
+        if get_format(config.output).writes_config:
+            raise ConfigError(f"{config.output!r} writes a model directory (weights and config.json): submit it to "
+                              "POST /v1/jobs", field="output")
         up = form.files["file"]
         report = await run_engine(state, io.quantize_file, up.path, dst, config, device=state.sync_device,
                                   filename=up.filename)

@@ -1,0 +1,78 @@
+"""The model-directory pipeline: paths, PyTorch shards, the rewritten index, and nothing left behind by a
+run that stops."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from quantd.errors import JobCancelled, MalformedInputError
+from quantd.io.model_dir import PathError, check_relpath, output_relpath, quantize_directory
+from quantd_client import QuantConfig
+
+CONFIG = QuantConfig.model_validate({"scheme": {"dtype": "int8", "granularity": "channel", "symmetric": True}})
+
+
+@pytest.mark.parametrize("path", ["config.json", "a/b/c.json", "model-00001-of-00002.safetensors", "dots..ok"])
+def test_relative_paths_pass(path: str) -> None:
+    assert check_relpath(path) == path
+
+
+@pytest.mark.parametrize("path", ["", "/abs", "../up", "a/../b", "a//b", "./a", "a/.", "a\\b", "nul\x00", "del\x7f",
+                                  "C:/x", "x" * 2000])
+def test_bad_paths_are_refused_naming_them(path: str) -> None:
+    with pytest.raises(PathError) as e:
+        check_relpath(path)
+    assert e.value.status == 422 and e.value.field == "file"
+
+
+def test_pytorch_shards_become_safetensors_shards(tmp_path: Path) -> None:
+    src = tmp_path / "in"
+    src.mkdir()
+    torch.save({"a.weight": torch.randn(8, 32)}, src / "pytorch_model-00001-of-00002.bin")
+    torch.save({"b.weight": torch.randn(8, 32), "b.bias": torch.zeros(8)}, src / "pytorch_model-00002-of-00002.bin")
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {
+        "a.weight": "pytorch_model-00001-of-00002.bin", "b.weight": "pytorch_model-00002-of-00002.bin",
+        "b.bias": "pytorch_model-00002-of-00002.bin"}}))
+    report = quantize_directory(src, tmp_path / "out", CONFIG, device="cpu")
+    assert report.summary.tensors_quantized == 2
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00002.safetensors",
+                                                      "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["b.bias"] == "model-00002-of-00002.safetensors"
+    assert set(load_file(str(out / "model-00002-of-00002.safetensors"))) == {
+        n for n, s in index["weight_map"].items() if s == "model-00002-of-00002.safetensors"}
+    assert output_relpath("sub/pytorch_model.bin") == "sub/model.safetensors"
+
+
+def test_a_cancelled_run_leaves_nothing(tmp_path: Path) -> None:
+    src = tmp_path / "in"
+    src.mkdir()
+    torch.save({"a.weight": torch.randn(8, 32), "b.weight": torch.randn(8, 32)}, src / "pytorch_model.bin")
+    calls = iter([False, True])
+    with pytest.raises(JobCancelled):
+        quantize_directory(src, tmp_path / "out", CONFIG, device="cpu", should_cancel=lambda: next(calls))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_an_existing_output_directory_is_never_overwritten(tmp_path: Path) -> None:
+    src = tmp_path / "in"
+    src.mkdir()
+    torch.save({"a.weight": torch.randn(8, 32)}, src / "model.pt")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep")
+    with pytest.raises(FileExistsError):
+        quantize_directory(src, tmp_path / "out", CONFIG, device="cpu")
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
+
+
+def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "config.json").write_text("{}")
+    with pytest.raises(MalformedInputError, match="no weight files"):
+        quantize_directory(tmp_path / "in", tmp_path / "out", CONFIG, device="cpu")
