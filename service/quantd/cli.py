@@ -348,7 +348,7 @@ def _quantize_in_process(args: argparse.Namespace, config: QuantConfig) -> Repor
         else:  # one weight file, named as transformers looks for it
             name = "pytorch_model.bin" if detect_format(args.input) == "pytorch" else "model.safetensors"
             files = ModelFiles({name: Path(args.input)})
-        return quantize_directory(files, args.output, config, device=device)
+        return quantize_directory(files, args.output, config, device=device, calibration=args.calibration)
     from quantd.io.pipeline import quantize_file
 
     return quantize_file(args.input, args.output, config, device=device, calibration=args.calibration)

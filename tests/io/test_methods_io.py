@@ -127,3 +127,26 @@ def test_artifact_metadata_names_method_args(tmp_path: Path) -> None:
     quantize_file(src, tmp_path / "o.safetensors", config, device="cpu")
     meta = json.loads(read_artifact(tmp_path / "o.safetensors").raw_metadata["quantd"])
     assert meta["tensors"]["enc.q.weight"]["method_args"] == {"iters": 5}
+
+
+def test_gptq_act_order_into_compressed_tensors_writes_g_idx(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from quantd.io.model_dir import ModelFiles, quantize_directory
+
+    src, cal, _ = _model(tmp_path)
+    files = ModelFiles({"model.safetensors": src})
+    config = QuantConfig.model_validate({"output": "compressed-tensors", "scheme": {
+        "dtype": "int4", "group_size": 32, "method": "gptq", "method_args": {"act_order": True}}})
+    report = quantize_directory(files, tmp_path / "out", config, device="cpu", calibration=cal)
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert out["enc.q.weight_g_idx"].dtype == torch.int32 and out["enc.q.weight_g_idx"].shape == (128,)
+    assert sorted(torch.bincount(out["enc.q.weight_g_idx"].long()).tolist()) == [32] * 4
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["actorder"] == "group"
+    assert all(t.stats.output_rel_error is not None for t in report.tensors if t.stats)
+    awq = config.model_copy(update={"scheme": config.scheme.model_copy(update={"method": "awq", "method_args": {}})})
+    with pytest.raises(ConfigError, match="per-input-channel scales"):
+        quantize_directory(files, tmp_path / "out2", awq, device="cpu", calibration=cal)
+    with pytest.raises(ConfigError, match="needs calibration"):
+        quantize_directory(files, tmp_path / "out3", config, device="cpu")

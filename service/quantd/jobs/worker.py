@@ -312,7 +312,7 @@ class Worker:
             if directory_output(job.input, job.config):
                 if run is not None:
                     run.cancel()
-                return self._quantize_directory(job, src, tmp, lease)
+                return self._quantize_directory(job, src, tmp, lease, extra.get("calibration"))
             if run is not None:  # quantized while its upload streamed in: the rest, then its artifact
                 report = self._adopt(job, run, tmp, lease)
                 if report is not None:
@@ -333,7 +333,8 @@ class Worker:
             log.exception("worker %s: job %s crashed", self.id, job.id)
             return _error("urn:quantd:internal", "Internal error", f"{type(e).__name__}: {e}")
 
-    def _quantize_directory(self, job: JobRecord, src: Path, tmp: Path, lease: _Lease) -> Report:
+    def _quantize_directory(self, job: JobRecord, src: Path, tmp: Path, lease: _Lease,
+                            calibration: Path | None = None) -> Report:
         """A model directory job (or a one-file job whose format writes a directory): the stored tar (or
         file) unpacked under ``tmp/``, quantized into a directory there, packed as the tar ``tmp``."""
         import shutil
@@ -356,7 +357,7 @@ class Worker:
                 files = ModelFiles({name: src})
             report = quantize_directory(files, work / "out", QuantConfig.model_validate(job.config),
                                         device=self.device, job_id=job.id, on_progress=lease.on_progress,
-                                        should_cancel=lease.should_cancel)
+                                        should_cancel=lease.should_cancel, calibration=calibration)
             self._output_files[job.id] = pack_tar(list(iter_output_files(work / "out")), tmp)
             return report
         finally:

@@ -38,8 +38,7 @@ from .base import ModelStructure, OutputFormat, PlannedTensor, Sink
 from .st_sink import SafetensorsSink
 
 if TYPE_CHECKING:
-    from quantd.engine.methods import artifact_extras
-from quantd.engine.types import QuantizedTensor
+    from quantd.engine.types import QuantizedTensor
 
 # Methods whose results carry per-input-channel scales (AWQ not folded into a preceding layer): the
 # library has no tensor for them.
@@ -114,6 +113,8 @@ class CompressedTensors(OutputFormat):
         if info.kind not in ("int", "fp8") or scheme.dtype == "fp8_e5m2":
             raise ConfigError(f"compressed-tensors cannot hold {scheme.dtype}: int2…int8 or fp8_e4m3",
                               tensor=name, field="scheme.dtype")
+        from quantd.engine.methods import artifact_extras
+
         method: str = scheme.method
         zp_domain, _, channel_scale = artifact_extras(scheme, name=name)  # what the method's result carries
         if channel_scale or method in CHANNEL_SCALE_METHODS:

@@ -74,7 +74,8 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: Upl
                         tensors=len(tensors))
 
 
-def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any) -> Any:
+def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
+                     calibration: UploadedFile | None = None) -> Any:
     """A model directory upload (CONTRACT §8): every path checked (422 naming it), the shards against the
     index and the config against every tensor, then the files packed into one tar at ``dst`` (the job's
     stored input). Its sha256 is that of the sorted ``path sha256`` lines of its files."""
@@ -91,7 +92,13 @@ def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any) -
             raise PathError(f"path {rel!r}: given twice", field="file")
         by_path[rel] = up
     model = ModelFiles({rel: up.path for rel, up in by_path.items()})
-    plans, _ = plan_directory(model, config)
+    index = None
+    if calibration is not None:
+        from quantd.io.calibration import MethodCalibration
+
+        with naming("the calibration file"):
+            index = MethodCalibration.describe(calibration.path)
+    plans, _ = plan_directory(model, config, index)
     manifest = pack_tar(sorted((rel, up.path) for rel, up in by_path.items()), dst)
     digest = hashlib.sha256("".join(f"{f['path']}\0{f['sha256']}\n" for f in manifest).encode()).hexdigest()
     return StoredUpload(path=dst, filename="model", bytes=sum(f["bytes"] for f in manifest), sha256=digest,
@@ -159,7 +166,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
                 runs.clear()
                 tar = state.jobs.new_upload_path(".tar")
                 try:
-                    upload = await run_engine(state, _check_directory, parts, config, tar)
+                    upload = await run_engine(state, _check_directory, parts, config, tar, calib)
                 except BaseException:
                     tar.unlink(missing_ok=True)
                     raise
