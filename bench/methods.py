@@ -66,6 +66,8 @@ SCHEMES: dict[str, dict[str, Any]] = {
     # damping 0.1 (96 sentences give ~1600 rows: the 1536-wide Hessians are nearly singular), act-order, and
     # AWQ's channel scales before GPTQ
     "gptq_tuned": {"method": "gptq", "method_args": {"damp": 0.1, "act_order": True, "awq_scales": True}},
+    "gptq_tuned_mse": {"method": "gptq", "observer": "mse",
+                       "method_args": {"damp": 0.1, "act_order": True, "awq_scales": True}},
 }
 SEQUENTIAL = ("awq", "gptq_act_order", "gptq_tuned")
 GROUP_SCHEMES: dict[str, dict[str, Any]] = {
@@ -269,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         "evaluation_sentences": len(SENTENCES), "calibration_sentences": len(cal_sentences),
         "metric": "cosine of mean-pooled, L2-normalised sentence embeddings against fp32, mean over sentences",
         "versions": {"torch": torch.__version__, "hqq": library_version("hqq")},
-        "schemes": {k: v.get("method_args", {}) for k, v in SCHEMES.items() if v.get("method_args")},
+        "schemes": {k: {kk: vv for kk, vv in v.items() if kk != "method"} for k, v in SCHEMES.items()
+                    if set(v) - {"method"}},
     }
     with tempfile.TemporaryDirectory(prefix="quantd-bench-methods-") as tmp_s:
         tmp = Path(tmp_s)

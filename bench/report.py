@@ -731,6 +731,7 @@ METHOD_LABELS: dict[str, Any] = {
     "gptq_act_order": {"act_order": True},
     "gptq_static_act_order": {"act_order": True, "static_groups": True},
     "gptq_tuned": {"damp": 0.1, "act_order": True, "awq_scales": True},
+    "gptq_tuned_mse": {"observer": "mse", "method_args": {"damp": 0.1, "act_order": True, "awq_scales": True}},
 }
 
 
