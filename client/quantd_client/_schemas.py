@@ -419,10 +419,12 @@ class JobByReference(BaseModel):
         "source": "s3://models/llama/model.safetensors", "destination": "s3://models/llama-int4/"}]})
 
     config: QuantConfig
-    source: str = Field(max_length=1024, description="s3://bucket/key of one model file")
+    source: str = Field(max_length=1024, description=(
+        "s3://bucket/key of one model file, or a model directory: a prefix ending in '/'"))
     destination: str | None = Field(default=None, max_length=1024, description=(
-        "s3://bucket/key for the artifact, or a prefix ending in '/' (the source's name + .quantd.safetensors); "
-        "the job's own artifact stays downloadable too"))
+        "s3://bucket/key for the artifact, or a prefix ending in '/' (the source's name + .quantd.safetensors; "
+        "a directory output writes every file under it, and needs a prefix); the job's own files stay "
+        "downloadable too"))
 
 
 class JobList(BaseModel):

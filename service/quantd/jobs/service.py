@@ -26,6 +26,7 @@ from .errors import (
     JobNotFound,
     JobNotReady,
     SourceInvalid,
+    StorageError,
 )
 from .pool import WorkerPool, open_backends
 from .prepared import PreparedRun, PreparedRuns
@@ -438,12 +439,16 @@ class JobService:
         return await self._run(read)
 
     async def artifact_path(self, tenant: str, job_id: str) -> tuple[Path, str]:
-        """The artifact's path and sha256 (its ETag). JobNotReady (409) until succeeded;
-        JobExpired (410) once its files are deleted."""
+        """The artifact's local path and sha256 (its ETag), on a file store that keeps artifacts as local files
+        (an object store's are read with :meth:`artifact`: StorageError here). JobNotReady (409) until
+        succeeded; JobExpired (410) once its files are deleted."""
         def find() -> tuple[Path, str]:
             rec = self._succeeded(tenant, job_id)
-            path = self.storage.artifact_path(job_id)
-            if not path.is_file() or rec.result is None:
+            path = self.storage.local_artifact(job_id)
+            if path is None and self.storage.artifact_info(job_id) is not None:
+                raise StorageError(f"the artifact of job {job_id} is in the object store: read it by range",
+                                   field="storage_url")
+            if path is None or rec.result is None:
                 raise JobExpired(f"the artifact of job {job_id} is gone")
             return path, str(rec.result["artifact_sha256"])
 

@@ -207,3 +207,16 @@ async def test_a_bad_directory_source_is_refused_before_the_job_exists(replicas:
         assert r.headers["content-type"] == "application/problem+json"
         assert (await a.get("/v1/jobs")).json()["items"] == []
     assert job_keys(s3, bucket) == []
+
+
+async def test_a_directory_source_changed_after_acceptance_fails_the_job(replicas: Any, s3: Any, bucket: str) -> None:
+    put_dir(s3, bucket, "team-a/bert/", model_dir())
+    async with replicas({"workers": 0}) as (a,):  # accepted, not yet run
+        r = await a.post("/v1/jobs", json={"config": CONFIG, "source": f"s3://{bucket}/team-a/bert/"})
+        assert r.status_code == 202, r.text
+    put_dir(s3, bucket, "team-a/bert/", {"model-00002-of-00002.safetensors": model_dir(seed=1)[
+        "model-00002-of-00002.safetensors"]})
+    async with replicas({"workers": 1}) as (b,):
+        job = await wait_job(b, r.json()["id"])
+        assert job["status"] == "failed" and job["error"]["type"] == "urn:quantd:source-invalid", job
+        assert "changed or deleted" in job["error"]["detail"]
