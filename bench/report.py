@@ -705,6 +705,37 @@ def model_dir_section(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+# ---- GGUF: quantd against llama.cpp's llama_model_quantize (bench/gguf_vs_llamacpp.py) ----------------------------
+
+
+def gguf_section(data: dict[str, Any]) -> list[str]:
+    """gguf.json: per mix, wall time of quantd and of llama.cpp (1 and N threads) on the same GGUF, and the
+    per-tensor mse ratio quantd / llama.cpp (same decoder, same float32 input)."""
+    m, th = data["model"], data["threads"]
+    lines = [
+        machine_line(data["machine"]),
+        "",
+        f"Model: llama architecture written by the benchmark, {m['layers']} blocks, width {m['embd']}, "
+        f"ffn {m['ff']}, vocab {m['vocab']} ({m['params'] / 1e6:.1f} M parameters, float32), weights {m['weights']}. "
+        f"quantd in-process with {th['quantd_torch']} torch threads; llama.cpp with "
+        f"{' and '.join(str(n) for n in th['llama_cpp'])} thread(s). Same machine, same run "
+        f"(load average at start {', '.join(f'{v:.1f}' for v in data['machine'].get('loadavg_1_5_15min', []))}). "
+        "mse ratio = quantd's mse / llama.cpp's on the same tensor (below 1: quantd closer to the input).",
+        "",
+    ]
+    rows = []
+    for r in data["mixes"]:
+        n = th["llama_cpp"][-1]
+        rows.append([r["mix"], fmt(r["quantd_s"], ".2f"), fmt(r["llama_cpp_1t_s"], ".2f"),
+                     fmt(r[f"llama_cpp_{n}t_s"], ".2f"), fmt(r["speedup_vs_llama_1t"], ".2f"),
+                     fmt(r[f"speedup_vs_llama_{n}t"], ".2f"), f"{r['tensors_no_worse']}/{r['tensors_total']}",
+                     fmt(r["worst_ratio"], ".4f"), fmt(r["numel_weighted_mse_ratio"], ".4f")])
+    n = th["llama_cpp"][-1]
+    lines.append(table(["mix", "quantd s", "llama.cpp 1t s", f"llama.cpp {n}t s", "speed vs 1t", f"speed vs {n}t",
+                        "tensors no worse", "worst mse ratio", "total mse ratio"], rows))
+    return lines
+
+
 # (heading, results file, section function): one entry per results file, in page order.
 # -- the job queue (bench/job_queue.py) -------------------------------------------------------------------
 
@@ -781,6 +812,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("Range observers against min-max", "observers.json", observers_section),
     ("A model directory: HTTP job against in-process", "model_dir.json", model_dir_section),
     ("The job queue: SQLite against PostgreSQL", "queue.json", queue_section),
+    ("GGUF: quantd against llama.cpp's llama_model_quantize (bench/gguf_vs_llamacpp.py)", "gguf.json", gguf_section),
     ("Methods: RTN, HQQ, GPTQ and AWQ on all-MiniLM-L6-v2", "methods.json", methods_section),
 ]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-DTypeKind = Literal["int", "nf4", "fp8", "float"]
+DTypeKind = Literal["int", "nf4", "fp8", "float", "ggml"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,15 @@ DTYPES: dict[str, DTypeInfo] = {
     )
 }
 
+# ggml's block types (llama.cpp's GGUF files; only with ``output: "gguf"``): their layout is ggml's own,
+# ``bits`` is the nominal code width (the scales add to it: q4_k stores 4.5 bits per weight).
+GGML_DTYPES: tuple[str, ...] = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+DTYPES.update({name: DTypeInfo(name, "ggml", int(name[1]), 0, 0, "U8") for name in GGML_DTYPES})
+
+# llama.cpp's named mixes (``llama-quantize``'s file types) that ``gguf_mix`` accepts.
+GGUF_MIXES: tuple[str, ...] = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
+                               "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
 # The 16-level NormalFloat codebook of QLoRA (Dettmers et al. 2023), values in [−1, 1].
 NF4_CODEBOOK: tuple[float, ...] = (
     -1.0,
@@ -83,8 +92,8 @@ SCALE_DTYPES = ("float16", "bfloat16", "float32")
 OBSERVERS = ("minmax", "percentile", "meanstd", "ema", "mse", "entropy")
 METHODS = ("rtn",)
 GRANULARITIES = ("tensor", "channel", "group")
-INPUT_FORMATS = ("safetensors", "pytorch", "npy", "npz")
-OUTPUT_FORMATS = ("safetensors", "compressed-tensors")
+INPUT_FORMATS = ("safetensors", "pytorch", "npy", "npz", "gguf")
+OUTPUT_FORMATS = ("safetensors", "compressed-tensors", "gguf")
 
 
 def dtype_info(name: str) -> DTypeInfo:

@@ -23,7 +23,8 @@ from pydantic import (
 from ._dtypes import DTYPES, OUTPUT_FORMATS
 
 DType = Literal[
-    "int8", "int4", "int3", "int2", "uint8", "uint4", "nf4", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16"
+    "int8", "int4", "int3", "int2", "uint8", "uint4", "nf4", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16",
+    "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
 ]
 GranularityName = Literal["tensor", "channel", "group"]
 ObserverName = Literal["minmax", "percentile", "meanstd", "ema", "mse", "entropy"]
@@ -32,7 +33,11 @@ MethodName = Literal["rtn", "hqq", "gptq", "awq"]
 MethodArgValue = float | bool
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-InputFormat = Literal["safetensors", "pytorch", "npy", "npz"]
+InputFormat = Literal["safetensors", "pytorch", "npy", "npz", "gguf"]
+# A calibration part that is not a model file: llama.cpp's importance matrix (a GGUF job's calibration).
+CalibrationFormat = Literal["imatrix"]
+GGUFMix = Literal["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0",
+                  "Q4_1", "Q5_0", "Q5_1"]
 # The output formats' names, listed once in ``_dtypes.OUTPUT_FORMATS`` (the server's format registry checks
 # at import that it registers exactly these).
 if TYPE_CHECKING:
@@ -216,6 +221,10 @@ class QuantConfig(_Strict):
         None, description="how activation ranges are observed when a job comes with a calibration file "
                           "(default: int8 affine min-max per tensor); the ranges land in the report and "
                           "the artifact's metadata for static activation quantization")
+    gguf_mix: GGUFMix | None = Field(
+        None, description="with output \"gguf\": pick each tensor's ggml type as llama.cpp's mix of this name "
+                          "does (llama-quantize's file type), in place of the default scheme; rules still "
+                          "override it per tensor")
 
     model_config = ConfigDict(
         extra="forbid",
@@ -228,6 +237,15 @@ class QuantConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_rules(self) -> QuantConfig:
+        if self.output != "gguf":
+            if self.gguf_mix is not None:
+                raise ValueError('gguf_mix: needs output "gguf"')
+            ggml = [("scheme.dtype", self.scheme.dtype)] + [
+                (f"rules[{i}].scheme.dtype", r.scheme.dtype) for i, r in enumerate(self.rules)
+                if r.scheme is not None and r.scheme.dtype is not None]
+            for loc, dtype in ggml:
+                if DTYPES[dtype].kind == "ggml":
+                    raise ValueError(f'{loc}: {dtype} is a ggml block type, valid only with output "gguf"')
         for i, rule in enumerate(self.rules):
             if rule.scheme is not None:
                 try:
@@ -353,7 +371,7 @@ class InputInfo(_FilesWhenSet):
     filename: str
     bytes: int
     sha256: str
-    format: InputFormat
+    format: InputFormat | CalibrationFormat
     tensors: int
     files: list[FileEntry] | None = Field(
         None, description="a model directory job's files (relative paths); absent for a one-file job")
@@ -409,10 +427,12 @@ class JobByReference(BaseModel):
         "source": "s3://models/llama/model.safetensors", "destination": "s3://models/llama-int4/"}]})
 
     config: QuantConfig
-    source: str = Field(max_length=1024, description="s3://bucket/key of one model file")
+    source: str = Field(max_length=1024, description=(
+        "s3://bucket/key of one model file, or a model directory: a prefix ending in '/'"))
     destination: str | None = Field(default=None, max_length=1024, description=(
-        "s3://bucket/key for the artifact, or a prefix ending in '/' (the source's name + .quantd.safetensors); "
-        "the job's own artifact stays downloadable too"))
+        "s3://bucket/key for the artifact, or a prefix ending in '/' (the source's name + .quantd.safetensors; "
+        "a directory output writes every file under it, and needs a prefix); the job's own files stay "
+        "downloadable too"))
 
 
 class JobList(BaseModel):

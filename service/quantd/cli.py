@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
-from quantd_client._dtypes import OUTPUT_FORMATS
+from quantd_client._dtypes import GGUF_MIXES, OUTPUT_FORMATS
 from quantd_client._schemas import AnalyzeResponse, MethodName, QuantConfig, Report, Scheme, Summary
 
 DEFAULT_ANALYZE_DTYPES = ("int8", "int4")
@@ -170,6 +170,8 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
         flags["method_args"] = _method_args(args.method_arg)
     if getattr(args, "format", None) is not None:
         data = {**data, "output": args.format}
+    if getattr(args, "gguf_mix", None) is not None:  # a llama.cpp mix implies GGUF output
+        data = {**data, "gguf_mix": args.gguf_mix, "output": data.get("output", "gguf")}
     try:
         config = QuantConfig.model_validate(data)
         if flags:
@@ -313,7 +315,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.server:  # as a job: no sync size limit, and the same Report as in-process
         progress = False if args.json else None  # bars on a TTY only
         with make_client(args) as c:
-            job = c.submit(args.input, config, progress=progress, calibration=args.calibration)
+            job = c.submit(args.input, config, calibration=args.calibration, progress=progress)
             # On stderr, so that --json stays one document: the id to follow or fetch the job by if this
             # command is interrupted (quantd jobs show|download ID).
             print(f"quantd quantize: job {job.id} submitted to {c.base_url}", file=sys.stderr)
@@ -482,13 +484,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path, required=True,
                    help="the artifact file; a directory for a model directory or a format that writes one")
     p.add_argument("--config", help="a QuantConfig JSON file; flags override its scheme")
-    p.add_argument("--calibration", type=Path, default=None,
-                   help="the layers' inputs for gptq/awq: per Linear M, rows M [N, in] or M.hessian + "
-                        "M.hessian_count (safetensors; quantd_client.calibration.CalibrationRecorder writes it)")
     p.add_argument("--format", choices=OUTPUT_FORMATS,
                    help="output format (the config's \"output\"; default: the config's, else safetensors)")
     p.add_argument("--wait-timeout", type=float, default=None,
                    help="with --server: seconds to wait for the job (default: no limit); the job id is on stderr")
+    p.add_argument("--gguf-mix", choices=GGUF_MIXES,
+                   help="a llama.cpp mix (llama-quantize's type, e.g. Q4_K_M) for a GGUF input; implies --format gguf")
+    p.add_argument("--calibration", type=Path,
+                   help="calibration file: activation samples; for gptq/awq each Linear M's input rows M [N, in] "
+                        "or M.hessian + M.hessian_count (quantd_client.calibration.CalibrationRecorder writes "
+                        "it); for GGUF output llama.cpp's importance matrix")
     _scheme_flags(p, many_dtypes=False)
     p.add_argument("--skip", action="append", default=[], metavar="GLOB",
                    help="leave tensors whose name matches GLOB as they are (repeatable; before the config's rules)")

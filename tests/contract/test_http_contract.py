@@ -36,7 +36,9 @@ SUMMARY_FIELDS = {"tensors_quantized", "tensors_skipped", "input_bytes", "output
 STATS_FIELDS = {"numel", "mse", "mae", "max_abs_error", "sqnr_db", "cosine", "outlier_rate", "outlier_threshold",
                 "clipped_fraction", "theoretical_max_error", "bits_per_weight", "compression_ratio"}
 ALL_DTYPES = {"int8", "int4", "int3", "int2", "uint8", "uint4", "nf4", "fp8_e4m3", "fp8_e5m2", "float16",
-              "bfloat16"}
+              "bfloat16",
+              # §9.2: ggml's block types, valid with output "gguf" only
+              "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"}
 CONFIG = {"scheme": {"dtype": "int8", "granularity": "channel", "symmetric": True}}
 
 

@@ -163,7 +163,7 @@ def test_an_empty_file_says_so(tmp_path: Path) -> None:
         open_model(p)
 
 
-@pytest.mark.parametrize("content", [b"hello world, not a model", b"\x00" * 64, b"GGUF\x03\x00\x00\x00" * 4,
+@pytest.mark.parametrize("content", [b"hello world, not a model", b"\x00" * 64,
                                      b"\x89PNG\r\n\x1a\n" + b"\x00" * 32])
 def test_junk_is_unsupported(tmp_path: Path, content: bytes) -> None:
     p = tmp_path / "model.safetensors"

@@ -16,7 +16,7 @@ import torch
 
 from quantd.errors import MalformedInputError, UnsupportedFormatError
 
-Format = Literal["safetensors", "pytorch", "npy", "npz"]
+Format = Literal["safetensors", "pytorch", "npy", "npz", "gguf"]
 
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
@@ -104,6 +104,8 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
                                   ".npy or .npz")
     if head.startswith(NPY_MAGIC):
         return "npy"
+    if head.startswith(b"GGUF"):  # llama.cpp
+        return "gguf"
     if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY_MAGIC):
         return _zip_kind(p)
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
@@ -111,6 +113,6 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
     if is_safetensors_head(head):
         return "safetensors"
     raise UnsupportedFormatError(
-        "unrecognised file content: expected safetensors, a PyTorch checkpoint, .npy or .npz "
+        "unrecognised file content: expected safetensors, a PyTorch checkpoint, .npy, .npz or GGUF "
         f"(first bytes {head[:8]!r})"
     )

@@ -433,16 +433,29 @@ def unpack_tar(src: Path, dst: Path) -> ModelFiles:
     return ModelFiles(found)
 
 
+_READ_AHEAD = 64 * 1024
+
+
 class _RangeFile:
     """A read-only, seekable file over ``read(start, length)`` (a local file or an object store's ranged
     GETs), for tarfile to walk the headers of an uncompressed tar without reading its members."""
 
     def __init__(self, read: Callable[[int, int], bytes], size: int) -> None:
         self._read, self._size, self._pos = read, size, 0
+        self._block, self._block_start = b"", 0  # small reads (headers) come out of one read-ahead block
 
     def read(self, n: int = -1) -> bytes:
         n = self._size - self._pos if n < 0 else min(n, self._size - self._pos)
-        data = self._read(self._pos, n) if n > 0 else b""
+        if n <= 0:
+            return b""
+        if n > _READ_AHEAD:
+            data = self._read(self._pos, n)
+        else:
+            off = self._pos - self._block_start
+            if off < 0 or off + n > len(self._block):  # one ranged read covers this and the headers after it
+                self._block_start, off = self._pos, 0
+                self._block = self._read(self._pos, min(_READ_AHEAD, self._size - self._pos))
+            data = self._block[off:off + n]
         self._pos += len(data)
         return data
 

@@ -67,6 +67,10 @@ def plan(tensors: list[TensorInfo], config: QuantConfig,
     arguments, supported schemes, calibration — ``calibration`` is the index of the job's calibration file,
     None without one), when the format cannot hold it, or when an output name would collide with another
     tensor."""
+    if config.output == "gguf":  # the GGUF format plans with llama.cpp's mixes
+        from .outputs.gguf import plan_gguf
+
+        return plan_gguf(tensors, config)
     from quantd.engine.methods import check_method
 
     fmt = get_format(config.output)
@@ -120,6 +124,21 @@ def _measure(x: torch.Tensor, scheme: Scheme, name: str, calibration: LayerHessi
     if calibration is not None:
         stats = stats.model_copy(update={"output_rel_error": output_rel_error(x, qt, calibration.hessian)})
     return stats, qt
+
+
+def _is_ggml(scheme: Scheme) -> bool:
+    from quantd_client import DTYPES
+
+    return DTYPES[scheme.dtype].kind == "ggml"
+
+
+def _ggml_stats(x: torch.Tensor, scheme: Scheme, name: str) -> ErrorStats:
+    """The statistics of ``x`` quantized to the ggml type ``scheme.dtype`` (``/v1/analyze`` of ggml types)."""
+    from quantd.engine import ggml
+    from quantd.engine.ggml.stats import ggml_error_stats
+
+    return ggml_error_stats(x, ggml.quantize(x, ggml.GGML_TYPES[scheme.dtype], name=name),
+                            in_bits=x.element_size() * 8)
 
 
 def _process(reader: ModelReader, writer: Sink, fmt: OutputFormat, p: TensorPlan, device: torch.device,
@@ -183,9 +202,14 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
     """
     started = time.perf_counter()
     activations = None
+    importance = None
     with contextlib.ExitStack() as stack:
         method_cal = None
-        if calibration is not None:  # first: a bad calibration file fails before any weight work
+        if calibration is not None and config.output == "gguf":  # a llama.cpp importance matrix
+            from .imatrix import load_imatrix
+
+            importance = load_imatrix(calibration)
+        elif calibration is not None:  # first: a bad calibration file fails before any weight work
             method_cal = stack.enter_context(MethodCalibration(calibration))
             # Activation samples as in v1, unless the file serves the calibrated methods (Hessians, or a
             # config naming gptq/awq): then only when config.activations asks for them.
@@ -195,7 +219,8 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
         reader = stack.enter_context(open_model(src, filename))
         return quantize_model(reader, dst, config, device=device, input_bytes=lambda: os.path.getsize(src),
                               job_id=job_id, on_progress=on_progress, should_cancel=should_cancel,
-                              activations=activations, started=started, calibration=method_cal)
+                              activations=activations, started=started, importance=importance,
+                              calibration=method_cal)
 
 
 def quantize_model(reader: ModelReader, dst: str | os.PathLike[str], config: QuantConfig, *,
@@ -203,13 +228,21 @@ def quantize_model(reader: ModelReader, dst: str | os.PathLike[str], config: Qua
                    on_progress: ProgressCallback | None = None,
                    should_cancel: Callable[[], bool] | None = None,
                    activations: Sequence[LayerCalibration] | None = None,
-                   started: float | None = None, calibration: MethodCalibration | None = None) -> Report:
+                   started: float | None = None,
+                   importance: Mapping[str, torch.Tensor] | None = None,
+                   calibration: MethodCalibration | None = None) -> Report:
     """:func:`quantize_file` on an open reader, tensor by tensor in the reader's order.
     ``input_bytes()`` is asked for the input's size once every tensor is written (the summary's
     ``input_bytes``); ``started`` is the ``perf_counter`` the summary's ``elapsed_s`` counts from.
     ``calibration``: the layers' inputs for the calibrated methods (and every tensor's ``output_rel_error``)."""
     t0 = time.perf_counter() if started is None else started
     dev = torch.device(device)
+    if config.output == "gguf":  # llama.cpp's format: ggml block types, the input's metadata kept
+        from .outputs.gguf import quantize_gguf
+
+        return quantize_gguf(reader, dst, config, device=dev, input_bytes=input_bytes, job_id=job_id,
+                             on_progress=on_progress, should_cancel=should_cancel, started=t0,
+                             importance=importance)
     fmt = get_format(config.output)
     plans = plan(reader.tensors, config, None if calibration is None else calibration.index)
     progress = Progress(tensors_total=len(plans), bytes_total=sum(p.info.nbytes for p in plans))
@@ -300,15 +333,24 @@ def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: 
         for t in targets:
             for i, s in enumerate(schemes):
                 with naming(f"configs[{i}]"):
-                    check_method(t.shape, s, name=t.name, has_calibration=False)
-                    quantized_layout(t.name, t.shape, s)
+                    if _is_ggml(s):  # ggml's blocks run along rows
+                        from quantd.engine import ggml
+
+                        ggml.check_shape(ggml.GGML_TYPES[s.dtype], t.shape, name=t.name)
+                    else:
+                        check_method(t.shape, s, name=t.name, has_calibration=False)
+                        quantized_layout(t.name, t.shape, s)
+        if analyses and _is_ggml(schemes[0]):
+            raise ConfigError("analyses run on an integer, nf4 or float scheme; configs[0] is a ggml block type",
+                              field="analyses")
         for t in targets:
             x = reader.load(t.name, dev)
             results = []
             for i, s in enumerate(schemes):
                 try:
                     with naming(f"configs[{i}]"):
-                        results.append(AnalyzeResult(scheme=s, stats=_measure(x, s, t.name)[0]))
+                        stats = _ggml_stats(x, s, t.name) if _is_ggml(s) else _measure(x, s, t.name)[0]
+                        results.append(AnalyzeResult(scheme=s, stats=stats))
                 except NonFiniteError:
                     check_finite(x, t.name)
                     raise

@@ -369,6 +369,10 @@ def open_model(path: str | os.PathLike[str], filename: str | None = None, *,
         return PyTorchReader(p, sanitize_name(stem))
     if fmt == "npy":
         return NpyReader(p, stem)
+    if fmt == "gguf":
+        from .gguf_file import GGUFReader  # the GGUF module builds on this one
+
+        return GGUFReader(p)
     return NpzReader(p, max_tensor_bytes)
 
 

@@ -41,7 +41,7 @@ def format_names() -> list[str]:
 
 
 # The format modules: importing one registers it.
-from . import compressed_tensors, safetensors  # noqa: E402
+from . import compressed_tensors, gguf, safetensors  # noqa: E402
 
 if set(_REGISTRY) != set(OUTPUT_FORMATS):
     raise RuntimeError(f"output formats registered {sorted(_REGISTRY)} differ from the wire schema's "
@@ -55,6 +55,7 @@ __all__ = [
     "compressed_tensors",
     "format_names",
     "get_format",
+    "gguf",
     "register",
     "safetensors",
 ]

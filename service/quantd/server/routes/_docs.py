@@ -89,10 +89,13 @@ _FILE_HEADERS = {
 }
 _RANGE_HEADERS = {**_FILE_HEADERS, "Content-Range": {"schema": _STRING, "example": "bytes 0-1023/4096"}}
 
-ARTIFACT_200 = {"description": "The artifact (safetensors, CONTRACT §5)", "headers": _FILE_HEADERS,
-                "content": _BINARY}
+# A one-file job's artifact is its output file; a directory job's is the whole output as one tar (CONTRACT §8).
+_ARTIFACT_CONTENT = {**_BINARY, "application/x-tar": {"schema": {"type": "string", "format": "binary"}}}
+ARTIFACT_200 = {"description": "The artifact: the output file (safetensors CONTRACT §5, GGUF), or for a "
+                               "directory job the output directory as one uncompressed tar",
+                "headers": _FILE_HEADERS, "content": _ARTIFACT_CONTENT}
 ARTIFACT_206 = {"description": "Partial content: the one range asked for", "headers": _RANGE_HEADERS,
-                "content": _BINARY}
+                "content": _ARTIFACT_CONTENT}
 # HEAD: the headers GET would send, no body.
 ARTIFACT_HEAD_200 = {"description": "The artifact's headers, no body", "headers": _FILE_HEADERS}
 ARTIFACT_HEAD_206 = {"description": "The headers of the range asked for, no body", "headers": _RANGE_HEADERS}
@@ -180,7 +183,7 @@ INFO_EXAMPLE: dict[str, Any] = {
                      "args": [{"name": "act_order", "type": "bool", "default": False, "min": None, "max": None,
                                "description": "visit columns by decreasing Hessian diagonal"}]}],
     "granularities": ["tensor", "channel", "group"],
-    "input_formats": ["safetensors", "pytorch", "npy", "npz"], "output_formats": ["safetensors", "compressed-tensors"],
+    "input_formats": ["safetensors", "pytorch", "npy", "npz", "gguf"], "output_formats": ["safetensors", "compressed-tensors", "gguf"],
     "limits": {"max_upload_bytes": 10737418240, "max_sync_bytes": 268435456, "max_analyze_configs": 16,
                "max_queue": 1000},
     "auth": True,

@@ -112,6 +112,16 @@ def _is_directory(parts: list[UploadedFile]) -> bool:
     return len(parts) > 1
 
 
+def _check_imatrix(up: UploadedFile, config: QuantConfig | None) -> Any:
+    """A GGUF job's calibration: a llama.cpp importance matrix (legacy ``.dat`` or GGUF), parsed in full."""
+    from quantd.io.imatrix import load_imatrix
+    from quantd.jobs.storage import StoredUpload
+
+    table = load_imatrix(up.path)
+    return StoredUpload(path=up.path, filename=up.filename, bytes=up.bytes, sha256=up.sha256, format="imatrix",
+                        tensors=len(table))
+
+
 async def _accept(request: Request, state: AppState, tenant: str, idempotency_key: str | None) -> Job:
     runs: list[PreparedRun] = []  # at most one: quantizing the model while it streams in
     job_id = state.jobs.new_job_id()
@@ -157,7 +167,10 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             calibration = None
             if calib is not None:  # first: the model's plan checks the methods' calibration against it
                 with naming("the calibration file"):  # not the model's: both are checked the same way
-                    calibration = await run_engine(state, _check_upload, calib, None)
+                    check = _check_imatrix if config.output == "gguf" else _check_upload
+                    calibration = await run_engine(state, check, calib, None)
+            if config.output == "gguf":  # an importance matrix, not the methods' calibration
+                calib = None
             parts = form.file_lists.get("file", [])
             tar = None
             if _is_directory(parts):
@@ -296,6 +309,15 @@ _ARTIFACT_ERRORS = {**_JOB_ERRORS, **problem_responses(409, 416)}
 _ARTIFACT_HEADERS = {"parameters": ARTIFACT_PARAMETERS}
 
 
+def _artifact_filename(job_id: str, output: str) -> str:
+    """The download's name: quantd's own artifact keeps v1's ``.quantd.safetensors``; other formats end in
+    their own suffix (``.gguf``)."""
+    from quantd.io.outputs import get_format
+
+    suffix = get_format(output).suffix
+    return f"{job_id}.quantd{suffix}" if output == "safetensors" else f"{job_id}{suffix}"
+
+
 @router.head("/{job_id}/artifact", summary="The artifact's headers (size, ETag, ranges), no body",
              response_class=Response, openapi_extra=_ARTIFACT_HEADERS,
              responses={200: ARTIFACT_HEAD_200, 206: ARTIFACT_HEAD_206, 304: _ARTIFACT_304, **_ARTIFACT_ERRORS})
@@ -309,7 +331,7 @@ async def job_artifact_head(job_id: str, request: Request, state: StateDep, tena
 async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
     job = await state.jobs.get(tenant, job_id)
     is_tar = job.result is not None and job.result.files is not None  # a directory output: one tar
-    filename = f"{job_id}.tar" if is_tar else f"{job_id}.quantd.safetensors"
+    filename = f"{job_id}.tar" if is_tar else _artifact_filename(job_id, job.config.output)
     media_type = "application/x-tar" if is_tar else "application/octet-stream"
     art = await state.jobs.artifact(tenant, job_id, filename=filename)
     if art.url is not None:  # QUANTD_STORAGE_PRESIGN: the client fetches it from the object store itself

@@ -1,0 +1,165 @@
+"""quantd as ``llama-quantize``: speed and per-tensor error of quantd's GGUF output against llama.cpp's own
+quantizer (``llama_model_quantize`` of llama-cpp-python) on the same GGUF, in one run.
+
+The model is a llama-architecture GGUF written here with gguf-py (no download): ``--layers`` blocks of
+``--embd``/``--ff`` widths, a ``--vocab``-row embedding and output, weights drawn from a Student t
+distribution (5 degrees of freedom: heavier tails than a Gaussian, as trained weights have) scaled by
+1/sqrt(fan-in). For each mix, quantd (in-process, torch with ``--threads`` threads) and llama.cpp (with 1
+and with ``--threads`` threads) quantize the same file; every quantized tensor of both outputs is decoded
+with the same ggml decoder and compared with the same float32 input. Writes ``bench/results/gguf.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path += [str(HERE), str(HERE.parent / "tests")]
+
+from common import log, machine_info, write_results  # noqa: E402
+
+FILE_TYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7}
+
+
+def write_model(path: Path, *, embd: int, ff: int, layers: int, vocab: int, seed: int = 0) -> Path:
+    import gguf
+
+    from _gguf_models import vocab as tiny_vocab
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(2048)
+    w.add_embedding_length(embd)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(embd // 64)
+    w.add_head_count_kv(embd // 256)
+    w.add_rope_dimension_count(64)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0)
+    tokens, scores, types = tiny_vocab()
+    extra = vocab - len(tokens)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens + [f"▁w{i}" for i in range(extra)])
+    w.add_token_scores(scores + [-100.0 - i for i in range(extra)])
+    w.add_token_types(types + [1] * extra)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_t(5, (rows, cols)) / np.sqrt(cols * 5 / 3)).astype(np.float32)
+
+    kv = embd // 4
+    w.add_tensor("token_embd.weight", mat(vocab, embd))
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(embd, np.float32))
+        for name, shape in (("attn_q", (embd, embd)), ("attn_k", (kv, embd)), ("attn_v", (kv, embd)),
+                            ("attn_output", (embd, embd)), ("ffn_gate", (ff, embd)), ("ffn_up", (ff, embd)),
+                            ("ffn_down", (embd, ff))):
+            w.add_tensor(f"blk.{i}.{name}.weight", mat(*shape))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(embd, np.float32))
+    w.add_tensor("output_norm.weight", np.ones(embd, np.float32))
+    w.add_tensor("output.weight", mat(vocab, embd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def tensor_errors(src: Path, out: Path) -> dict[str, dict[str, Any]]:
+    """Per quantized tensor of ``out``: its ggml type and the mse of its decode against ``src``'s tensor."""
+    from quantd.engine import ggml
+    from quantd.io.gguf_file import GGUFReader
+
+    errs: dict[str, dict[str, Any]] = {}
+    with GGUFReader(src) as a, GGUFReader(out) as b:
+        for e in b.file.tensors:
+            t = ggml.GGML_BY_ID.get(e.type_id)
+            if t is None:
+                continue
+            x = a.load(e.name, "cpu").float()
+            rows = x.numel() // e.ne[0]
+            q = ggml.GGMLQuantized(t, tuple(x.shape), torch.frombuffer(b.raw(e.name), dtype=torch.uint8).reshape(rows, -1))
+            d = ggml.dequantize(q).double() - x.double()
+            errs[e.name] = {"type": t.name, "numel": x.numel(), "mse": float((d * d).mean())}
+    return errs
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from _gguf_models import llama_quantize
+    from quantd.io.pipeline import quantize_file
+    from quantd_client import QuantConfig
+
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="quantd-gguf-bench-"))
+    src = write_model(tmp / "model-f32.gguf", embd=args.embd, ff=args.ff, layers=args.layers, vocab=args.vocab)
+    from quantd.io.gguf_file import GGUFFile
+
+    numel = sum(int(np.prod(t.ne)) for t in GGUFFile(src).tensors)
+    result: dict[str, Any] = {
+        "machine": machine_info(),
+        "model": {"embd": args.embd, "ff": args.ff, "layers": args.layers, "vocab": args.vocab, "params": numel,
+                  "bytes": src.stat().st_size, "weights": "Student t (5 dof) / sqrt(fan_in·5/3)"},
+        "threads": {"quantd_torch": args.threads, "llama_cpp": [1, args.threads]},
+        "mixes": [],
+    }
+    for mix in args.mixes:
+        row: dict[str, Any] = {"mix": mix}
+        ours = tmp / f"quantd-{mix}.gguf"
+        t0 = time.perf_counter()
+        quantize_file(src, ours, QuantConfig(output="gguf", gguf_mix=mix), device="cpu")  # type: ignore[arg-type]
+        row["quantd_s"] = time.perf_counter() - t0
+        log(f"{mix}: quantd {row['quantd_s']:.1f} s")
+        for n in (1, args.threads):
+            theirs = tmp / f"llama-{mix}-{n}.gguf"
+            row[f"llama_cpp_{n}t_s"] = llama_quantize(src, theirs, FILE_TYPES[mix], nthread=n)
+            log(f"{mix}: llama.cpp {n} thread(s) {row[f'llama_cpp_{n}t_s']:.1f} s")
+        e_ours = tensor_errors(src, ours)
+        e_theirs = tensor_errors(src, tmp / f"llama-{mix}-1.gguf")
+        tensors = []
+        for name, eo in e_ours.items():
+            et = e_theirs[name]
+            tensors.append({"name": name, "type": eo["type"], "llama_type": et["type"], "numel": eo["numel"],
+                            "quantd_mse": eo["mse"], "llama_mse": et["mse"],
+                            "ratio": eo["mse"] / et["mse"] if et["mse"] else 1.0})
+        row["tensors"] = tensors
+        row["tensors_no_worse"] = sum(t["ratio"] <= 1.0 for t in tensors)
+        row["tensors_total"] = len(tensors)
+        row["worst_ratio"] = max(t["ratio"] for t in tensors)
+        row["numel_weighted_mse_ratio"] = (sum(t["quantd_mse"] * t["numel"] for t in tensors)
+                                           / sum(t["llama_mse"] * t["numel"] for t in tensors))
+        for n in (1, args.threads):
+            row[f"speedup_vs_llama_{n}t"] = row[f"llama_cpp_{n}t_s"] / row["quantd_s"]
+        log(f"{mix}: no worse on {row['tensors_no_worse']}/{row['tensors_total']} tensors, worst ratio "
+            f"{row['worst_ratio']:.4f}, speed x{row['speedup_vs_llama_1t']:.2f} (1 thread)")
+        result["mixes"].append(row)
+        write_results(args.out, result)
+        for p in tmp.glob(f"*-{mix}*.gguf"):
+            p.unlink()
+    src.unlink()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--embd", type=int, default=1024)
+    ap.add_argument("--ff", type=int, default=2816)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mixes", nargs="+", default=["Q4_K_M", "Q3_K_M", "Q6_K", "Q8_0"], choices=list(FILE_TYPES))
+    ap.add_argument("--out", default="gguf.json")
+    args = ap.parse_args(argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

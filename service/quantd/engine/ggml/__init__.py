@@ -1,0 +1,172 @@
+"""ggml's quantized block types: one traits table (block size, bytes per block, quantize, dequantize, as
+ggml's ``ggml_type_traits``) and the two verbs over whole tensors.
+
+A tensor of shape ``[..., n]`` (ggml's row length ``n`` is the last dim) is cut into blocks of
+``block_size`` consecutive elements of each row; every block of a chunk of rows is quantized in one set
+of tensor ops. Chunks bound the temporaries (a search holds a few copies of its chunk), so memory
+follows the tensor, not the search.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from quantd.errors import ConfigError
+
+from . import kquants, legacy
+
+BlockQuantizer = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+BlockDequantizer = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    """One ggml type: its GGUF id, ``block_size`` elements stored in ``type_size`` bytes."""
+
+    name: str  # quantd dtype name, lower case (``q4_k``)
+    type_id: int  # ggml_type / GGMLQuantizationType value
+    block_size: int
+    type_size: int
+    quantize_blocks: BlockQuantizer  # [N, block_size] float32 (+ importance) → [N, type_size] uint8
+    dequantize_blocks: BlockDequantizer  # [N, type_size] uint8 → [N, block_size] float32
+    uses_importance: bool
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.type_size / self.block_size
+
+    def row_bytes(self, n: int) -> int:
+        return n // self.block_size * self.type_size
+
+
+def _legacy(fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockQuantizer:
+    def q(x: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+        return fn(x)
+    return q
+
+
+GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
+    GGMLType("q4_0", 2, 32, 18, _legacy(legacy.quantize_q4_0), legacy.dequantize_q4_0, False),
+    GGMLType("q4_1", 3, 32, 20, _legacy(legacy.quantize_q4_1), legacy.dequantize_q4_1, False),
+    GGMLType("q5_0", 6, 32, 22, _legacy(legacy.quantize_q5_0), legacy.dequantize_q5_0, False),
+    GGMLType("q5_1", 7, 32, 24, _legacy(legacy.quantize_q5_1), legacy.dequantize_q5_1, False),
+    GGMLType("q8_0", 8, 32, 34, _legacy(legacy.quantize_q8_0), legacy.dequantize_q8_0, False),
+    GGMLType("q2_k", 10, 256, 84, kquants.quantize_q2_k, kquants.dequantize_q2_k, True),
+    GGMLType("q3_k", 11, 256, 110, kquants.quantize_q3_k, kquants.dequantize_q3_k, True),
+    GGMLType("q4_k", 12, 256, 144, kquants.quantize_q4_k, kquants.dequantize_q4_k, True),
+    GGMLType("q5_k", 13, 256, 176, kquants.quantize_q5_k, kquants.dequantize_q5_k, True),
+    GGMLType("q6_k", 14, 256, 210, kquants.quantize_q6_k, kquants.dequantize_q6_k, True),
+)}
+GGML_BY_ID: dict[int, GGMLType] = {t.type_id: t for t in GGML_TYPES.values()}
+
+# Elements per chunk of rows: the searches' temporaries (a few chunk-sized float32 tensors) stay in the
+# tens of MiB whatever the tensor.
+CHUNK_ELEMENTS = 1 << 18
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _chunk_pool(threads: int) -> ThreadPoolExecutor:
+    """CPU chunks run side by side, each op single-threaded: a chunk's few hundred small ops parallelised
+    inside each op wait at every op's barrier for the slowest thread, which on a busy CPU (a descheduled
+    thread) made them 20x slower than one thread; whole chunks per thread have no such barriers."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(threads)
+        if pool is None:
+            pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="quantd-ggml",
+                                                        initializer=torch.set_num_threads, initargs=(1,))
+        return pool
+
+
+T = TypeVar("T")
+
+
+def map_chunks(fn: Callable[[int], T], starts: range, device: torch.device) -> list[T]:
+    """``fn`` over the chunk starts: on the single-threaded pool for CPU tensors when torch has several
+    threads (see :func:`_chunk_pool`), else in order."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and threads > 1 and len(starts) > 1:
+        return list(_chunk_pool(threads).map(fn, starts))
+    return [fn(r0) for r0 in starts]
+
+
+@dataclass(frozen=True)
+class GGMLQuantized:
+    """A tensor in a ggml block type: ``data`` is ``[rows, row_bytes]`` uint8, ggml's bytes row by row
+    (``rows`` = product of all dims but the last)."""
+
+    ggml_type: GGMLType
+    shape: tuple[int, ...]
+    data: torch.Tensor
+
+
+def ggml_type(name: str) -> GGMLType:
+    try:
+        return GGML_TYPES[name]
+    except KeyError:
+        raise ConfigError(f"unknown ggml type {name!r}; one of {sorted(GGML_TYPES)}", field="scheme.dtype") from None
+
+
+def check_shape(t: GGMLType, shape: tuple[int, ...], *, name: str) -> None:
+    """ggml blocks run along rows: the last dim must be a multiple of the block size."""
+    if not shape or shape[-1] % t.block_size:
+        raise ConfigError(f"{t.name} needs a row length (last dim) that is a multiple of {t.block_size}; "
+                          f"tensor has shape {list(shape)}", field="scheme.dtype", tensor=name)
+
+
+def quantize(x: torch.Tensor, t: GGMLType, *, importance: torch.Tensor | None = None,
+             name: str = "tensor") -> GGMLQuantized:
+    """Quantize ``x`` (any float dtype, any device) to ``t``. ``importance``: ``[n]`` non-negative weights
+    of the row positions (llama.cpp's importance matrix for this tensor), used by the k-quants' searches."""
+    shape = tuple(x.shape)
+    check_shape(t, shape, name=name)
+    n = shape[-1]
+    rows = math.prod(shape[:-1])
+    x2 = x.reshape(rows, n)
+    imp = None
+    if importance is not None and t.uses_importance:
+        if importance.shape != (n,):
+            raise ConfigError(f"importance matrix entry has {list(importance.shape)} values, the tensor's rows "
+                              f"have {n}", field="calibration", tensor=name)
+        imp = importance.to(device=x.device, dtype=torch.float32).reshape(1, n)
+    out = torch.empty((rows, t.row_bytes(n)), dtype=torch.uint8, device=x.device)
+    step = max(1, CHUNK_ELEMENTS // n)
+
+    def run(r0: int) -> None:
+        chunk = x2[r0:r0 + step].float()
+        k = chunk.shape[0]
+        blocks = chunk.reshape(-1, t.block_size)
+        w = None if imp is None else imp.expand(k, n).reshape(-1, t.block_size)
+        out[r0:r0 + k] = t.quantize_blocks(blocks, w).reshape(k, -1)
+
+    map_chunks(run, range(0, rows, step), x.device)  # chunks write disjoint rows of ``out``
+    return GGMLQuantized(t, shape, out)
+
+
+def dequantize(q: GGMLQuantized, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float values ggml's ``dequantize_row_*`` gives for ``q``'s bytes, in ``q.shape``."""
+    t = q.ggml_type
+    n = q.shape[-1]
+    rows = q.data.shape[0]
+    out = torch.empty((rows, n), dtype=dtype, device=q.data.device)
+    step = max(1, CHUNK_ELEMENTS // n)
+
+    def run(r0: int) -> None:
+        b = q.data[r0:r0 + step]
+        out[r0:r0 + b.shape[0]] = t.dequantize_blocks(b.reshape(-1, t.type_size)).reshape(b.shape[0], n).to(dtype)
+
+    map_chunks(run, range(0, rows, step), q.data.device)
+    return out.reshape(q.shape)
+
+
+__all__ = ["CHUNK_ELEMENTS", "GGML_BY_ID", "GGML_TYPES", "GGMLQuantized", "GGMLType", "check_shape", "dequantize",
+           "ggml_type", "map_chunks", "quantize"]

@@ -1,0 +1,76 @@
+"""Shared bit-level helpers of the ggml block codecs: float16 fields, ggml's rounding functions."""
+
+from __future__ import annotations
+
+import torch
+
+# ggml's GROUP_MAX_EPS: a block whose largest magnitude is below this is all zero.
+GROUP_MAX_EPS = 1e-15
+
+
+def f16_bytes(v: torch.Tensor) -> torch.Tensor:
+    """``[N]`` float32 → ``[N, 2]`` uint8: the little-endian IEEE half of each value (round to nearest even,
+    as ``GGML_FP32_TO_FP16``)."""
+    return v.to(torch.float16).contiguous().view(torch.uint8).reshape(-1, 2)
+
+
+def f16_from(b: torch.Tensor) -> torch.Tensor:
+    """``[N, 2]`` uint8 → ``[N]`` float32 (``GGML_FP16_TO_FP32``)."""
+    return b.contiguous().view(torch.float16).reshape(-1).float()
+
+
+_MAGIC = 12582912.0  # 1.5·2²³
+
+
+def nearest_int(v: torch.Tensor) -> torch.Tensor:
+    """ggml's ``nearest_int`` exactly: adding 1.5·2²³ to a float32 of magnitude below 2²² rounds it to an
+    integer, half to even (``torch.round``'s result, at a fraction of its cost on CPU). Larger magnitudes
+    stay larger than 2²² with their sign, which the callers' clamps to small code ranges absorb."""
+    return (v + _MAGIC) - _MAGIC
+
+
+def blend(take: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``where(take, new, old)`` for small integer-valued float tensors (codes) with ``take`` broadcast
+    along rows: ``old + take·(new − old)`` is exact there and runs as plain vector arithmetic."""
+    return old + take.to(old.dtype) * (new - old)
+
+
+def roundf(v: torch.Tensor) -> torch.Tensor:
+    """C's ``roundf`` (half away from zero) in exact float32 steps: ``floor(a) + floor(2·(a − floor(a)))``
+    (``floor(a + 0.5)`` would round ``0.5 − 2⁻²⁵`` up in the addition)."""
+    a = v.abs()
+    fl = torch.floor(a)
+    return torch.copysign(fl + torch.floor(2 * (a - fl)), v)
+
+
+def pack_bits_le(bits: torch.Tensor) -> torch.Tensor:
+    """``[N, 8k]`` of 0/1 → ``[N, k]`` uint8, bit ``j`` of byte ``i`` = ``bits[:, 8i + j]`` (numpy's
+    ``packbits(bitorder="little")``)."""
+    n = bits.shape[0]
+    weights = (1 << torch.arange(8, device=bits.device, dtype=torch.int32))
+    return (bits.to(torch.int32).reshape(n, -1, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_bits_le(b: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_bits_le`: ``[N, k]`` uint8 → ``[N, 8k]`` uint8 of 0/1."""
+    shifts = torch.arange(8, device=b.device, dtype=torch.uint8)
+    return ((b.unsqueeze(-1) >> shifts) & 1).reshape(b.shape[0], -1)
+
+
+def argmax_abs_value(x: torch.Tensor) -> torch.Tensor:
+    """The signed value of largest magnitude in each row, the first one on ties (ggml's ``amax < fabsf(v)``)."""
+    idx = x.abs().argmax(dim=-1, keepdim=True)
+    return x.gather(-1, idx).squeeze(-1)
+
+
+def sum_rows(t: torch.Tensor) -> torch.Tensor:
+    """Σ over the first dim of a 2-D ``[n, S]`` tensor, as a ``[1, n] @ [n, S]`` product: ATen's reduction
+    kernels run such short sums an order of magnitude slower than a matrix product on CPU."""
+    return (torch.ones(1, t.shape[0], dtype=t.dtype, device=t.device) @ t).squeeze(0)
+
+
+def sum_last(t: torch.Tensor) -> torch.Tensor:
+    """Σ over the last dim (any leading shape), as a product with a ones vector (see :func:`sum_rows`)."""
+    n = t.shape[-1]
+    flat = t.reshape(-1, n) @ torch.ones(n, 1, dtype=t.dtype, device=t.device)
+    return flat.reshape(t.shape[:-1])

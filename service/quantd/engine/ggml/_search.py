@@ -1,0 +1,189 @@
+"""ggml's k-quant scale searches, vectorised over every sub-block of a tensor at once.
+
+Each search is a loop of ggml-quants.c (``make_qkx2_quants``/``make_qkx3_quants``, ``make_qx_quants``,
+``make_q3_quants``, ``make_qp_quants``) with its body evaluated for all sub-blocks in one tensor op per
+step: the Python loops run over candidate scales or over the positions of a sub-block, never over blocks
+or rows. Sub-blocks are laid out element-major (``[n, S]``: ``x.T``), so a sum over a sub-block is ``n``
+contiguous vector adds. Rounding is ggml's ``nearest_int`` (round half to even). Squared
+errors of candidates come from the weighted sums the fit already has (Σw(sq + m − x)² expanded) rather
+than another pass over the elements.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import GROUP_MAX_EPS, nearest_int, sum_rows
+
+
+def _f32(v: float) -> float:
+    """A constant as C computes it in float32 (``rmin + rdelta*is + nmax``)."""
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def _nonzero(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v == 0, torch.ones_like(v), v)
+
+
+def _signed_absmax(xt: torch.Tensor) -> torch.Tensor:
+    """Per column of ``[n, S]``, the value of largest magnitude, the first on ties (``amax < fabsf(v)``)."""
+    idx = xt.abs().argmax(dim=0, keepdim=True)
+    return xt.gather(0, idx).squeeze(0)
+
+
+def affine_search(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
+                  use_mad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_qkx2_quants`` (``make_qkx3_quants`` differs only in its default weights) over the rows of ``x``
+    ``[S, n]``: codes ``q ∈ [0, nmax]`` with ``x ≈ scale·q − the_min``. From the min-max grid, each candidate
+    ``iscale = (rmin + rdelta·is + nmax) / (max − min)`` (relative to the best min so far, as in ggml) is
+    rounded, scale and min fitted by weighted least squares (min clamped to ≤ 0), and the candidate of least
+    weighted error kept (first on ties; ``use_mad``: absolute error). Returns ``(scale, the_min)`` ``[S]``;
+    rows with ``max == min`` get scale 0."""
+    xt = x.T.contiguous()
+    wt = w.T.contiguous()
+    wx = wt * xt
+    mn = xt.amin(0).clamp(max=0)
+    mx = xt.amax(0)
+    flat = mx <= mn
+    one = torch.ones_like(mn)
+    sum_w = sum_rows(wt)
+    sum_x = sum_rows(wx)
+    sum_x2 = sum_rows(wx * xt)
+
+    def error(scale: torch.Tensor, m: torch.Tensor, q: torch.Tensor, sum_l: torch.Tensor, sum_l2: torch.Tensor,
+              sum_xl: torch.Tensor) -> torch.Tensor:
+        if use_mad:
+            return sum_rows(wt * (scale * q + m - xt).abs())
+        return (scale * scale * sum_l2 + 2 * scale * m * sum_l - 2 * scale * sum_xl + m * m * sum_w
+                - 2 * m * sum_x + sum_x2)
+
+    def codes(iscale: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q = nearest_int((xt - m) * iscale).clamp_(0, nmax)
+        wq = wt * q
+        return q, sum_rows(wq), sum_rows(wq * q), sum_rows(q * wx)
+
+    iscale = nmax / torch.where(flat, one, mx - mn)
+    q, sum_l, sum_l2, sum_xl = codes(iscale, mn)
+    best_scale, best_min = 1 / iscale, mn
+    best = error(best_scale, best_min, q, sum_l, sum_l2, sum_xl)
+    for step in range(nstep + 1):
+        rng = mx - best_min
+        iscale = _f32(_f32(rmin + _f32(rdelta * step)) + nmax) / torch.where(rng > 0, rng, one)
+        q, sum_l, sum_l2, sum_xl = codes(iscale, best_min)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        ok = det > 0
+        det = torch.where(ok, det, one)
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        pos = this_min > 0
+        this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
+        this_scale = torch.where(pos, sum_xl / _nonzero(sum_l2), this_scale)
+        err = error(this_scale, this_min, q, sum_l, sum_l2, sum_xl)
+        take = ok & (err < best)
+        best = torch.where(take, err, best)
+        best_scale = torch.where(take, this_scale, best_scale)
+        best_min = torch.where(take, this_min, best_min)
+    return torch.where(flat, torch.zeros_like(best_scale), best_scale), torch.where(flat, -mn, -best_min)
+
+
+def symmetric_search(x: torch.Tensor, w: torch.Tensor, nmax: int) -> torch.Tensor:
+    """``make_qx_quants(n, nmax, x, L, rmse_type=1, w)`` over the rows of ``x`` ``[S, n]``: codes
+    ``l ∈ [−nmax, nmax − 1]`` with ``x ≈ scale·l``. Candidates ``iscale = −(nmax + 0.1·is) / max`` (``max``:
+    the value of largest magnitude; is = −9…9), each with its weighted least-squares scale; the one
+    maximising ``(Σwxl)² / Σwl²`` (least weighted error) wins. Returns ``scale`` ``[S]`` (0: all-zero rows)."""
+    xt = x.T.contiguous()
+    wt = w.T.contiguous()
+    wx = wt * xt
+    mxv = _signed_absmax(xt)
+    zero = mxv.abs() < GROUP_MAX_EPS
+    mxv = torch.where(zero, torch.ones_like(mxv), mxv)
+
+    def fit(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = nearest_int(xt * iscale).clamp_(-nmax, nmax - 1)
+        return sum_rows(q * wx), sum_rows(wt * q * q)
+
+    sumlx, suml2 = fit(-nmax / mxv)
+    scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        slx, sl2 = fit(-_f32(nmax + _f32(0.1 * step)) / mxv)
+        take = (sl2 > 0) & (slx * slx > best * sl2)
+        scale = torch.where(take, slx / _nonzero(sl2), scale)
+        best = torch.where(take, scale * slx, best)
+    return torch.where(zero, torch.zeros_like(scale), scale)
+
+
+def q3_search(x: torch.Tensor, nmax: int) -> torch.Tensor:
+    """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` over the rows of ``x`` ``[S, n]``: codes from
+    ``iscale = −nmax / max``, then up to 5 sweeps of coordinate descent, each position of every row moved
+    to the code that the others' least-squares scale asks for when that raises ``(Σwxl)² / Σwl²``
+    (``w = x²``). The sweep runs over the ``n`` positions, all rows at once. Returns ``scale`` ``[S]``."""
+    xt = x.T.contiguous()
+    wt = xt * xt
+    mxv = _signed_absmax(xt)
+    zero = mxv.abs() < GROUP_MAX_EPS
+    mxv = torch.where(zero, torch.ones_like(mxv), mxv)
+    q = nearest_int(xt * (-nmax / mxv)).clamp_(-nmax, nmax - 1)
+    wx = wt * xt
+    sumlx = sum_rows(wx * q)
+    suml2 = sum_rows(wt * q * q)
+    for _ in range(5):
+        for i in range(xt.shape[0]):
+            wi, xi, li, wxi = wt[i], xt[i], q[i], wx[i]
+            slx = sumlx - wxi * li
+            sl2 = suml2 - wi * li * li
+            new_l = nearest_int(xi * sl2 / _nonzero(slx)).clamp_(-nmax, nmax - 1)
+            slx_n = slx + wxi * new_l
+            sl2_n = sl2 + wi * new_l * new_l
+            take = (slx > 0) & (new_l != li) & (sl2_n > 0) & (slx_n * slx_n * suml2 > sumlx * sumlx * sl2_n)
+            q[i] = torch.where(take, new_l, li)
+            sumlx = torch.where(take, slx_n, sumlx)
+            suml2 = torch.where(take, sl2_n, suml2)
+    scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
+    return torch.where(zero, torch.zeros_like(scale), scale)
+
+
+def qp_search(v: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_qp_quants(n, nmax, v, L, w)`` over the rows of ``v`` ``[NB, n]`` (non-negative sub-block
+    scales or mins, weighted by their sub-blocks' total weight): integer ``L ∈ [0, nmax]`` and a scale with
+    ``v ≈ scale·L``. The best of nine grids ``iscale = (nmax + 0.1·is) / max`` by weighted error, then up
+    to 5 sweeps of coordinate descent over the positions. Returns ``(scale [NB], L [NB, n])``."""
+    vt = v.T.contiguous()
+    wt = w.T.contiguous()
+    mx = vt.amax(0).clamp(min=0)
+    zero = mx < GROUP_MAX_EPS
+    mx = torch.where(zero, torch.ones_like(mx), mx)
+    iscale = nmax / mx
+    q = nearest_int(vt * iscale)
+    best = sum_rows(wt * (vt - q / iscale) ** 2)
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        cand = _f32(_f32(0.1 * step) + nmax) / mx
+        qc = nearest_int(vt * cand).clamp_(max=nmax)
+        err = sum_rows(wt * (vt - qc / cand) ** 2)
+        take = err < best
+        best = torch.where(take, err, best)
+        iscale = torch.where(take, cand, iscale)
+    q = nearest_int(vt * iscale).clamp_(max=nmax)
+    wv = wt * vt
+    sumlx = sum_rows(wv * q)
+    suml2 = sum_rows(wt * q * q)
+    for _ in range(5):
+        for i in range(vt.shape[0]):
+            wi, vi, li, wvi = wt[i], vt[i], q[i], wv[i]
+            slx = sumlx - wvi * li
+            sl2 = suml2 - wi * li * li
+            ok = (slx > 0) & (sl2 > 0)
+            new_l = nearest_int(vi * sl2 / _nonzero(slx)).clamp_(max=nmax)
+            slx_n = slx + wvi * new_l
+            sl2_n = sl2 + wi * new_l * new_l
+            take = ok & (new_l != li) & (slx_n * slx_n * suml2 > sumlx * sumlx * sl2_n)
+            q[i] = torch.where(take, new_l, li)
+            sumlx = torch.where(take, slx_n, sumlx)
+            suml2 = torch.where(take, sl2_n, suml2)
+    scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
+    q = torch.where(zero.unsqueeze(0), torch.zeros_like(q), q)
+    return torch.where(zero, torch.zeros_like(scale), scale), q.T.clamp(min=0)

@@ -1,0 +1,138 @@
+"""ggml block types: the legacy ones byte for byte against gguf-py's NumPy port of ggml's reference
+quantizers, the k-quants decodable by gguf-py and no worse than llama.cpp's own quantizer."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from _gguf_models import ggml_library, ggml_quantize
+from quantd.engine import ggml
+from quantd.errors import ConfigError
+
+LEGACY = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+
+
+def _data(kind: str, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        return rng.uniform(-1, 1, shape).astype(np.float32)
+    if kind == "gaussian":
+        return rng.standard_normal(shape).astype(np.float32)
+    if kind == "heavy":  # Student t with 2 degrees of freedom: a few huge values per block
+        return rng.standard_t(2, shape).astype(np.float32)
+    if kind == "zero":
+        return np.zeros(shape, np.float32)
+    if kind == "ties":  # many equal magnitudes (max ties of either sign) and exact half-steps
+        return (rng.integers(-8, 9, shape) * 0.125).astype(np.float32)
+    raise AssertionError(kind)
+
+
+KINDS = ["uniform", "gaussian", "heavy", "zero", "ties"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", LEGACY)
+def test_legacy_types_are_byte_identical_to_ggml_reference(name: str, kind: str, dtype: torch.dtype) -> None:
+    x = torch.from_numpy(_data(kind, (48, 256))).to(dtype)
+    t = ggml.GGML_TYPES[name]
+    ours = ggml.quantize(x, t).data.numpy()
+    ref = gguf.quants.quantize(x.float().numpy(), GGMLQuantizationType(t.type_id))
+    assert ours.shape == ref.shape
+    assert np.array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", LEGACY + KQUANTS)
+def test_gguf_py_decodes_our_bytes_as_our_decoder_does(name: str, kind: str) -> None:
+    x = _data(kind, (16, 512), seed=1)
+    t = ggml.GGML_TYPES[name]
+    q = ggml.quantize(torch.from_numpy(x), t)
+    theirs = gguf.quants.dequantize(q.data.numpy(), GGMLQuantizationType(t.type_id))
+    ours = ggml.dequantize(q).numpy()
+    assert theirs.shape == x.shape
+    assert np.array_equal(theirs, ours)
+    if kind == "zero":
+        assert not ours.any()
+    else:  # a quantizer, not noise: the error is a small part of the signal
+        assert ((ours - x) ** 2).mean() < 0.1 * (x ** 2).mean()
+
+
+def test_ggml_decoder_matches_ggml_on_its_own_bytes() -> None:
+    if ggml_library() is None:
+        pytest.skip("llama-cpp-python (ggml's library) is not installed: gguf-py's decoder is the reference instead")
+    x = _data("gaussian", (8, 512), seed=2)
+    for name in LEGACY + KQUANTS:
+        t = ggml.GGML_TYPES[name]
+        raw = ggml_quantize(x, t.type_id, t.row_bytes(512))
+        mine = ggml.dequantize(ggml.GGMLQuantized(t, x.shape, torch.from_numpy(raw))).numpy()
+        assert np.array_equal(mine, gguf.quants.dequantize(raw, GGMLQuantizationType(t.type_id))), name
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "heavy", "uniform"])
+@pytest.mark.parametrize("name", KQUANTS)
+def test_kquant_error_is_no_worse_than_llama_cpp(name: str, kind: str) -> None:
+    """The whole tensor's mse (and, with an importance matrix, its importance-weighted mse) at most
+    llama.cpp's on the same tensor."""
+    if ggml_library() is None:
+        pytest.skip("llama-cpp-python (ggml's library) is not installed: no llama.cpp quantizer to compare with")
+    x = _data(kind, (64, 1024), seed=3)
+    t = ggml.GGML_TYPES[name]
+    ref = ggml.dequantize(ggml.GGMLQuantized(t, x.shape, torch.from_numpy(
+        ggml_quantize(x, t.type_id, t.row_bytes(1024))))).numpy()
+    ours = ggml.dequantize(ggml.quantize(torch.from_numpy(x), t)).numpy()
+    assert ((ours - x) ** 2).mean() <= ((ref - x) ** 2).mean()
+    imp = (np.random.default_rng(4).random(1024) ** 3 * 5 + 1e-3).astype(np.float32)
+    ref = ggml.dequantize(ggml.GGMLQuantized(t, x.shape, torch.from_numpy(
+        ggml_quantize(x, t.type_id, t.row_bytes(1024), imp)))).numpy()
+    ours = ggml.dequantize(ggml.quantize(torch.from_numpy(x), t, importance=torch.from_numpy(imp))).numpy()
+    assert (imp * (ours - x) ** 2).mean() <= (imp * (ref - x) ** 2).mean()
+
+
+def test_importance_moves_error_to_unimportant_columns() -> None:
+    x = torch.from_numpy(_data("gaussian", (64, 512), seed=5))
+    imp = torch.ones(512)
+    imp[:256] = 100.0
+    t = ggml.GGML_TYPES["q4_k"]
+    plain = ggml.dequantize(ggml.quantize(x, t)) - x
+    weighted = ggml.dequantize(ggml.quantize(x, t, importance=imp)) - x
+    assert (weighted[:, :256] ** 2).mean() < (plain[:, :256] ** 2).mean()
+
+
+def test_shapes_are_checked_and_memory_is_chunked(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="multiple of 256"):
+        ggml.quantize(torch.zeros(4, 96), ggml.GGML_TYPES["q4_k"], name="w")
+    x = torch.from_numpy(_data("gaussian", (40, 256), seed=6))
+    for name, exact in (("q8_0", True), ("q5_k", False)):
+        t = ggml.GGML_TYPES[name]
+        whole = ggml.quantize(x, t)
+        with monkeypatch.context() as m:
+            m.setattr(ggml, "CHUNK_ELEMENTS", 512)  # two rows a chunk
+            parts = ggml.quantize(x, t)
+        if exact:
+            assert torch.equal(parts.data, whole.data)
+        else:  # the searches' float32 sums may round otherwise in smaller tensors: the same error to 1 %
+            e1, e2 = (((ggml.dequantize(q) - x) ** 2).mean().item() for q in (whole, parts))
+            assert e2 == pytest.approx(e1, rel=1e-2)
+    three_d = ggml.quantize(x.reshape(2, 20, 256), ggml.GGML_TYPES["q8_0"])
+    assert three_d.data.shape == (40, 272) and ggml.dequantize(three_d).shape == (2, 20, 256)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name", LEGACY + KQUANTS)
+def test_cuda_gives_the_cpu_bytes_for_legacy_types(name: str) -> None:
+    x = torch.from_numpy(_data("gaussian", (32, 512), seed=7))
+    t = ggml.GGML_TYPES[name]
+    cpu = ggml.quantize(x, t).data
+    gpu = ggml.quantize(x.cuda(), t).data.cpu()
+    if name in LEGACY:
+        assert torch.equal(cpu, gpu)
+    else:  # another summation order in the searches: decoded error within a hair of the CPU's
+        e_cpu = ((ggml.dequantize(ggml.GGMLQuantized(t, x.shape, cpu)) - x) ** 2).mean()
+        e_gpu = ((ggml.dequantize(ggml.GGMLQuantized(t, x.shape, gpu)) - x) ** 2).mean()
+        assert e_gpu <= e_cpu * 1.01

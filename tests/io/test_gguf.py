@@ -1,0 +1,335 @@
+"""GGUF in and out: llama.cpp loads and runs what quantd writes; metadata and tensor order are kept;
+the mixes pick llama.cpp's types; hostile GGUF files are refused quickly with bounded memory."""
+
+from __future__ import annotations
+
+import struct
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+import gguf
+from _gguf_models import llama_cpp_or_none, llama_logits, llama_quantize, write_tiny_llama
+from gguf import GGMLQuantizationType
+from quantd.errors import ConfigError, MalformedInputError, UnsupportedFormatError
+from quantd.io import open_model
+from quantd.io.gguf_file import GGUFFile
+from quantd.io.gguf_mix import ModelParams, mix_types
+from quantd.io.imatrix import load_imatrix
+from quantd.io.pipeline import quantize_file
+from quantd_client import QuantConfig
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf")
+
+
+def _tensor_bytes(f: GGUFFile) -> dict[str, tuple[int, bytes]]:
+    data = f.path.read_bytes()
+    return {t.name: (t.type_id, data[f.data_start + t.offset:f.data_start + t.offset + t.nbytes]) for t in f.tensors}
+
+
+def _run(src: Path, dst: Path, **config: object) -> object:
+    return quantize_file(src, dst, QuantConfig.model_validate({"output": "gguf", **config}), device="cpu")
+
+
+# ---- llama.cpp runs the result ------------------------------------------------------------------------
+
+def _logit_error(ref: np.ndarray, out: np.ndarray) -> float:
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize(("mix", "ftype"), [("Q8_0", 7), ("Q4_K_M", 15)])
+def test_llama_cpp_runs_the_quantized_model_close_to_f32(tiny: Path, tmp_path: Path, mix: str, ftype: int) -> None:
+    """Tolerance: the logits' relative error (‖Δ‖/‖logits‖ over every position of a prompt) at most that of
+    llama.cpp's own quantizer for the same mix on the same model (plus 2 % for another rounding of a
+    random-weight model, which spreads any weight error over all logits), and absolute bounds from the
+    mixes' precision: 8-bit within 5 %, Q4_K_M within 40 % on this 4-layer model with random weights."""
+    out = tmp_path / f"ours-{mix}.gguf"
+    report = _run(tiny, out, gguf_mix=mix)
+    assert report.summary.tensors_quantized == 30  # type: ignore[attr-defined]
+    llama_cpp = llama_cpp_or_none()
+    if llama_cpp is None:
+        # llama-cpp-python is not installed (or its native library does not load on this machine):
+        # validate with gguf-py's reader and decoder instead of running the model.
+        reader = gguf.GGUFReader(str(out))
+        src = gguf.GGUFReader(str(tiny))
+        for t, s in zip(reader.tensors, src.tensors, strict=True):
+            x = np.asarray(s.data, dtype=np.float32)
+            y = gguf.quants.dequantize(np.asarray(t.data), GGMLQuantizationType(int(t.tensor_type)))
+            assert y.shape == x.shape and ((y - x) ** 2).mean() <= 0.01 * (x ** 2).mean()
+        pytest.skip("llama-cpp-python is not importable here: validated with gguf-py's reader and dequantizer")
+    theirs = tmp_path / f"llama-{mix}.gguf"
+    llama_quantize(tiny, theirs, ftype)
+    ref = llama_logits(tiny)
+    ours_err = _logit_error(ref, llama_logits(out))
+    their_err = _logit_error(ref, llama_logits(theirs))
+    assert ours_err <= their_err * 1.02 + 1e-6
+    assert ours_err < (0.05 if mix == "Q8_0" else 0.4)
+    ours, llama = GGUFFile(out), GGUFFile(theirs)
+    ours_t, llama_t = _tensor_bytes(ours), _tensor_bytes(llama)
+    assert {n: t for n, (t, _) in ours_t.items()} == {n: t for n, (t, _) in llama_t.items()}  # the mix's types
+    if mix == "Q8_0":  # legacy types: llama.cpp's own bytes
+        assert ours_t == llama_t
+
+
+# ---- the file: metadata, order, types -----------------------------------------------------------------
+
+def test_metadata_and_tensor_order_are_kept(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "q4km.gguf"
+    _run(tiny, out, gguf_mix="Q4_K_M")
+    a, b = GGUFFile(tiny), GGUFFile(out)
+    changed = {"general.file_type", "general.quantization_version"}
+    assert [kv.raw for kv in a.metadata if kv.key not in changed] == [kv.raw for kv in b.metadata
+                                                                     if kv.key not in changed]
+    assert b.get("general.file_type") == 15 and b.get("general.quantization_version") == 2
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    types = {t.name: GGMLQuantizationType(t.type_id).name for t in b.tensors}
+    assert types["blk.0.attn_norm.weight"] == "F32" and types["output_norm.weight"] == "F32"
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+    # use_more_bits over 4 layers: layers 2 and 3 get q6_k for attn_v and ffn_down
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(4)] == ["Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert [types[f"blk.{i}.ffn_down.weight"] for i in range(4)] == ["Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    # gguf-py reads the file back; its decoder gives the error the report states
+    reader = gguf.GGUFReader(str(out))
+    assert reader.fields["general.architecture"].contents() == "llama"
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == 279
+
+
+def test_report_measures_ggml_decode_against_the_input(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "q5.gguf"
+    report = _run(tiny, out, scheme={"dtype": "q5_k"},
+                  rules=[{"match": "output.weight", "scheme": {"dtype": "q8_0"}}, {"match": "blk.0.*", "skip": True}])
+    by_name = {t.name: t for t in report.tensors}  # type: ignore[attr-defined]
+    assert by_name["blk.0.attn_q.weight"].skipped and by_name["blk.1.attn_q.weight"].scheme.dtype == "q5_k"
+    assert by_name["output.weight"].scheme.dtype == "q8_0"
+    assert by_name["blk.1.attn_norm.weight"].skipped  # 1-D: skip_1d
+    src, dst = gguf.GGUFReader(str(tiny)), gguf.GGUFReader(str(out))
+    x = np.asarray(next(t for t in src.tensors if t.name == "blk.1.ffn_up.weight").data)
+    t = next(t for t in dst.tensors if t.name == "blk.1.ffn_up.weight")
+    assert GGMLQuantizationType(int(t.tensor_type)) == GGMLQuantizationType.Q5_K
+    y = gguf.quants.dequantize(np.asarray(t.data), GGMLQuantizationType.Q5_K)
+    stats = by_name["blk.1.ffn_up.weight"].stats
+    assert stats.mse == pytest.approx(float(((y.astype(np.float64) - x) ** 2).mean()), rel=1e-6)
+    assert stats.bits_per_weight == 5.5 and stats.theoretical_max_error is None
+    blk0 = _tensor_bytes(GGUFFile(tiny))["blk.0.attn_q.weight"]
+    assert _tensor_bytes(GGUFFile(out))["blk.0.attn_q.weight"] == blk0  # skipped: copied as it is
+
+
+def test_mix_fallbacks_and_special_tensors() -> None:
+    p = ModelParams(arch="llama", n_layer=32, n_head=32, n_head_kv=8, n_expert=0)
+    tensors = [("token_embd.weight", (32000, 4096)), ("output.weight", (32000, 4096)),
+               ("blk.0.attn_norm.weight", (4096,)), ("blk.0.ffn_gate_inp.weight", (8, 4096)),
+               ("blk.0.ffn_down.weight", (4096, 11008)), ("blk.1.ffn_down.weight", (4096, 11008)),
+               ("blk.4.ffn_down.weight", (4096, 11000))]
+    t = mix_types("Q4_K_M", tensors, p)
+    assert t["output.weight"] == "q6_k" and t["token_embd.weight"] == "q4_k"
+    assert "blk.0.attn_norm.weight" not in t and "blk.0.ffn_gate_inp.weight" not in t
+    # 11008 = 43·256; 11000 is a multiple of 8 only: float16 (q4_k → q5_0 needs 32)
+    assert t["blk.0.ffn_down.weight"] == "q6_k" and t["blk.4.ffn_down.weight"] == "float16"
+    t = mix_types("Q3_K_M", [("blk.0.ffn_down.weight", (4096, 11008)), ("blk.0.attn_v.weight", (1024, 4096)),
+                             ("blk.0.attn_output.weight", (4096, 4096)), ("output.weight", (32000, 4000))], p)
+    assert t == {"blk.0.ffn_down.weight": "q5_k", "blk.0.attn_v.weight": "q5_k",
+                 "blk.0.attn_output.weight": "q4_k", "output.weight": "q8_0"}
+    tied = mix_types("Q5_K_M", [("token_embd.weight", (32000, 4096))], p)  # no output.weight: tied
+    assert tied == {"token_embd.weight": "q6_k"}
+
+
+def test_row_fallback_in_a_file(tmp_path: Path) -> None:
+    src = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(src), "llama")
+    rng = np.random.default_rng(0)
+    w.add_tensor("a.weight", rng.standard_normal((8, 288)).astype(np.float32))  # 9·32: q4_k → q5_0
+    w.add_tensor("b.weight", rng.standard_normal((8, 48)).astype(np.float32))  # not 32: float16
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = tmp_path / "odd-q4k.gguf"
+    report = _run(src, out, scheme={"dtype": "q4_k"})
+    by_name = {t.name: t for t in report.tensors}  # type: ignore[attr-defined]
+    assert by_name["a.weight"].scheme.dtype == "q5_0" and "fallback" in by_name["a.weight"].reason
+    assert by_name["b.weight"].scheme.dtype == "float16"
+    assert [GGMLQuantizationType(t.type_id).name for t in GGUFFile(out).tensors] == ["Q5_0", "F16"]
+
+
+def test_config_errors(tiny: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match='valid only with output "gguf"'):
+        QuantConfig.model_validate({"scheme": {"dtype": "q4_k"}})
+    with pytest.raises(ValidationError, match=r"rules\[0\]\.scheme\.dtype"):
+        QuantConfig.model_validate({"rules": [{"match": "*", "scheme": {"dtype": "q8_0"}}]})
+    with pytest.raises(ValidationError, match="gguf_mix"):
+        QuantConfig.model_validate({"gguf_mix": "Q4_K_M"})
+    with pytest.raises(ConfigError, match="int4") as e:
+        _run(tiny, tmp_path / "x.gguf")  # the default int4 scheme: not a GGUF type
+    assert e.value.field == "scheme.dtype" and e.value.tensor == "token_embd.weight"
+    st = tmp_path / "m.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(4, 256)}, str(st))
+    with pytest.raises(ConfigError, match="needs a GGUF input"):
+        _run(st, tmp_path / "y.gguf", scheme={"dtype": "q8_0"})
+
+
+def test_gguf_input_to_quantd_safetensors(tiny: Path, tmp_path: Path) -> None:
+    report = quantize_file(tiny, tmp_path / "a.safetensors", QuantConfig(), device="cpu")
+    assert report.summary.tensors_quantized == 30
+
+
+# ---- importance matrices ------------------------------------------------------------------------------
+
+def _legacy_imatrix(path: Path, entries: dict[str, np.ndarray], ncall: int = 10) -> Path:
+    out = bytearray(struct.pack("<i", len(entries)))
+    for name, v in entries.items():
+        n = name.encode()
+        out += struct.pack("<i", len(n)) + n + struct.pack("<ii", ncall, v.size) + (v * ncall).astype("<f4").tobytes()
+    out += struct.pack("<i", ncall) + struct.pack("<i", 4) + b"data"
+    path.write_bytes(bytes(out))
+    return path
+
+
+def test_imatrix_formats_and_weighting(tiny: Path, tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    names = [f"blk.{i}.{k}.weight" for i in range(4) for k in ("attn_q", "ffn_up")]
+    entries = {n: (rng.random(256) ** 4 * 10 + 1e-3).astype(np.float32) for n in names}
+    dat = _legacy_imatrix(tmp_path / "imatrix.dat", entries)
+    table = load_imatrix(dat)
+    assert set(table) == set(names)
+    np.testing.assert_allclose(table[names[0]].numpy()[0], entries[names[0]], rtol=1e-6)
+    g = tmp_path / "imatrix.gguf"
+    w = gguf.GGUFWriter(str(g), "llama")
+    w.add_string("general.type", "imatrix")
+    for n, v in entries.items():
+        w.add_tensor(f"{n}.in_sum2", (v * 7).reshape(1, -1))
+        w.add_tensor(f"{n}.counts", np.array([[7.0]], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    table_g = load_imatrix(g)
+    np.testing.assert_allclose(table_g[names[3]].numpy()[0], entries[names[3]], rtol=1e-6)
+
+    plain = _run(tiny, tmp_path / "plain.gguf", scheme={"dtype": "q3_k"})
+    weighted = quantize_file(tiny, tmp_path / "w.gguf", QuantConfig(output="gguf", scheme={"dtype": "q3_k"}),
+                             device="cpu", calibration=dat)
+    name = "blk.2.ffn_up.weight"
+    x = np.asarray(next(t for t in gguf.GGUFReader(str(tiny)).tensors if t.name == name).data)
+
+    def weighted_mse(path: Path) -> float:
+        t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
+        y = gguf.quants.dequantize(np.asarray(t.data), GGMLQuantizationType.Q3_K)
+        return float((entries[name] * (y - x) ** 2).mean())
+
+    assert weighted_mse(tmp_path / "w.gguf") < weighted_mse(tmp_path / "plain.gguf")
+    assert plain.summary.tensors_quantized == weighted.summary.tensors_quantized  # type: ignore[attr-defined]
+
+
+def test_bad_imatrix_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.dat"
+    bad.write_bytes(struct.pack("<i", 1) + struct.pack("<i", 5) + b"w.wei" + struct.pack("<ii", 1, 1 << 30))
+    with pytest.raises(MalformedInputError, match="cannot hold"):
+        load_imatrix(bad)
+    bad.write_bytes(struct.pack("<i", 1 << 30))
+    with pytest.raises(MalformedInputError, match="entries"):
+        load_imatrix(bad)
+
+
+# ---- hostile files ------------------------------------------------------------------------------------
+
+def _s(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _file(kvs: list[bytes], tensors: list[tuple[str, tuple[int, ...], int, int]], data: bytes, *,
+          n_tensors: int | None = None, n_kv: int | None = None, align: int = 32) -> bytes:
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors) if n_tensors is None else n_tensors,
+                                 len(kvs) if n_kv is None else n_kv) + b"".join(kvs)
+    for name, ne, type_id, off in tensors:
+        head += _s(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne) + struct.pack("<IQ", type_id, off)
+    return head + bytes(-len(head) % align) + data
+
+
+_KV = _s("general.architecture") + struct.pack("<I", 8) + _s("llama")
+_T = ("w.weight", (32, 2), 0, 0)
+
+HOSTILE = {
+    "truncated": _file([_KV], [_T], bytes(100)),
+    "lying offset": _file([_KV], [("w.weight", (32, 2), 0, 1 << 40)], bytes(256)),
+    "misaligned offset": _file([_KV], [("w.weight", (32, 2), 0, 4)], bytes(300)),
+    "overlap": _file([_KV], [_T, ("v.weight", (32, 2), 0, 128)], bytes(512)),
+    "huge tensor count": _file([_KV], [_T], bytes(256), n_tensors=1 << 60),
+    "huge key count": _file([_KV], [_T], bytes(256), n_kv=1 << 60),
+    "unknown tensor type": _file([_KV], [("w.weight", (32, 2), 999, 0)], bytes(256)),
+    "unknown value type": _file([_s("k") + struct.pack("<I", 77) + bytes(8)], [_T], bytes(256)),
+    "lying string length": _file([struct.pack("<Q", 1 << 40) + b"k"], [_T], bytes(256)),
+    "huge string array": _file([_s("a") + struct.pack("<IIQ", 9, 8, 1 << 58)], [_T], bytes(256)),
+    "bad alignment": _file([_s("general.alignment") + struct.pack("<II", 4, 24)], [_T], bytes(256)),
+    "too many dims": _file([_KV], [("w.weight", (32, 2, 1, 1, 1), 0, 0)], bytes(256)),
+    "zero dim": _file([_KV], [("w.weight", (32, 0), 0, 0)], bytes(256)),
+    "row not a block": _file([_KV], [("w.weight", (30, 2), 8, 0)], bytes(256)),
+    "huge shape": _file([_KV], [("w.weight", (1 << 40, 1 << 20), 0, 0)], bytes(256)),
+    "duplicate tensor": _file([_KV], [_T, _T], bytes(1024)),
+    "duplicate key": _file([_KV, _KV], [_T], bytes(256)),
+    "version 9": b"GGUF" + struct.pack("<IQQ", 9, 0, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_gguf_is_refused_quickly_in_bounded_memory(tmp_path: Path, case: str) -> None:
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(HOSTILE[case])
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(MalformedInputError), open_model(path):
+            pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert time.perf_counter() - t0 < 5
+    assert peak < 8 * 2**20
+
+
+def test_a_valid_handmade_file_parses(tmp_path: Path) -> None:
+    """The hostile cases' builder makes valid files too: each case is refused for its own lie."""
+    path = tmp_path / "ok.gguf"
+    path.write_bytes(_file([_KV], [_T], np.arange(64, dtype=np.float32).tobytes()))
+    with open_model(path) as r:
+        assert r.format == "gguf" and r.tensors[0].shape == (2, 32)
+        assert torch.equal(r.load("w.weight", "cpu").reshape(-1), torch.arange(64, dtype=torch.float32))
+    path.write_bytes(b"GGUX" + bytes(20))
+    with pytest.raises(UnsupportedFormatError):
+        open_model(path)
+
+
+def test_analyze_compares_ggml_types_with_quantd_schemes(tiny: Path) -> None:
+    from quantd.io.pipeline import analyze_file
+    from quantd_client import Scheme
+
+    resp = analyze_file(tiny, [Scheme(dtype="q4_k"), Scheme(dtype="q8_0"), Scheme(dtype="int4", group_size=32)],
+                        device="cpu")
+    t = next(t for t in resp.tensors if t.name == "blk.0.ffn_up.weight")
+    q4k, q8, int4 = (r.stats for r in t.results)
+    assert q4k.bits_per_weight == 4.5 and q8.bits_per_weight == 8.5
+    assert q8.sqnr_db > q4k.sqnr_db > 15
+    assert int4.bits_per_weight > 4
+    with pytest.raises(ConfigError, match="multiple of 256"):
+        analyze_file(_odd_model(tiny.parent), [Scheme(dtype="q4_k")], device="cpu")
+
+
+def _odd_model(d: Path) -> Path:
+    path = d / "odd-analyze.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("a.weight", np.ones((4, 96), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

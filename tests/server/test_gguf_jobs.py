@@ -1,0 +1,87 @@
+"""GGUF over HTTP and from the command line: a job turns a GGUF model into llama.cpp's Q8_0 (the bytes
+the in-process run writes), takes an importance matrix as its calibration part, refuses a hostile GGUF."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from _gguf_models import llama_cpp_or_none, llama_logits, write_tiny_llama
+from quantd.cli import main
+from quantd.io.gguf_file import GGUFFile
+from quantd.io.pipeline import quantize_file
+from quantd_client import QuantConfig
+
+from .conftest import assert_problem
+
+CONFIG = {"output": "gguf", "gguf_mix": "Q8_0"}
+
+
+async def test_gguf_job_over_http(server, tmp_path: Path) -> None:
+    src = write_tiny_llama(tmp_path / "tiny.gguf")
+    data = src.read_bytes()
+    r = await server.submit(data, config=CONFIG, filename="tiny.gguf")
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["input"]["format"] == "gguf" and job["input"]["tensors"] == 39
+    done = await server.wait_job(job["id"], timeout=300)
+    assert done["status"] == "succeeded", done
+    resp = await server.client.get(f"/v1/jobs/{job['id']}/artifact")
+    assert f'filename="{job["id"]}.gguf"' in resp.headers["content-disposition"]
+    art = resp.content
+    out = tmp_path / "job.gguf"
+    out.write_bytes(art)
+    local = tmp_path / "local.gguf"
+    quantize_file(src, local, QuantConfig.model_validate(CONFIG), device="cpu")
+    assert art == local.read_bytes()  # Q8_0 is ggml's reference quantizer: one byte stream
+    rep = (await server.client.get(f"/v1/jobs/{job['id']}/report")).json()
+    q = {t["name"]: t for t in rep["tensors"]}["blk.0.ffn_up.weight"]
+    assert q["scheme"]["dtype"] == "q8_0" and q["stats"]["sqnr_db"] > 40
+    if llama_cpp_or_none() is not None:  # llama.cpp runs the job's file, close to the F32 model
+        import numpy as np
+
+        ref, got = llama_logits(src), llama_logits(out)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05
+
+
+async def test_gguf_job_with_an_importance_matrix(server, tmp_path: Path) -> None:
+    src = write_tiny_llama(tmp_path / "tiny.gguf")
+    dat = bytearray(struct.pack("<i", 1))
+    name = b"blk.1.ffn_up.weight"
+    dat += struct.pack("<i", len(name)) + name + struct.pack("<ii", 1, 256) + (b"\x00\x00\x80\x3f" * 256)
+    dat += struct.pack("<ii", 1, 0)
+    files = {"file": ("tiny.gguf", src.read_bytes(), "application/octet-stream"),
+             "calibration": ("imatrix.dat", bytes(dat), "application/octet-stream")}
+    cfg = {"output": "gguf", "gguf_mix": "Q4_K_M"}
+    r = await server.client.post("/v1/jobs", files=files, data={"config": json.dumps(cfg)})
+    assert r.status_code == 202, r.text
+    done = await server.wait_job(r.json()["id"], timeout=300)
+    assert done["status"] == "succeeded", done
+    files["calibration"] = ("imatrix.dat", b"\x01\x00\x00\x00junk", "application/octet-stream")
+    r = await server.client.post("/v1/jobs", files=files, data={"config": json.dumps(cfg)})
+    assert "calibration" in assert_problem(r, 422)["detail"]
+
+
+async def test_hostile_gguf_upload_is_a_422(server) -> None:
+    data = b"GGUF" + struct.pack("<IQQ", 3, 1 << 60, 0)
+    r = await server.submit(data, config=CONFIG, filename="evil.gguf")
+    assert "tensors" in assert_problem(r, 422)["detail"]
+
+
+def test_cli_quantizes_gguf_in_process(tmp_path: Path) -> None:
+    src = write_tiny_llama(tmp_path / "tiny.gguf")
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"output": "gguf", "gguf_mix": "Q4_K_M"}))
+    out = tmp_path / "out.gguf"
+    assert main(["quantize", str(src), "-o", str(out), "--config", str(cfg), "--device", "cpu"]) == 0
+    f = GGUFFile(out)
+    assert f.get("general.file_type") == 15 and len(f.tensors) == 39
+    dat = tmp_path / "imatrix.dat"
+    name = b"blk.0.ffn_up.weight"
+    dat.write_bytes(struct.pack("<ii", 1, len(name)) + name + struct.pack("<ii", 1, 256) + b"\x00\x00\x80\x3f" * 256
+                    + struct.pack("<ii", 1, 0))
+    out2 = tmp_path / "out2.gguf"
+    assert main(["quantize", str(src), "-o", str(out2), "--gguf-mix", "Q6_K", "--calibration", str(dat),
+                 "--device", "cpu"]) == 0
+    assert GGUFFile(out2).get("general.file_type") == 18
