@@ -787,6 +787,52 @@ def oneshot_section(data: dict[str, Any]) -> list[str]:
     return out
 
 
+# What bench/methods.py's row labels run (its SCHEMES), for results files that do not record them.
+METHOD_LABELS: dict[str, Any] = {
+    "gptq_act_order": {"act_order": True},
+    "gptq_static_act_order": {"act_order": True, "static_groups": True},
+    "gptq_tuned": {"damp": 0.1, "act_order": True, "awq_scales": True},
+    "gptq_tuned_mse": {"observer": "mse", "method_args": {"damp": 0.1, "act_order": True, "awq_scales": True}},
+}
+
+
+def methods_section(data: dict[str, Any]) -> list[str]:
+    """methods.json (bench/methods.py): RTN, HQQ, GPTQ and AWQ on all-MiniLM-L6-v2 int4, beside the hqq
+    library and llm-compressor measured in the same run."""
+    out = [machine_line(data["machine"]), "",
+           f"{data.get('model')}: {data.get('metric')}; {data.get('evaluation_sentences')} evaluation sentences, "
+           f"{data.get('calibration_sentences')} other sentences for calibration. Baseline: RTN (min-max) of the "
+           "same run; *seconds* include the statistics and the artifact for quantd's file pipeline.", "",
+           "Labels (bench/methods.py `SCHEMES`): " + "; ".join(
+               f"`{k}` = {json.dumps(v)}" for k, v in (data.get("schemes") or METHOD_LABELS).items()) + ".", ""]
+    rows: list[list[str]] = []
+    for key in ("agnostic", "sequential", "llmcompressor"):
+        part = data.get(key)
+        if isinstance(part, dict) and "error" in part:
+            rows.append([key, "", "", "", f"failed: {part['error']}", "", ""])
+            continue
+        for r in part or []:
+            label = r["method"] + (f" (act-order {r['actorder']})" if r.get("actorder") else "")
+            lib = r["library"] + (f" {r['version']}" if r.get("version") else "")
+            if "unavailable" in r:
+                rows.append([lib, label, r["scheme"], r.get("calibration", ""), f"not run: {r['unavailable']}",
+                             "", ""])
+                continue
+            rows.append([lib, label, r["scheme"], r.get("calibration", ""), fmt(r.get("embedding_cos_mean"), ".4f"),
+                         fmt(r.get("embedding_cos_min"), ".4f"), fmt(r.get("seconds"), ".1f")])
+    out.append(table(["library", "method", "scheme", "calibration", "emb. cos mean", "emb. cos min", "seconds"],
+                     rows))
+    hqq = [r for r in data.get("hqq") or [] if isinstance(r, dict) and "unavailable" not in r]
+    if hqq:
+        out += ["", "HQQ int4 affine g64 on every Linear weight, the engine alone (quantize and dequantize), "
+                    "against the `hqq` library's `Quantizer` in the same run:", "",
+                table(["library", "emb. cos mean", "seconds", "quantd speed-up"],
+                      [[r["library"] + (f" {r['version']}" if r.get("version") else ""),
+                        fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r.get("seconds"), ".2f"),
+                        fmt(r.get("speedup_vs_hqq"), ".2f")] for r in hqq])]
+    return out
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("quantd vs peer libraries", "peers.json", peers_section),
     ("The service", "service.json", service_file_section),
@@ -797,6 +843,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("A model directory: HTTP job against in-process", "model_dir.json", model_dir_section),
     ("The job queue: SQLite against PostgreSQL", "queue.json", queue_section),
     ("GGUF: quantd against llama.cpp's llama_model_quantize (bench/gguf_vs_llamacpp.py)", "gguf.json", gguf_section),
+    ("Methods: RTN, HQQ, GPTQ and AWQ on all-MiniLM-L6-v2", "methods.json", methods_section),
     ("One-shot runs: the CLI end to end and a new server's first request", "oneshot.json", oneshot_section),
 ]
 

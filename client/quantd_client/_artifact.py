@@ -143,7 +143,7 @@ class ArtifactFile:
         self.metadata: dict[str, Any] = meta
         self.tensor_names: list[str] = list(self._entries)
         self.quantized: list[str] = list(meta.get("tensors", {}))
-        owned = {f"{n}.{s}" for n in self.quantized for s in ("qdata", "scale", "zero_point")}
+        owned = {f"{n}.{s}" for n in self.quantized for s in ("qdata", "scale", "zero_point", "g_idx", "channel_scale")}
         self.passthrough: list[str] = [n for n in self.tensor_names if n not in owned]
 
     @property
@@ -189,7 +189,14 @@ class ArtifactFile:
         if DTYPES[m["dtype"]].kind == "float":
             return v.astype(np.float32)
         scale = self.tensor(f"{name}.scale").astype(np.float32)
-        zp = self.raw(f"{name}.zero_point").astype(np.int32) if f"{name}.zero_point" in self._entries else None
+        zp: npt.NDArray[Any] | None = None
+        if f"{name}.zero_point" in self._entries:  # CONTRACT §10: "float" zero points are stored in scale_dtype
+            zp = (self.tensor(f"{name}.zero_point").astype(np.float32) if m.get("zero_point_domain") == "float"
+                  else self.raw(f"{name}.zero_point").astype(np.int32))
+        g_idx = self.raw(f"{name}.g_idx") if f"{name}.g_idx" in self._entries else None
+        cs = self.raw(f"{name}.channel_scale") if f"{name}.channel_scale" in self._entries else None
+        if g_idx is not None or cs is not None:
+            return _apply_columns(v, scale, zp, g_idx, cs)
         return _apply_blocks(v, scale, zp, m)
 
     def dequantize(self, name: str | None = None) -> dict[str, npt.NDArray[Any]]:
@@ -206,7 +213,7 @@ class ArtifactFile:
         return out
 
 
-def _apply_blocks(v: npt.NDArray[Any], scale: npt.NDArray[np.float32], zp: npt.NDArray[np.int32] | None,
+def _apply_blocks(v: npt.NDArray[Any], scale: npt.NDArray[np.float32], zp: npt.NDArray[Any] | None,
                   m: Mapping[str, Any]) -> npt.NDArray[np.float32]:
     """Broadcast scale/zero point over the CONTRACT block view of ``v`` and undo it."""
     shape = v.shape
@@ -231,7 +238,29 @@ def _apply_blocks(v: npt.NDArray[Any], scale: npt.NDArray[np.float32], zp: npt.N
     return np.ascontiguousarray(np.moveaxis(out.reshape(moved), 0, axis))
 
 
-def _affine(v: npt.NDArray[Any], zp: npt.NDArray[np.int32] | None, scale: npt.NDArray[np.float32]
+def _apply_columns(v: npt.NDArray[Any], scale: npt.NDArray[np.float32], zp: npt.NDArray[Any] | None,
+                   g_idx: npt.NDArray[Any] | None, channel_scale: npt.NDArray[Any] | None) -> npt.NDArray[np.float32]:
+    """A ``[rows, cols]`` weight whose column ``j`` takes group ``g_idx[j]``'s scale and zero point (else
+    ``j // group_size``) and is divided by ``channel_scale[j]`` (CONTRACT §10)."""
+    rows = v.shape[0]
+    codes = v.reshape(rows, -1)
+    cols = codes.shape[1]
+    s2 = scale.reshape(rows, -1)
+    if g_idx is not None:
+        idx = g_idx.astype(np.int64)
+        if idx.shape != (cols,) or (idx.size and (idx.min() < 0 or idx.max() >= s2.shape[1])):
+            raise ArtifactError(f"g_idx of shape {list(idx.shape)} does not index the {s2.shape[1]} groups of "
+                                f"{cols} columns")
+    else:
+        idx = np.arange(cols) // (cols // s2.shape[1])
+    centered = codes.astype(np.float32) if zp is None else codes - zp.reshape(rows, -1)[:, idx]
+    out = (centered.astype(np.float32) * s2[:, idx]).astype(np.float32)
+    if channel_scale is not None:
+        out = (out / channel_scale.astype(np.float32).reshape(1, cols)).astype(np.float32)
+    return out.reshape(v.shape)
+
+
+def _affine(v: npt.NDArray[Any], zp: npt.NDArray[Any] | None, scale: npt.NDArray[np.float32]
             ) -> npt.NDArray[np.float32]:
     centered = v if zp is None else v - zp
     return (centered.astype(np.float32) * scale).astype(np.float32)

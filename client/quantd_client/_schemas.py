@@ -31,7 +31,9 @@ DType = Literal[
 ]
 GranularityName = Literal["tensor", "channel", "group"]
 ObserverName = Literal["minmax", "percentile", "meanstd", "ema", "mse", "entropy"]
-MethodName = Literal["rtn"]
+# The one table of method names (the engine's method registry is pinned to it by a test).
+MethodName = Literal["rtn", "hqq", "gptq", "awq"]
+MethodArgValue = float | bool
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 InputFormat = Literal["safetensors", "pytorch", "npy", "npz", "gguf"]
@@ -97,6 +99,9 @@ class Scheme(_Strict):
     observer: ObserverName = "minmax"
     observer_args: dict[str, float] = Field(default_factory=dict)
     method: MethodName = "rtn"
+    method_args: dict[str, MethodArgValue] = Field(
+        default_factory=dict, description="the method's own arguments (/v1/info.method_args lists them); "
+                                          "an argument the method does not take is refused with 422")
     scale_dtype: ScaleDType = "float16"
 
     model_config = ConfigDict(
@@ -161,6 +166,7 @@ class SchemeOverride(_Strict):
     observer: ObserverName | None = None
     observer_args: dict[str, float] | None = None
     method: MethodName | None = None
+    method_args: dict[str, MethodArgValue] | None = None
     scale_dtype: ScaleDType | None = None
 
 
@@ -303,6 +309,8 @@ class ErrorStats(BaseModel):
     bits_per_weight: float
     compression_ratio: float
     theoretical_sqnr_db: float | None = None  # 6.02·b + 1.76 dB for integer dtypes
+    # With calibration for the tensor (CONTRACT §10): tr(ΔW H ΔWᵀ) / tr(W H Wᵀ), H = Σ x xᵀ of its inputs.
+    output_rel_error: float | None = None
 
 
 class TensorReport(BaseModel):
@@ -422,10 +430,12 @@ class JobByReference(BaseModel):
         "source": "s3://models/llama/model.safetensors", "destination": "s3://models/llama-int4/"}]})
 
     config: QuantConfig
-    source: str = Field(max_length=1024, description="s3://bucket/key of one model file")
+    source: str = Field(max_length=1024, description=(
+        "s3://bucket/key of one model file, or a model directory: a prefix ending in '/'"))
     destination: str | None = Field(default=None, max_length=1024, description=(
-        "s3://bucket/key for the artifact, or a prefix ending in '/' (the source's name + .quantd.safetensors); "
-        "the job's own artifact stays downloadable too"))
+        "s3://bucket/key for the artifact, or a prefix ending in '/' (the source's name + .quantd.safetensors; "
+        "a directory output writes every file under it, and needs a prefix); the job's own files stay "
+        "downloadable too"))
 
 
 class JobList(BaseModel):
@@ -522,6 +532,27 @@ class DeviceInfo(BaseModel):
     memory_bytes: int | None = None
 
 
+class MethodArg(BaseModel):
+    """One argument a method takes in ``scheme.method_args``."""
+
+    name: str
+    type: Literal["float", "int", "bool"]
+    default: float | bool
+    min: float | None = None
+    max: float | None = None
+    description: str
+
+
+class MethodInfo(BaseModel):
+    """A method of ``scheme.method``: what it needs (``none``; ``hessian``: a calibration file with each
+    Linear's input rows or Hessian, CONTRACT §10) and the arguments it takes."""
+
+    name: str
+    needs: Literal["none", "hessian"]
+    description: str
+    args: list[MethodArg]
+
+
 class Limits(BaseModel):
     max_upload_bytes: int
     max_sync_bytes: int
@@ -535,6 +566,7 @@ class Info(BaseModel):
     dtypes: list[str]
     observers: list[str]
     methods: list[str]
+    method_args: list[MethodInfo] = Field(default_factory=list, description="each method with its arguments")
     granularities: list[str]
     input_formats: list[str]
     output_formats: list[str]

@@ -23,6 +23,7 @@ from quantd_client._schemas import (
     DType,
     GranularityName,
     JobStatus,
+    MethodName,
     ObserverName,
     QuantConfig,
     Report,
@@ -175,8 +176,10 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
         data = {**data, "rules": [{"match": g, "skip": True} for g in skips] + rules}
     if getattr(args, "quantize_embeddings", False):
         data = {**data, "skip_embeddings": False}
-    flags = {key: getattr(args, key) for key in ("dtype", "group_size", "granularity", "observer", "symmetric")
-             if getattr(args, key, None) is not None}
+    flags = {key: getattr(args, key) for key in ("dtype", "group_size", "granularity", "observer", "symmetric",
+                                                  "method") if getattr(args, key, None) is not None}
+    if getattr(args, "method_arg", None):
+        flags["method_args"] = _method_args(args.method_arg)
     if getattr(args, "format", None) is not None:
         data = {**data, "output": args.format}
     if getattr(args, "gguf_mix", None) is not None:  # a llama.cpp mix implies GGUF output
@@ -192,15 +195,35 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
                                                 for x in e.errors())) from None
 
 
+def _method_args(pairs: Sequence[str]) -> dict[str, float | bool]:
+    """``--method-arg KEY=VALUE`` pairs: true/false, else a number."""
+    out: dict[str, float | bool] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--method-arg {pair!r}: expected KEY=VALUE, e.g. act_order=true or damp=0.01")
+        low = raw.strip().lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+            continue
+        try:
+            out[key] = float(raw)
+        except ValueError:
+            raise UsageError(f"--method-arg {pair!r}: the value must be true, false or a number") from None
+    return out
+
+
 def build_schemes(args: argparse.Namespace) -> list[Scheme]:
     import pydantic
 
     out = []
     for dtype in args.dtype or DEFAULT_ANALYZE_DTYPES:
         data: dict[str, Any] = {"dtype": dtype}
-        for key in ("group_size", "granularity", "observer", "symmetric"):
+        for key in ("group_size", "granularity", "observer", "symmetric", "method"):
             if getattr(args, key, None) is not None:
                 data[key] = getattr(args, key)
+        if getattr(args, "method_arg", None):
+            data["method_args"] = _method_args(args.method_arg)
         try:
             out.append(Scheme.model_validate(data))
         except pydantic.ValidationError as e:
@@ -341,7 +364,7 @@ def _quantize_in_process(args: argparse.Namespace, config: QuantConfig) -> Repor
         else:  # one weight file, named as transformers looks for it
             name = "pytorch_model.bin" if detect_format(args.input) == "pytorch" else "model.safetensors"
             files = ModelFiles({name: Path(args.input)})
-        return quantize_directory(files, args.output, config, device=device)
+        return quantize_directory(files, args.output, config, device=device, calibration=args.calibration)
     from quantd.io.pipeline import quantize_file
 
     return quantize_file(args.input, args.output, config, device=device, calibration=args.calibration)
@@ -413,7 +436,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         devices = ", ".join(f"{d.name} ({d.type})" for d in info.devices) or "-"
         print(table(["field", "value"], [
             ["version", info.version], ["devices", devices], ["dtypes", " ".join(info.dtypes)],
-            ["observers", " ".join(info.observers)], ["input formats", " ".join(info.input_formats)],
+            ["observers", " ".join(info.observers)],
+            *[[f"method {m.name}", " ".join(f"{a.name}={a.default}" for a in m.args) or "-"] for m in info.method_args],
+            ["input formats", " ".join(info.input_formats)],
             ["max upload bytes", info.limits.max_upload_bytes], ["max sync bytes", info.limits.max_sync_bytes],
             ["auth", info.auth]]))
     return 0
@@ -435,6 +460,10 @@ def _scheme_flags(p: argparse.ArgumentParser, *, many_dtypes: bool) -> None:
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=None)
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
     p.add_argument("--observer", choices=get_args(ObserverName))
+    p.add_argument("--method", choices=list(get_args(MethodName)),
+                   help="rtn (default) | hqq | gptq, awq (these two need --calibration)")
+    p.add_argument("--method-arg", action="append", metavar="KEY=VALUE",
+                   help="an argument of the method, e.g. act_order=true; repeatable (quantd info lists them)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -476,7 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-mix", choices=GGUF_MIXES,
                    help="a llama.cpp mix (llama-quantize's type, e.g. Q4_K_M) for a GGUF input; implies --format gguf")
     p.add_argument("--calibration", type=Path,
-                   help="calibration file: activation samples, or for GGUF output llama.cpp's importance matrix")
+                   help="calibration file: activation samples; for gptq/awq each Linear M's input rows M [N, in] "
+                        "or M.hessian + M.hessian_count (quantd_client.calibration.CalibrationRecorder writes "
+                        "it); for GGUF output llama.cpp's importance matrix")
     _scheme_flags(p, many_dtypes=False)
     p.add_argument("--skip", action="append", default=[], metavar="GLOB",
                    help="leave tensors whose name matches GLOB as they are (repeatable; before the config's rules)")

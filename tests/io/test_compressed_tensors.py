@@ -132,8 +132,8 @@ def test_g_idx_results_are_written_and_declared(tmp_path: Path, monkeypatch: pyt
 
     real = pipeline._measure
 
-    def with_g_idx(x: torch.Tensor, scheme: Scheme, name: str) -> Any:
-        stats, qt = real(x, scheme, name)
+    def with_g_idx(x: torch.Tensor, scheme: Scheme, name: str, *calibration: Any) -> Any:
+        stats, qt = real(x, scheme, name, *calibration)
         from dataclasses import replace
 
         cols = x.shape[1]

@@ -169,6 +169,9 @@ def test_config_errors(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="int4") as e:
         _run(tiny, tmp_path / "x.gguf")  # the default int4 scheme: not a GGUF type
     assert e.value.field == "scheme.dtype" and e.value.tensor == "token_embd.weight"
+    with pytest.raises(ConfigError, match="method 'hqq' cannot be held by GGUF") as e:
+        _run(tiny, tmp_path / "x.gguf", scheme={"dtype": "q4_k", "method": "hqq"})
+    assert e.value.field == "scheme.method"
     st = tmp_path / "m.safetensors"
     from safetensors.torch import save_file
 

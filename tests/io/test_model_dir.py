@@ -76,3 +76,32 @@ def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
     (tmp_path / "in" / "config.json").write_text("{}")
     with pytest.raises(MalformedInputError, match="no weight files"):
         quantize_directory(tmp_path / "in", tmp_path / "out", CONFIG, device="cpu")
+
+
+def test_tar_window_finds_members_with_few_ranged_reads(tmp_path: Path) -> None:
+    from quantd.io.model_dir import pack_tar, tar_window
+
+    sources = []
+    for i in range(40):
+        p = tmp_path / f"f{i}.txt"
+        p.write_bytes(bytes([i]) * (100 + i))
+        sources.append((f"d/f{i}.txt", p))
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"x" * 200_000)
+    manifest = pack_tar([*sources, ("big.bin", big)], tmp_path / "out.tar")
+    data = (tmp_path / "out.tar").read_bytes()
+    calls: list[tuple[int, int]] = []
+
+    def read(start: int, length: int) -> bytes:
+        calls.append((start, length))
+        return data[start:start + length]
+
+    for entry in manifest:
+        calls.clear()
+        window = tar_window(read, len(data), entry["path"])
+        assert window is not None
+        offset, size = window
+        assert size == entry["bytes"] and data[offset:offset + size] == Path(dict(sources).get(
+            entry["path"], big)).read_bytes()
+        assert len(calls) <= 3  # headers of many small files share one read-ahead block
+    assert tar_window(read, len(data), "missing.txt") is None

@@ -369,6 +369,8 @@ def dequantize(qt: QuantizedTensor, *, dtype: torch.dtype = torch.float32) -> to
         return qt.codes.to(dtype)
     if qt.scale is None:
         raise ConfigError(f"{qt.dtype} codes need a scale", field="scale")
+    if qt.g_idx is not None or qt.channel_scale is not None:
+        return _dequantize_columns(qt, dtype)
     gran = granularity_of(qt)
     blocks, _ = block_view(qt.codes, gran, name="codes")
     work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -386,6 +388,28 @@ def dequantize(qt: QuantizedTensor, *, dtype: torch.dtype = torch.float32) -> to
             values = values - qt.zero_point.reshape(-1, 1).to(work)
         values = values * scale
     return unblock(values, qt.shape, gran).to(dtype)
+
+
+def _dequantize_columns(qt: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x̂`` of a ``[rows, cols]`` weight (axis 0) whose column ``j`` takes the scale and zero point of group
+    ``g_idx[j]`` (else ``j // group_size``) and is divided by ``channel_scale[j]`` (CONTRACT §10)."""
+    if qt.scale is None:
+        raise ConfigError(f"{qt.dtype} codes need a scale", field="scale")
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    rows = qt.shape[0]
+    values = qt.codes.reshape(rows, -1).to(work)
+    cols = values.shape[1]
+    scale = qt.scale.reshape(rows, -1).to(work)
+    if qt.g_idx is not None:
+        idx = qt.g_idx.to(device=values.device, dtype=torch.long)
+    else:
+        idx = torch.arange(cols, device=values.device) // (cols // scale.shape[1])
+    if qt.zero_point is not None:
+        values = values - qt.zero_point.reshape(rows, -1).to(work)[:, idx]
+    values = values * scale[:, idx]
+    if qt.channel_scale is not None:
+        values = values / qt.channel_scale.to(work)
+    return values.reshape(qt.shape).to(dtype)
 
 
 def fake_quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor") -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,8 +58,12 @@ def bits_per_weight(qt: QuantizedTensor) -> float:
     total = numel * DTYPES[qt.dtype].bits
     if qt.scale is not None:
         total += qt.scale.numel() * qt.scale.element_size() * 8
-    if qt.zero_point is not None:
-        total += qt.zero_point.numel() * ZERO_POINT_BITS
+    if qt.zero_point is not None:  # integer zero points take 8 bits; float ones (HQQ) their dtype's
+        bits = ZERO_POINT_BITS if qt.zero_point_domain == "int" else qt.zero_point.element_size() * 8
+        total += qt.zero_point.numel() * bits
+    for extra in (qt.g_idx, qt.channel_scale):  # a column order (int32), per-input-channel scales (float32)
+        if extra is not None:
+            total += extra.numel() * extra.element_size() * 8
     return total / numel
 
 
@@ -88,6 +92,8 @@ def theoretical_max_error(qt: QuantizedTensor, absmax: float | None) -> float:
         return gap / 2 * max_scale
     if info.kind == "fp8":
         return _FP8_TOP_STEP[qt.dtype] / 2 * max_scale
+    if qt.channel_scale is not None:  # column j's step is its scale divided by channel_scale[j]
+        max_scale /= float(qt.channel_scale.float().min())
     return max_scale / 2
 
 
@@ -285,6 +291,7 @@ def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None
     info = DTYPES[qt.dtype]
     gran = granularity_of(qt)
     if (info.kind == "float" or qt.scale is None
+            or qt.g_idx is not None or qt.channel_scale is not None
             or not (is_row_major(x, gran) and is_row_major(qt.codes, gran))):
         return None
     if not kernels.KERNELS.wants(x):
@@ -353,6 +360,21 @@ def quantized_error_stats(x: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
     return _stats(x, qt, m)
 
 
+def _in_code_order(x: torch.Tensor, qt: QuantizedTensor) -> tuple[torch.Tensor, QuantizedTensor]:
+    """``x`` and ``qt`` as plain contiguous groups: columns multiplied by ``channel_scale`` (the values the
+    codes round) and sorted by ``g_idx`` (each group's columns side by side), neither left on ``qt``."""
+    if qt.g_idx is None and qt.channel_scale is None:
+        return x, qt
+    rows = qt.shape[0]
+    v, codes = x.reshape(rows, -1), qt.codes.reshape(rows, -1)
+    if qt.channel_scale is not None:
+        v = v * qt.channel_scale.to(device=v.device, dtype=v.dtype)
+    if qt.g_idx is not None:
+        order = torch.argsort(qt.g_idx.to(v.device), stable=True)
+        v, codes = v[:, order], codes[:, order]
+    return v.reshape(qt.shape), replace(qt, codes=codes.reshape(qt.shape), g_idx=None, channel_scale=None)
+
+
 def _check_shapes(x: torch.Tensor, x_hat: torch.Tensor, qt: QuantizedTensor) -> None:
     if tuple(x.shape) != tuple(x_hat.shape) or tuple(x.shape) != tuple(qt.shape):
         raise ConfigError(f"x {list(x.shape)}, x_hat {list(x_hat.shape)} and the quantized tensor "
@@ -391,7 +413,7 @@ def _stats(x: torch.Tensor, qt: QuantizedTensor, m: _Moments) -> ErrorStats:
         cosine=_cosine(m),
         outlier_rate=outliers / numel,
         outlier_threshold=threshold,
-        clipped_fraction=clipped_count(x, qt) / numel,
+        clipped_fraction=clipped_count(*_in_code_order(x, qt)) / numel,
         theoretical_max_error=theoretical_max_error(qt, m.max_abs_x),
         bits_per_weight=bpw,
         compression_ratio=torch.finfo(qt.orig_dtype).bits / bpw,

@@ -60,9 +60,23 @@ def quantized_layout(name: str, shape: tuple[int, ...], scheme: Scheme) -> list[
     else:
         qdata = OutputTensor(f"{name}.qdata", info.storage, shape)
     out = [qdata, OutputTensor(f"{name}.scale", SCALE_ST[scheme.scale_dtype], sshape)]
+    zp_domain, g_idx, channel_scale = _method_extras(scheme, name)
     if info.kind == "int" and not scheme.symmetric:
-        out.append(OutputTensor(f"{name}.zero_point", "I8" if info.signed else "U8", sshape))
+        zp_st = SCALE_ST[scheme.scale_dtype] if zp_domain == "float" else "I8" if info.signed else "U8"
+        out.append(OutputTensor(f"{name}.zero_point", zp_st, sshape))
+    cols = numel // shape[0] if shape else 1
+    if g_idx:  # CONTRACT §10: one group index per column of the [rows, cols] view
+        out.append(OutputTensor(f"{name}.g_idx", "I32", (cols,)))
+    if channel_scale:
+        out.append(OutputTensor(f"{name}.channel_scale", "F32", (cols,)))
     return out
+
+
+def _method_extras(scheme: Scheme, name: str) -> tuple[str, bool, bool]:
+    """The method's zero point domain and whether it stores ``g_idx`` / ``channel_scale``."""
+    from quantd.engine.methods import artifact_extras
+
+    return artifact_extras(scheme, name=name)
 
 
 def quantized_meta(shape: tuple[int, ...], orig_dtype: torch.dtype, scheme: Scheme) -> dict[str, Any]:
@@ -74,6 +88,8 @@ def quantized_meta(shape: tuple[int, ...], orig_dtype: torch.dtype, scheme: Sche
         "dtype": scheme.dtype, "shape": list(shape), "orig_dtype": dtype_name(orig_dtype),
         "symmetric": scheme.symmetric, "granularity": scheme.granularity, "axis": axis,
         "group_size": scheme.group_size, "method": scheme.method, "observer": scheme.observer,
+        **({"method_args": dict(scheme.method_args)} if scheme.method_args else {}),
+        **({"zero_point_domain": "float"} if _method_extras(scheme, "tensor")[0] == "float" else {}),
         "observer_args": dict(scheme.observer_args), "scale_dtype": scheme.scale_dtype,
         "packed_bits": info.bits if info.packed else None,
         # nf4 codes are indices into this table (QLoRA's, as float32): x̂ = codebook[code] · scale. Written
@@ -111,7 +127,12 @@ def encode_quantized(qt: QuantizedTensor, name: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"tensor {name!r}: {qt.dtype} result has no scale")
     out = {f"{name}.qdata": qdata, f"{name}.scale": qt.scale}
     if qt.zero_point is not None:
-        out[f"{name}.zero_point"] = qt.zero_point.to(torch.int8 if info.signed else torch.uint8)
+        out[f"{name}.zero_point"] = (qt.zero_point.to(qt.scale.dtype) if qt.zero_point_domain == "float"
+                                     else qt.zero_point.to(torch.int8 if info.signed else torch.uint8))
+    if qt.g_idx is not None:
+        out[f"{name}.g_idx"] = qt.g_idx.to(torch.int32)
+    if qt.channel_scale is not None:
+        out[f"{name}.channel_scale"] = qt.channel_scale.to(torch.float32)
     return out
 
 
@@ -128,8 +149,8 @@ def _header_bytes(layout: list[OutputTensor], offsets: dict[str, tuple[int, int]
     return raw
 
 
-# Header bytes kept per quantized tensor for its ErrorStats JSON (13 fields of ≤ 25 characters + names).
-_STATS_RESERVE = 720
+# Header bytes kept per quantized tensor for its ErrorStats JSON (15 fields of ≤ 25 characters + names).
+_STATS_RESERVE = 800
 
 
 class ArtifactWriter:
@@ -253,14 +274,22 @@ def _decode(reader: SafetensorsReader, name: str, m: Mapping[str, Any], device: 
     names = {t.name for t in reader.tensors}
     scale = reader.load(f"{name}.scale", device) if f"{name}.scale" in names else None
     zp = reader.load(f"{name}.zero_point", device) if f"{name}.zero_point" in names else None
+    g_idx = reader.load(f"{name}.g_idx", device) if f"{name}.g_idx" in names else None
+    channel_scale = reader.load(f"{name}.channel_scale", device) if f"{name}.channel_scale" in names else None
     return QuantizedTensor(codes=codes, scale=scale, zero_point=zp, shape=shape, dtype=m["dtype"],
                            orig_dtype=torch_dtype(m["orig_dtype"]), granularity=m["granularity"],
                            axis=int(m["axis"]), group_size=int(m["group_size"]), symmetric=bool(m["symmetric"]),
-                           method=m.get("method", "rtn"), observer=m.get("observer", "minmax"))
+                           method=m.get("method", "rtn"), observer=m.get("observer", "minmax"),
+                           zero_point_domain=m.get("zero_point_domain", "int"), g_idx=g_idx,
+                           channel_scale=channel_scale)
+
+
+# The artifact tensors a quantized tensor N owns: N.<suffix>.
+OWNED_SUFFIXES = ("qdata", "scale", "zero_point", "g_idx", "channel_scale")
 
 
 def _passthrough_names(reader: SafetensorsReader, quantized: Mapping[str, Any]) -> list[str]:
-    owned = {f"{n}.{suffix}" for n in quantized for suffix in ("qdata", "scale", "zero_point")}
+    owned = {f"{n}.{suffix}" for n in quantized for suffix in OWNED_SUFFIXES}
     return [t.name for t in reader.tensors if t.name not in owned]
 
 

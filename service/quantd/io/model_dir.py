@@ -12,6 +12,7 @@ one at a time: memory follows the largest tensor, never the model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -223,16 +224,18 @@ def _shard_tensors(files: ModelFiles) -> dict[str, list[TensorInfo]]:
     return out
 
 
-def plan_directory(files: ModelFiles, config: QuantConfig) -> tuple[dict[str, list[Any]], ModelStructure]:
-    """Every shard's plan (checked against the index and the output format) before any work: the jobs
-    layer calls this on an upload before accepting it."""
+def plan_directory(files: ModelFiles, config: QuantConfig, calibration: Mapping[str, Any] | None = None
+                   ) -> tuple[dict[str, list[Any]], ModelStructure]:
+    """Every shard's plan (checked against the index, the output format and ``calibration``, the index of
+    the job's calibration file for gptq/awq) before any work: the jobs layer calls this on an upload before
+    accepting it."""
     from .pipeline import plan
 
     fmt = get_format(config.output)
     tensors = _shard_tensors(files)
     check_shards(files, {rel: [t.name for t in ts] for rel, ts in tensors.items()})
     structure = model_structure(files.files.get(CONFIG)) if fmt.writes_config else ModelStructure()
-    plans = {rel: plan(ts, config, structure=structure) for rel, ts in tensors.items()}
+    plans = {rel: plan(ts, config, calibration, structure=structure) for rel, ts in tensors.items()}
     owner: dict[str, str] = {}
     for ps in plans.values():
         for p in ps:
@@ -257,17 +260,33 @@ def _fresh_dir(dst: Path) -> Path:
 def quantize_directory(src: str | os.PathLike[str] | ModelFiles, dst: str | os.PathLike[str],
                        config: QuantConfig, *, device: str | torch.device, job_id: str | None = None,
                        on_progress: ProgressCallback | None = None,
-                       should_cancel: Callable[[], bool] | None = None) -> Report:
+                       should_cancel: Callable[[], bool] | None = None,
+                       calibration: str | os.PathLike[str] | None = None) -> Report:
     """Quantize the model directory ``src`` (a path or its files) into the directory ``dst`` and return the
     Report of every tensor of every shard. ``dst`` is written beside itself and renamed into place at the end
-    (nothing is left of a failed or cancelled run)."""
-    from .pipeline import _process, summarize
+    (nothing is left of a failed or cancelled run). ``calibration``: the layers' inputs for gptq/awq
+    (CONTRACT §10), each layer's Hessian built when its weight is quantized."""
+    from .calibration import MethodCalibration
 
     t0 = time.perf_counter()
     files = src if isinstance(src, ModelFiles) else ModelFiles.from_dir(src)
     fmt = get_format(config.output)
     dev = torch.device(device)
-    plans, structure = plan_directory(files, config)
+    stack = contextlib.ExitStack()
+    method_cal = None if calibration is None else stack.enter_context(MethodCalibration(calibration))
+    with stack:
+        plans, structure = plan_directory(files, config, None if method_cal is None else method_cal.index)
+        return _quantize_planned(files, dst, config, fmt, dev, plans, structure, t0, job_id=job_id,
+                                 on_progress=on_progress, should_cancel=should_cancel, calibration=method_cal)
+
+
+def _quantize_planned(files: ModelFiles, dst: str | os.PathLike[str], config: QuantConfig, fmt: OutputFormat,
+                      dev: torch.device, plans: dict[str, list[Any]], structure: ModelStructure, t0: float, *,
+                      job_id: str | None, on_progress: ProgressCallback | None,
+                      should_cancel: Callable[[], bool] | None, calibration: Any) -> Report:
+    """:func:`quantize_directory` once every shard is planned."""
+    from .pipeline import _process, summarize
+
     dst_path = Path(dst)
     stage = _fresh_dir(dst_path)
     try:
@@ -286,7 +305,7 @@ def quantize_directory(src: str | os.PathLike[str] | ModelFiles, dst: str | os.P
                 for p in ps:
                     if should_cancel is not None and should_cancel():
                         raise JobCancelled(f"cancelled after {len(reports)} of {len(everything)} tensors")
-                    reports.append(_process(reader, sink, fmt, p, dev))
+                    reports.append(_process(reader, sink, fmt, p, dev, calibration))
                     done = progress.bytes_done + p.info.nbytes
                     progress = Progress(tensors_done=len(reports), tensors_total=len(everything),
                                         bytes_done=done, bytes_total=progress.bytes_total,
@@ -414,16 +433,29 @@ def unpack_tar(src: Path, dst: Path) -> ModelFiles:
     return ModelFiles(found)
 
 
+_READ_AHEAD = 64 * 1024
+
+
 class _RangeFile:
     """A read-only, seekable file over ``read(start, length)`` (a local file or an object store's ranged
     GETs), for tarfile to walk the headers of an uncompressed tar without reading its members."""
 
     def __init__(self, read: Callable[[int, int], bytes], size: int) -> None:
         self._read, self._size, self._pos = read, size, 0
+        self._block, self._block_start = b"", 0  # small reads (headers) come out of one read-ahead block
 
     def read(self, n: int = -1) -> bytes:
         n = self._size - self._pos if n < 0 else min(n, self._size - self._pos)
-        data = self._read(self._pos, n) if n > 0 else b""
+        if n <= 0:
+            return b""
+        if n > _READ_AHEAD:
+            data = self._read(self._pos, n)
+        else:
+            off = self._pos - self._block_start
+            if off < 0 or off + n > len(self._block):  # one ranged read covers this and the headers after it
+                self._block_start, off = self._pos, 0
+                self._block = self._read(self._pos, min(_READ_AHEAD, self._size - self._pos))
+            data = self._block[off:off + n]
         self._pos += len(data)
         return data
 

@@ -15,10 +15,12 @@ nothing is quantized). The artifact's metadata carries each quantized tensor's E
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,9 +44,13 @@ from quantd_client import (
 )
 
 from .artifact import encode_quantized, quantized_layout
+from .calibration import CalibrationEntry, MethodCalibration, check_against, uses_calibrated_method
 from .formats import QUANTIZABLE, torch_dtype
 from .outputs import ModelStructure, OutputFormat, PlannedTensor, Sink, get_format
 from .readers import ModelReader, TensorInfo, open_model
+
+if TYPE_CHECKING:
+    from quantd.engine.methods import LayerHessian
 
 ProgressCallback = Callable[[Progress], None]
 
@@ -53,15 +59,20 @@ ProgressCallback = Callable[[Progress], None]
 TensorPlan = PlannedTensor
 
 
-def plan(tensors: list[TensorInfo], config: QuantConfig, *, structure: ModelStructure | None = None
+def plan(tensors: list[TensorInfo], config: QuantConfig,
+         calibration: Mapping[str, CalibrationEntry] | None = None, *, structure: ModelStructure | None = None
          ) -> list[TensorPlan]:
     """The plan of every tensor, in file order, for the output format ``config.output``. Raises
-    ConfigError (field + tensor) when a scheme cannot apply to a tensor's shape, when the format cannot
-    hold it, or when an output name would collide with another tensor."""
+    ConfigError (field + tensor) when a scheme cannot apply to a tensor's shape (its method included:
+    arguments, supported schemes, calibration — ``calibration`` is the index of the job's calibration file,
+    None without one), when the format cannot hold it, or when an output name would collide with another
+    tensor."""
     if config.output == "gguf":  # the GGUF format plans with llama.cpp's mixes
         from .outputs.gguf import plan_gguf
 
         return plan_gguf(tensors, config)
+    from quantd.engine.methods import check_method
+
     fmt = get_format(config.output)
     known = structure or ModelStructure()
     plans: list[TensorPlan] = []
@@ -79,6 +90,8 @@ def plan(tensors: list[TensorInfo], config: QuantConfig, *, structure: ModelStru
         if scheme is None:
             outputs = tuple(fmt.passthrough(t))
         else:
+            has_calibration = calibration is not None and check_against(dict(calibration), t.name, t.shape)
+            check_method(t.shape, scheme, name=t.name, has_calibration=has_calibration)
             fmt.check(t.name, t.shape, scheme)
             outputs = tuple(fmt.layout(t.name, t.shape, scheme))
         plans.append(TensorPlan(t, scheme, reason, outputs))
@@ -100,12 +113,17 @@ def check_finite(x: torch.Tensor, name: str) -> None:
             raise NonFiniteError(f"tensor {name!r}: {bad} of {x.numel()} values are NaN or Inf", tensor=name)
 
 
-def _measure(x: torch.Tensor, scheme: Scheme, name: str) -> tuple[ErrorStats, QuantizedTensor]:
-    from quantd.engine.primitives import quantize
+def _measure(x: torch.Tensor, scheme: Scheme, name: str, calibration: LayerHessian | None = None
+             ) -> tuple[ErrorStats, QuantizedTensor]:
+    """Quantize with the scheme's method and measure; with calibration, ``output_rel_error`` too."""
+    from quantd.engine.methods import output_rel_error, quantize_tensor
     from quantd.engine.stats import quantized_error_stats
 
-    qt = quantize(x, scheme, name=name)
-    return quantized_error_stats(x, qt), qt
+    qt = quantize_tensor(x, scheme, name=name, calibration=calibration)
+    stats = quantized_error_stats(x, qt)
+    if calibration is not None:
+        stats = stats.model_copy(update={"output_rel_error": output_rel_error(x, qt, calibration.hessian)})
+    return stats, qt
 
 
 def _is_ggml(scheme: Scheme) -> bool:
@@ -123,8 +141,8 @@ def _ggml_stats(x: torch.Tensor, scheme: Scheme, name: str) -> ErrorStats:
                             in_bits=x.element_size() * 8)
 
 
-def _process(reader: ModelReader, writer: Sink, fmt: OutputFormat, p: TensorPlan, device: torch.device
-             ) -> TensorReport:
+def _process(reader: ModelReader, writer: Sink, fmt: OutputFormat, p: TensorPlan, device: torch.device,
+             calibration: MethodCalibration | None = None) -> TensorReport:
     name = p.info.name
     shape, in_dtype = list(p.info.shape), p.info.dtype
     # load_transient: x may share the reader's buffer, so nothing derived from it outlives this call
@@ -133,9 +151,10 @@ def _process(reader: ModelReader, writer: Sink, fmt: OutputFormat, p: TensorPlan
         writer.write(name, reader.load_transient(name, "cpu"))
         return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=None, stats=None, skipped=True,
                             reason=p.reason)
+    layer = calibration.layer(name, device) if calibration is not None else None
     x = reader.load_transient(name, device)
     try:  # the engine refuses NaN/Inf on its own (observing the range), without an extra pass here
-        stats, qt = _measure(x, p.scheme, name)
+        stats, qt = _measure(x, p.scheme, name, layer)
     except NonFiniteError:
         check_finite(x, name)  # the error with a count of the bad values
         raise
@@ -184,17 +203,24 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
     started = time.perf_counter()
     activations = None
     importance = None
-    if calibration is not None and config.output == "gguf":  # a llama.cpp importance matrix
-        from .imatrix import load_imatrix
+    with contextlib.ExitStack() as stack:
+        method_cal = None
+        if calibration is not None and config.output == "gguf":  # a llama.cpp importance matrix
+            from .imatrix import load_imatrix
 
-        importance = load_imatrix(calibration)
-    elif calibration is not None:  # first: a bad calibration file fails before any weight work
-        spec = config.activations or ObserverSpec()
-        activations = calibrate_file(calibration, spec, device=device).layers
-    with open_model(src, filename) as reader:
+            importance = load_imatrix(calibration)
+        elif calibration is not None:  # first: a bad calibration file fails before any weight work
+            method_cal = stack.enter_context(MethodCalibration(calibration))
+            # Activation samples as in v1, unless the file serves the calibrated methods (Hessians, or a
+            # config naming gptq/awq): then only when config.activations asks for them.
+            if config.activations is not None or not (method_cal.has_hessians or uses_calibrated_method(config)):
+                spec = config.activations or ObserverSpec()
+                activations = calibrate_file(calibration, spec, device=device).layers
+        reader = stack.enter_context(open_model(src, filename))
         return quantize_model(reader, dst, config, device=device, input_bytes=lambda: os.path.getsize(src),
                               job_id=job_id, on_progress=on_progress, should_cancel=should_cancel,
-                              activations=activations, started=started, importance=importance)
+                              activations=activations, started=started, importance=importance,
+                              calibration=method_cal)
 
 
 def quantize_model(reader: ModelReader, dst: str | os.PathLike[str], config: QuantConfig, *,
@@ -203,10 +229,12 @@ def quantize_model(reader: ModelReader, dst: str | os.PathLike[str], config: Qua
                    should_cancel: Callable[[], bool] | None = None,
                    activations: Sequence[LayerCalibration] | None = None,
                    started: float | None = None,
-                   importance: Mapping[str, torch.Tensor] | None = None) -> Report:
+                   importance: Mapping[str, torch.Tensor] | None = None,
+                   calibration: MethodCalibration | None = None) -> Report:
     """:func:`quantize_file` on an open reader, tensor by tensor in the reader's order.
     ``input_bytes()`` is asked for the input's size once every tensor is written (the summary's
-    ``input_bytes``); ``started`` is the ``perf_counter`` the summary's ``elapsed_s`` counts from."""
+    ``input_bytes``); ``started`` is the ``perf_counter`` the summary's ``elapsed_s`` counts from.
+    ``calibration``: the layers' inputs for the calibrated methods (and every tensor's ``output_rel_error``)."""
     t0 = time.perf_counter() if started is None else started
     dev = torch.device(device)
     if config.output == "gguf":  # llama.cpp's format: ggml block types, the input's metadata kept
@@ -216,7 +244,7 @@ def quantize_model(reader: ModelReader, dst: str | os.PathLike[str], config: Qua
                              on_progress=on_progress, should_cancel=should_cancel, started=t0,
                              importance=importance)
     fmt = get_format(config.output)
-    plans = plan(reader.tensors, config)
+    plans = plan(reader.tensors, config, None if calibration is None else calibration.index)
     progress = Progress(tensors_total=len(plans), bytes_total=sum(p.info.nbytes for p in plans))
     if on_progress is not None:
         on_progress(progress)
@@ -226,7 +254,7 @@ def quantize_model(reader: ModelReader, dst: str | os.PathLike[str], config: Qua
         for p in plans:
             if should_cancel is not None and should_cancel():
                 raise JobCancelled(f"cancelled after {len(reports)} of {len(plans)} tensors")
-            reports.append(_process(reader, writer, fmt, p, dev))
+            reports.append(_process(reader, writer, fmt, p, dev, calibration))
             done = progress.bytes_done + p.info.nbytes
             progress = Progress(tensors_done=len(reports), tensors_total=len(plans), bytes_done=done,
                                 bytes_total=progress.bytes_total,
@@ -295,6 +323,8 @@ def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: 
     the file has no float tensor of ≥ 2 dims: then its 1-D ones are analyzed (a lone vector gets its
     statistics, not an empty answer). Every scheme is checked against every tensor first (ConfigError
     naming both)."""
+    from quantd.engine.methods import check_method
+
     dev = torch.device(device)
     out: list[AnalyzeTensor] = []
     with open_model(src, filename) as reader:
@@ -308,6 +338,7 @@ def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: 
 
                         ggml.check_shape(ggml.GGML_TYPES[s.dtype], t.shape, name=t.name)
                     else:
+                        check_method(t.shape, s, name=t.name, has_calibration=False)
                         quantized_layout(t.name, t.shape, s)
         if analyses and _is_ggml(schemes[0]):
             raise ConfigError("analyses run on an integer, nf4 or float scheme; configs[0] is a ggml block type",

@@ -79,3 +79,11 @@ class SourceInvalid(QuantdError):
 
     title = "Source cannot be read"
     type_ = "urn:quantd:source-invalid"
+
+
+class DestinationInvalid(QuantdError):
+    """A job by reference whose destination cannot take its output (a directory output needs a prefix)."""
+
+    status = 422
+    title = "Destination cannot be written"
+    type_ = "urn:quantd:destination-invalid"

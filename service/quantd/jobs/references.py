@@ -1,5 +1,6 @@
-"""Jobs that name their data instead of uploading it: ``source`` (an ``s3://`` model file) and ``destination``
-(where the artifact is written too).
+"""Jobs that name their data instead of uploading it: ``source`` (an ``s3://`` model file, or a model directory:
+a prefix ending in ``/``) and ``destination`` (where the artifact, or every file of a directory output, is
+written too).
 
 Only ``s3://`` URLs are ever read or written, through the configured S3 endpoint: no other scheme, and no
 host taken from the request, so a job cannot make the service fetch anything else (no SSRF). A URL is
@@ -12,6 +13,7 @@ TTL remove the job's own copies only.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from .backends.s3 import (
 )
 from .errors import SourceForbidden, SourceInvalid
 
+MAX_SOURCE_FILES = 4096  # objects under a directory source (a model directory has tens)
 HEAD_BYTES = 64 * 1024  # what is read of a source before the job is accepted (format, header); more on demand
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -62,6 +65,28 @@ class SourceObject:
     etag: str
 
 
+@dataclass(frozen=True)
+class SourceDirectory:
+    """The objects under a directory source: relative path (checked like an uploaded directory's) → object."""
+
+    location: S3Location
+    files: tuple[tuple[str, SourceObject], ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(obj.bytes for _, obj in self.files)
+
+    @property
+    def etag(self) -> str:
+        """One tag for the whole listing: it changes when any object, or the set of objects, does."""
+        lines = "".join(f"{rel}\0{obj.etag}\n" for rel, obj in self.files)
+        return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def is_prefix(loc: S3Location) -> bool:
+    return loc.key == "" or loc.key.endswith("/")
+
+
 class References:
     """Reads sources and writes destinations with one S3 client (the file store's when it is S3)."""
 
@@ -92,6 +117,41 @@ class References:
         if size > max_bytes:
             raise InputTooLargeError(f"source {loc.url!r} is {size} bytes, above the limit of {max_bytes}")
         return SourceObject(loc, size, str(meta.get("ETag", "")))
+
+    def list_directory(self, loc: S3Location, *, max_bytes: int, max_files: int = MAX_SOURCE_FILES
+                       ) -> SourceDirectory:
+        """The objects under the prefix ``loc``, each relative path checked as an uploaded directory part's
+        (422 naming it; zero-byte ``.../`` folder markers are skipped); 413 above ``max_files`` objects or
+        ``max_bytes`` in all; SourceInvalid (422) when the prefix cannot be listed or holds nothing."""
+        from quantd.io.model_dir import PathError, check_relpath
+
+        found: list[tuple[str, SourceObject]] = []
+        total = 0
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=loc.key)
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    rel, size = str(obj["Key"])[len(loc.key):], int(obj["Size"])
+                    if rel.endswith("/") and size == 0:
+                        continue
+                    try:
+                        check_relpath(rel)
+                    except PathError as e:
+                        raise PathError(f"source {loc.url!r}: {e.detail}", field="source") from None
+                    total += size
+                    if len(found) >= max_files:
+                        raise InputTooLargeError(f"source {loc.url!r} holds more than {max_files} objects")
+                    if total > max_bytes:
+                        raise InputTooLargeError(f"source {loc.url!r} holds more than {max_bytes} bytes, the limit")
+                    found.append((rel, SourceObject(S3Location(loc.bucket, str(obj["Key"])), size,
+                                                    str(obj.get("ETag", "")))))
+        except (PathError, InputTooLargeError):
+            raise
+        except Exception as e:
+            raise SourceInvalid(f"source {loc.url!r} cannot be listed: {_reason(e)}", field="source") from None
+        if not found:
+            raise SourceInvalid(f"source {loc.url!r}: no objects under this prefix", field="source")
+        return SourceDirectory(loc, tuple(sorted(found)))
 
     def sample(self, obj: SourceObject, dst: Path) -> None:
         """A sparse stand-in for the source at ``dst``: its size, with its first bytes (a safetensors file's
@@ -143,6 +203,24 @@ class References:
     def put(self, path: Path, url: str) -> None:
         loc = parse_s3_url(url, field="destination")
         self.client.upload_file(str(path), loc.bucket, loc.key, Config=transfer_config())
+
+    def put_tree(self, tar: Path, prefix: str) -> None:
+        """Every file of a directory output (the uncompressed tar ``tar``) written under the destination
+        prefix at its relative path, each streamed from the tar as a multipart transfer."""
+        import tarfile
+
+        from quantd.io.model_dir import check_relpath
+
+        with tarfile.open(tar, mode="r:") as archive:
+            for member in archive:
+                if not member.isfile():
+                    continue
+                loc = parse_s3_url(prefix + check_relpath(member.name), field="destination")
+                fobj = archive.extractfile(member)
+                if fobj is None:
+                    raise OSError(f"{member.name!r} cannot be read from the output")
+                with fobj:
+                    self.client.upload_fileobj(fobj, loc.bucket, loc.key, Config=transfer_config())
 
 
 def destination_key(destination: str, source: str, suffix: str = ".quantd.safetensors") -> str:

@@ -15,19 +15,23 @@ from typing import Any, TypeVar
 
 from quantd_client import InputInfo, Job, JobList, Progress, QuantConfig, Report
 
+from .backends.s3 import S3Location
 from .config import JobsConfig, room_to_overlap, worker_devices
 from .errors import (
+    DestinationInvalid,
     IdempotencyConflict,
     InvalidListQuery,
     JobExpired,
     JobFileNotFound,
     JobNotFound,
     JobNotReady,
+    SourceInvalid,
+    StorageError,
 )
 from .pool import WorkerPool, open_backends
 from .prepared import PreparedRun, PreparedRuns
 from .records import STATUSES, JobRecord
-from .references import References, check_access
+from .references import References, check_access, is_prefix
 from .signals import JobSignals
 from .storage import ArtifactStore, FileSinkLike, LocalStorage, StoredUpload, is_job_id
 from .store import JobStore
@@ -169,7 +173,11 @@ class JobService:
         """Start quantizing the upload being written at ``upload`` while it streams (see
         ``quantd.jobs.prepared``), or None when this process has no idle embedded worker for it.
         Thread-safe. Pass the run to :meth:`submit`, or ``discard_prepared`` it if there is no submit."""
-        return None if self._prepared is None else self._prepared.start(upload, config, size_bound=size_bound)
+        from quantd.io.calibration import uses_calibrated_method
+
+        if self._prepared is None or uses_calibrated_method(config):  # those wait for the calibration file
+            return None
+        return self._prepared.start(upload, config, size_bound=size_bound)
 
     @staticmethod
     def new_job_id() -> str:
@@ -260,40 +268,101 @@ class JobService:
     def _submit_reference(self, tenant: str, source: str, destination: str | None, config: QuantConfig,
                           max_bytes: int, idempotency_key: str | None) -> Job:
         from quantd import io
+        from quantd.io.outputs import get_format
 
         rules = self.config.source_prefixes
         loc = check_access(rules, tenant, source, field="source")
         if destination is not None:
             check_access(rules, tenant, destination, field="destination")
-        obj = self.references.head(loc, max_bytes=max_bytes)
-        filename = loc.key.rsplit("/", 1)[-1]
-        sample = self.storage.new_tmp_path(prefix="source")
-        try:
-            self.references.sample(obj, sample)
-            fmt, tensors = io.detect_format(sample), 0
-            if fmt == "safetensors":  # the whole header is in the sample: the same checks as an upload's
-                with io.open_model(sample, filename=filename) as reader:
-                    infos = list(reader.tensors)
-                io.plan(infos, config)
-                tensors = len(infos)
-        finally:
-            self.storage.discard(sample)
+        directory = is_prefix(loc)
+        if destination is not None and not destination.endswith("/") and (
+                directory or get_format(config.output).writes_config):
+            raise DestinationInvalid(f"destination {destination[:200]!r}: this job writes a model directory, so "
+                                     "its destination is a prefix ending in '/'", field="destination")
+        if directory:
+            info = self._check_source_directory(loc, config, max_bytes)
+            tensors = int(info["tensors"])
+        else:
+            obj = self.references.head(loc, max_bytes=max_bytes)
+            filename = loc.key.rsplit("/", 1)[-1]
+            sample = self.storage.new_tmp_path(prefix="source")
+            try:
+                self.references.sample(obj, sample)
+                fmt, tensors = io.detect_format(sample), 0
+                if fmt == "safetensors":  # the whole header is in the sample: the same checks as an upload's
+                    with io.open_model(sample, filename=filename) as reader:
+                        infos = list(reader.tensors)
+                    io.plan(infos, config)
+                    tensors = len(infos)
+            finally:
+                self.storage.discard(sample)
+            info = {"filename": filename, "bytes": obj.bytes, "sha256": "", "format": fmt, "tensors": tensors,
+                    "etag": obj.etag}
+        info.update({"source": loc.url, "destination": destination})
         job_id = uuid.uuid4().hex
         config_json = config.model_dump(mode="json", exclude_unset=True)
-        info = {"filename": filename, "bytes": obj.bytes, "sha256": "", "format": fmt, "tensors": tensors,
-                "source": loc.url, "etag": obj.etag, "destination": destination}
         rec, created = self.store.insert(
             job_id=job_id, tenant=tenant, config=config_json, input=info, calibration=None,
             idempotency_key=idempotency_key, max_attempts=self.config.max_attempts,
             max_queue=self.config.max_queue, retry_after=self.config.queue_full_retry_after_s,
             before_commit=lambda: None, device=self._planned_device, progress={"tensors_total": tensors})
         if not created and ((rec.input.get("source"), rec.input.get("etag"), rec.input.get("destination"))
-                            != (loc.url, obj.etag, destination) or rec.config != config_json):
+                            != (loc.url, info["etag"], destination) or rec.config != config_json):
             raise IdempotencyConflict(f"idempotency key {idempotency_key!r} was used for job {rec.id} "
                                       "with a different source, destination or config", field="idempotency_key")
         if created and self._pool is not None:
             self._pool.wake.set()
         return rec.to_job()
+
+    def _check_source_directory(self, loc: S3Location, config: QuantConfig, max_bytes: int) -> dict[str, Any]:
+        """A directory source listed and checked as an uploaded directory is before its 202: every path, the
+        shards against the index, the config against every tensor. Only headers and JSON files are read: each
+        safetensors shard is sampled (its header), ``config.json`` and indexes fetched, the rest left sparse."""
+        import shutil
+
+        from quantd import io
+        from quantd.io.model_dir import (
+            CONFIG,
+            INDEX_SUFFIX,
+            MAX_JSON_BYTES,
+            ModelFiles,
+            is_weight_file,
+            plan_directory,
+        )
+
+        listing = self.references.list_directory(loc, max_bytes=max_bytes)
+        work = self.storage.new_tmp_path(prefix="source")
+        work.mkdir()
+        try:
+            local: dict[str, Path] = {}
+            for rel, obj in listing.files:
+                dst = work / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                if is_weight_file(rel) and not rel.endswith(".safetensors"):
+                    raise SourceInvalid(f"source {loc.url!r}: {rel!r} is not safetensors; a directory named by "
+                                        "reference is read shard by shard from its headers (upload a PyTorch "
+                                        "checkpoint directory as parts instead)", field="source")
+                if is_weight_file(rel):
+                    self.references.sample(obj, dst)
+                elif (rel == CONFIG or rel.endswith(INDEX_SUFFIX)) and obj.bytes <= MAX_JSON_BYTES:
+                    self.references.stage(obj.location.url, obj.etag, dst)
+                else:  # not read by the checks: its size only
+                    with open(dst, "wb") as f:
+                        f.truncate(obj.bytes)
+                local[rel] = dst
+            model = ModelFiles(local)
+            if not model.weights:
+                raise SourceInvalid(f"source {loc.url!r}: no weight files (*.safetensors) under this prefix",
+                                    field="source")
+            plans, _ = plan_directory(model, config)
+            fmt = io.detect_format(local[model.weights[0]])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        name = loc.key.rstrip("/").rsplit("/", 1)[-1] or loc.bucket
+        return {"filename": name, "bytes": listing.bytes, "sha256": "", "format": fmt,
+                "tensors": sum(len(p) for p in plans.values()), "etag": listing.etag,
+                "files": [{"path": rel, "bytes": obj.bytes, "sha256": ""} for rel, obj in listing.files],
+                "source_etags": {rel: obj.etag for rel, obj in listing.files}}
 
     @property
     def references(self) -> References:
@@ -374,12 +443,16 @@ class JobService:
         return await self._run(read)
 
     async def artifact_path(self, tenant: str, job_id: str) -> tuple[Path, str]:
-        """The artifact's path and sha256 (its ETag). JobNotReady (409) until succeeded;
-        JobExpired (410) once its files are deleted."""
+        """The artifact's local path and sha256 (its ETag), on a file store that keeps artifacts as local files
+        (an object store's are read with :meth:`artifact`: StorageError here). JobNotReady (409) until
+        succeeded; JobExpired (410) once its files are deleted."""
         def find() -> tuple[Path, str]:
             rec = self._succeeded(tenant, job_id)
-            path = self.storage.artifact_path(job_id)
-            if not path.is_file() or rec.result is None:
+            path = self.storage.local_artifact(job_id)
+            if path is None and self.storage.artifact_info(job_id) is not None:
+                raise StorageError(f"the artifact of job {job_id} is in the object store: read it by range",
+                                   field="storage_url")
+            if path is None or rec.result is None:
                 raise JobExpired(f"the artifact of job {job_id} is gone")
             return path, str(rec.result["artifact_sha256"])
 

@@ -73,6 +73,16 @@ def directory_output(input_info: dict[str, Any], config: dict[str, Any]) -> bool
     return get_format(str(config.get("output", "safetensors"))).writes_config
 
 
+def _remove(path: Path) -> None:
+    """A scratch file or directory of this attempt, gone."""
+    import shutil
+
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def new_worker_id(index: int) -> str:
     return f"{HOST}/{os.getpid()}/{BOOT}/w{index}"
 
@@ -250,7 +260,9 @@ class Worker:
 
             def install() -> None:  # only while the lease is held (store.complete): the files are the job's
                 destination = job.input.get("destination")
-                if destination is not None:
+                if destination is not None and files is not None:  # every file under the prefix
+                    self.references.put_tree(tmp, destination)
+                elif destination is not None:
                     self.references.put(tmp, destination_key(destination, str(job.input.get("source", ""))))
                 self.storage.install_artifact(tmp, job.id)
                 self.storage.install_report(report_tmp, job.id)
@@ -273,21 +285,25 @@ class Worker:
         try:
             source = job.input.get("source")
             src: Path | None
-            if source is not None:  # a job by reference: its object, as it was when the job was accepted
+            if source is not None:  # a job by reference: its object(s), as they were when the job was accepted
                 src = self.storage.new_tmp_path(prefix="source")
                 try:
-                    self.references.stage(source, job.input.get("etag", ""), src)
+                    if source.endswith("/"):  # a directory: each listed object at its checked relative path
+                        self._stage_directory(source, dict(job.input.get("source_etags") or {}), src)
+                    else:
+                        self.references.stage(source, job.input.get("etag", ""), src)
                 except Exception as e:
-                    self.storage.discard(src)
+                    _remove(src)
                     return _error("urn:quantd:source-invalid", "Source cannot be read",
                                   f"source {source!r} could not be read (changed or deleted since the job was "
                                   f"accepted?): {type(e).__name__}: {e}")
                 fetched.append(src)
             else:
                 src = self.storage.stage_upload(job.id, "input")
-            if src is None:
-                return _error("urn:quantd:storage-error", "Storage error", f"the upload of job {job.id} is gone")
-            staged.append(src)
+                if src is None:
+                    return _error("urn:quantd:storage-error", "Storage error",
+                                  f"the upload of job {job.id} is gone")
+                staged.append(src)
             extra: dict[str, Any] = {}
             if job.calibration is not None:
                 calibration = self.storage.stage_upload(job.id, "calibration")
@@ -301,7 +317,17 @@ class Worker:
             for path in staged:
                 self.storage.unstage(path)
             for path in fetched:
-                self.storage.discard(path)
+                _remove(path)
+
+    def _stage_directory(self, source: str, etags: dict[str, str], dst: Path) -> None:
+        """A directory source's objects downloaded under ``dst``, each conditional on its accepted ETag."""
+        from quantd.io.model_dir import check_relpath
+
+        dst.mkdir()
+        for rel, etag in sorted(etags.items()):
+            target = dst / check_relpath(rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.references.stage(source + rel, etag, target)
 
     def _run_pipeline(self, job: JobRecord, src: Path, tmp: Path, lease: _Lease,
                       extra: dict[str, Any]) -> Report | dict[str, str] | None:
@@ -312,7 +338,7 @@ class Worker:
             if directory_output(job.input, job.config):
                 if run is not None:
                     run.cancel()
-                return self._quantize_directory(job, src, tmp, lease)
+                return self._quantize_directory(job, src, tmp, lease, extra.get("calibration"))
             if run is not None:  # quantized while its upload streamed in: the rest, then its artifact
                 report = self._adopt(job, run, tmp, lease)
                 if report is not None:
@@ -333,7 +359,8 @@ class Worker:
             log.exception("worker %s: job %s crashed", self.id, job.id)
             return _error("urn:quantd:internal", "Internal error", f"{type(e).__name__}: {e}")
 
-    def _quantize_directory(self, job: JobRecord, src: Path, tmp: Path, lease: _Lease) -> Report:
+    def _quantize_directory(self, job: JobRecord, src: Path, tmp: Path, lease: _Lease,
+                            calibration: Path | None = None) -> Report:
         """A model directory job (or a one-file job whose format writes a directory): the stored tar (or
         file) unpacked under ``tmp/``, quantized into a directory there, packed as the tar ``tmp``."""
         import shutil
@@ -349,14 +376,16 @@ class Worker:
         work = self.storage.new_tmp_path(prefix="dirjob")
         work.mkdir()
         try:
-            if job.input.get("files") is not None:
+            if src.is_dir():  # a directory source, staged file by file
+                files = ModelFiles.from_dir(src)
+            elif job.input.get("files") is not None:
                 files = unpack_tar(src, work / "in")
             else:  # one weight file, named as transformers looks for it
                 name = "pytorch_model.bin" if job.input.get("format") == "pytorch" else "model.safetensors"
                 files = ModelFiles({name: src})
             report = quantize_directory(files, work / "out", QuantConfig.model_validate(job.config),
                                         device=self.device, job_id=job.id, on_progress=lease.on_progress,
-                                        should_cancel=lease.should_cancel)
+                                        should_cancel=lease.should_cancel, calibration=calibration)
             self._output_files[job.id] = pack_tar(list(iter_output_files(work / "out")), tmp)
             return report
         finally:

@@ -132,7 +132,9 @@ async def test_bad_sources_are_refused_before_the_job_is_accepted(make_app: Any,
         src = f"s3://{bucket}/team-a/m.safetensors"
         r = await post({"config": CONFIG, "source": f"s3://{bucket}/team-a/missing.safetensors"})
         assert r.status_code == 422 and "cannot be read" in r.json()["detail"]
-        assert (await post({"config": CONFIG, "source": f"s3://{bucket}/team-a/"})).status_code == 422
+        r = await post({"config": CONFIG, "source": f"s3://{bucket}/team-a/"})
+        assert r.status_code == 413  # a model directory: its objects together are above max_upload_bytes
+        assert (await post({"config": CONFIG, "source": f"s3://{bucket}/team-a/none/"})).status_code == 422
         assert (await post({"config": CONFIG, "source": f"s3://{bucket}/team-a/notes.txt"})).status_code == 415
         r = await post({"config": {"scheme": {"dtype": "int4", "group_size": 48}}, "source": src})
         assert r.status_code == 422 and "group_size" in r.text  # planned against the header, as an upload

@@ -113,11 +113,14 @@ class CompressedTensors(OutputFormat):
         if info.kind not in ("int", "fp8") or scheme.dtype == "fp8_e5m2":
             raise ConfigError(f"compressed-tensors cannot hold {scheme.dtype}: int2…int8 or fp8_e4m3",
                               tensor=name, field="scheme.dtype")
+        from quantd.engine.methods import artifact_extras
+
         method: str = scheme.method
-        if method in CHANNEL_SCALE_METHODS:
+        zp_domain, _, channel_scale = artifact_extras(scheme, name=name)  # what the method's result carries
+        if channel_scale or method in CHANNEL_SCALE_METHODS:
             raise ConfigError(f"method {method!r} leaves per-input-channel scales that compressed-tensors has no "
                               "tensor for; use the safetensors output", tensor=name, field="scheme.method")
-        if method in FLOAT_ZERO_POINT_METHODS and not scheme.symmetric:
+        if (zp_domain == "float" or method in FLOAT_ZERO_POINT_METHODS) and not scheme.symmetric:
             raise ConfigError(f"method {method!r} gives float zero points; compressed-tensors stores integer ones: "
                               "use symmetric: true or the safetensors output", tensor=name, field="scheme.method")
         gran = granularity_of(scheme)

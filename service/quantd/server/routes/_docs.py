@@ -48,7 +48,9 @@ JOB_BODY = multipart_body(
     {"file": {"anyOf": [_FILE, _DIRECTORY_FILES],
               "description": "one weight file (a one-file job), or several parts: a model directory"},
      "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"},
-     "calibration": {**_FILE, "description": "optional activation samples (name → [N, ...])"}},
+     "calibration": {**_FILE, "description": "optional: activation samples (name → [N, ...]); for the gptq "
+                                               "and awq methods, per Linear module M its input rows M [N, in] "
+                                               "or M.hessian [in, in] with M.hessian_count"}},
     ["file", "config"], ["config"], {"file": "(binary)", "config": CONFIG_EXAMPLE})
 # Or, as JSON, a job by reference: the server reads the s3:// source itself (CONTRACT §11).
 JOB_BODY["requestBody"]["content"]["application/json"] = {
@@ -175,7 +177,11 @@ INFO_EXAMPLE: dict[str, Any] = {
     "version": "1.0.0", "devices": [{"name": "cpu", "type": "cpu", "memory_bytes": 25769803776}],
     "dtypes": ["int8", "int4", "int3", "int2", "uint8", "uint4", "nf4", "fp8_e4m3", "fp8_e5m2", "float16",
                "bfloat16"],
-    "observers": ["minmax", "percentile", "meanstd", "ema", "mse", "entropy"], "methods": ["rtn"],
+    "observers": ["minmax", "percentile", "meanstd", "ema", "mse", "entropy"],
+    "methods": ["rtn", "hqq", "gptq", "awq"],
+    "method_args": [{"name": "gptq", "needs": "hessian", "description": "GPTQ: columns rounded in turn, ...",
+                     "args": [{"name": "act_order", "type": "bool", "default": False, "min": None, "max": None,
+                               "description": "visit columns by decreasing Hessian diagonal"}]}],
     "granularities": ["tensor", "channel", "group"],
     "input_formats": ["safetensors", "pytorch", "npy", "npz", "gguf"], "output_formats": ["safetensors", "compressed-tensors", "gguf"],
     "limits": {"max_upload_bytes": 10737418240, "max_sync_bytes": 268435456, "max_analyze_configs": 16,

@@ -8,11 +8,30 @@ from fastapi import APIRouter
 
 import quantd
 from quantd_client import Info, Limits
-from quantd_client._schemas import DType, GranularityName, InputFormat, MethodName, ObserverName
+from quantd_client._schemas import (
+    DType,
+    GranularityName,
+    InputFormat,
+    MethodArg,
+    MethodInfo,
+    MethodName,
+    ObserverName,
+)
 
 from ..deps import StateDep, TenantDep
 from ..problems import problem_responses
 from ._docs import INFO_EXAMPLE, json_example
+
+
+def method_infos() -> list[MethodInfo]:
+    """Each method of the engine's registry with its arguments, in the order of ``MethodName``."""
+    from quantd.engine.methods import METHODS
+
+    return [MethodInfo(name=m.name, needs=m.needs, description=m.description,
+                       args=[MethodArg(name=a.name, type=a.type, default=a.default, min=a.min, max=a.max,
+                                       description=a.description) for a in m.args])
+            for m in (METHODS[n] for n in get_args(MethodName))]
+
 
 router = APIRouter(prefix="/v1", tags=["info"])
 
@@ -29,6 +48,7 @@ async def info(state: StateDep, _tenant: TenantDep) -> Info:
         dtypes=list(get_args(DType)),
         observers=list(get_args(ObserverName)),
         methods=list(get_args(MethodName)),
+        method_args=method_infos(),
         granularities=list(get_args(GranularityName)),
         input_formats=list(get_args(InputFormat)),
         output_formats=format_names(),

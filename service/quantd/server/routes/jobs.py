@@ -48,11 +48,12 @@ _CONFIG = TypeAdapter(QuantConfig)
 _JOB_ERRORS = problem_responses(401, 404, 410)
 _IDEM_MAX = 200
 
-def _check_upload(up: UploadedFile, config: QuantConfig | None) -> Any:
-    """Format by magic bytes, tensor list, and (for the model) the config planned against it:
-    415/422 before the job is accepted. Returns the jobs layer's StoredUpload."""
+def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: UploadedFile | None = None) -> Any:
+    """Format by magic bytes, tensor list, and (for the model) the config planned against it and the
+    calibration file's index: 415/422 before the job is accepted. Returns the jobs layer's StoredUpload."""
     from quantd import io
-    from quantd.jobs import StoredUpload
+    from quantd.io.calibration import MethodCalibration
+    from quantd.jobs.storage import StoredUpload
 
     fmt = io.detect_format(up.path)
     with io.open_model(up.path, filename=up.filename) as reader:
@@ -64,12 +65,17 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None) -> Any:
         if get_format(config.output).writes_config and fmt not in ("safetensors", "pytorch"):
             raise ConfigError(f"{config.output} writes a model directory: its input is a safetensors file or a "
                               f"PyTorch state dict, not {fmt}", field="output")
-        io.plan(tensors, config)
+        index = None
+        if calibration is not None:
+            with naming("the calibration file"):
+                index = MethodCalibration.describe(calibration.path)
+        io.plan(tensors, config, index)
     return StoredUpload(path=up.path, filename=up.filename, bytes=up.bytes, sha256=up.sha256, format=fmt,
                         tensors=len(tensors))
 
 
-def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any) -> Any:
+def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
+                     calibration: UploadedFile | None = None) -> Any:
     """A model directory upload (CONTRACT §8): every path checked (422 naming it), the shards against the
     index and the config against every tensor, then the files packed into one tar at ``dst`` (the job's
     stored input). Its sha256 is that of the sorted ``path sha256`` lines of its files."""
@@ -86,7 +92,13 @@ def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any) -
             raise PathError(f"path {rel!r}: given twice", field="file")
         by_path[rel] = up
     model = ModelFiles({rel: up.path for rel, up in by_path.items()})
-    plans, _ = plan_directory(model, config)
+    index = None
+    if calibration is not None:
+        from quantd.io.calibration import MethodCalibration
+
+        with naming("the calibration file"):
+            index = MethodCalibration.describe(calibration.path)
+    plans, _ = plan_directory(model, config, index)
     manifest = pack_tar(sorted((rel, up.path) for rel, up in by_path.items()), dst)
     digest = hashlib.sha256("".join(f"{f['path']}\0{f['sha256']}\n" for f in manifest).encode()).hexdigest()
     return StoredUpload(path=dst, filename="model", bytes=sum(f["bytes"] for f in manifest), sha256=digest,
@@ -151,6 +163,14 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             on_file_start=on_file_start, repeatable=frozenset({"file"}))
         try:
             config = parse_json_field(form, "config", _CONFIG)
+            calib = form.files.get("calibration")
+            calibration = None
+            if calib is not None:  # first: the model's plan checks the methods' calibration against it
+                with naming("the calibration file"):  # not the model's: both are checked the same way
+                    check = _check_imatrix if config.output == "gguf" else _check_upload
+                    calibration = await run_engine(state, check, calib, None)
+            if config.output == "gguf":  # an importance matrix, not the methods' calibration
+                calib = None
             parts = form.file_lists.get("file", [])
             tar = None
             if _is_directory(parts):
@@ -159,7 +179,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
                 runs.clear()
                 tar = state.jobs.new_upload_path(".tar")
                 try:
-                    upload = await run_engine(state, _check_directory, parts, config, tar)
+                    upload = await run_engine(state, _check_directory, parts, config, tar, calib)
                 except BaseException:
                     tar.unlink(missing_ok=True)
                     raise
@@ -167,13 +187,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
                     await anyio.to_thread.run_sync(state.jobs.discard_upload, path)
                 streamed.clear()
             else:
-                upload = await run_engine(state, _check_upload, form.files["file"], config)
-            calib = form.files.get("calibration")
-            calibration = None
-            if calib is not None:
-                with naming("the calibration file"):  # not the model's: both are checked the same way
-                    check = _check_imatrix if config.output == "gguf" else _check_upload
-                    calibration = await run_engine(state, check, calib, None)
+                upload = await run_engine(state, _check_upload, form.files["file"], config, calib)
             state.metrics.inc("quantd_uploads_total", endpoint="jobs")
             run = runs.pop() if runs else None  # the jobs layer owns it from here
             try:

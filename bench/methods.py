@@ -1,0 +1,301 @@
+"""Quantization methods on a real model: RTN, HQQ, GPTQ and AWQ on all-MiniLM-L6-v2, int4, beside peers.
+
+Every Linear weight of all-MiniLM-L6-v2 is quantized int4 and the model's mean-pooled sentence embeddings of
+40 evaluation sentences are compared with fp32 (cosine, mean over sentences). GPTQ and AWQ calibrate on 96
+other sentences (generated below, none shared with the evaluation set):
+
+- quantd, model-agnostic: the SDK's ``CalibrationRecorder`` records every Linear's ``Σ x xᵀ`` from the fp32
+  model, and ``quantize_file`` quantizes the weights file with that calibration file (what a job does);
+- quantd, sequential: the same engine methods, each encoder layer's inputs recorded with the layers before
+  it already quantized (the scheme of llm-compressor's sequential pipeline);
+- the ``hqq`` library (``Quantizer.quantize``, optimize=True) against quantd's ``hqq``: cosine and time;
+- llm-compressor's GPTQ and AWQ (``oneshot``, sequential pipeline over ``BertLayer``), run in a subprocess
+  with its own package directory (``--llmc-path``) because its pins (transformers ≤ 5.17, compressed-tensors
+  0.19) conflict with quantd's dev environment.
+
+    python bench/methods.py [--quick] [--llmc-path /path/to/llmcompressor/site]
+
+writes ``bench/results/methods.json`` (machine, date, every figure of one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import log, machine_info, private_inductor_cache, timed, write_results
+from peers import SENTENCES, EmbeddingProbe, library_version
+
+_SUBJECTS = ("The engineer", "A small child", "My grandmother", "The city council", "An old fisherman",
+             "The new manager", "A street musician", "The research team")
+_ACTIONS = ("repaired the broken fence", "wrote a letter about the harvest", "painted the kitchen blue",
+            "argued about the budget", "walked along the frozen canal", "planted tomatoes in the yard",
+            "sold the vintage motorcycle", "studied the ancient map")
+_ENDINGS = ("before the storm arrived.", "while everyone else was asleep.", "for the third time this year.")
+
+
+def calibration_sentences(n: int = 96) -> list[str]:
+    """``n`` sentences from fixed templates (none of them in the evaluation set)."""
+    out = [f"{s} {a} {e}" for e in _ENDINGS for s in _SUBJECTS for a in _ACTIONS]
+    step = len(out) // n
+    picked = out[::step][:n]
+    if set(picked) & set(SENTENCES):
+        raise RuntimeError("calibration and evaluation sentences overlap")
+    return picked
+
+
+SCHEMES: dict[str, dict[str, Any]] = {
+    "rtn": {"method": "rtn"},
+    "hqq": {"method": "hqq"},
+    "awq": {"method": "awq"},
+    "gptq": {"method": "gptq"},
+    "gptq_act_order": {"method": "gptq", "method_args": {"act_order": True}},
+    "gptq_static_act_order": {"method": "gptq", "method_args": {"act_order": True, "static_groups": True}},
+    # damping 0.1 (96 sentences give ~1600 rows: the 1536-wide Hessians are nearly singular), act-order, and
+    # AWQ's channel scales before GPTQ
+    "gptq_tuned": {"method": "gptq", "method_args": {"damp": 0.1, "act_order": True, "awq_scales": True}},
+    "gptq_tuned_mse": {"method": "gptq", "observer": "mse",
+                       "method_args": {"damp": 0.1, "act_order": True, "awq_scales": True}},
+}
+SEQUENTIAL = ("awq", "gptq_act_order", "gptq_tuned")
+GROUP_SCHEMES: dict[str, dict[str, Any]] = {
+    "asym_g64": {"dtype": "int4", "symmetric": False, "granularity": "group", "group_size": 64},
+    "sym_g128": {"dtype": "int4", "symmetric": True, "granularity": "group", "group_size": 128},
+}
+
+
+def record_calibration(probe: EmbeddingProbe, sentences: list[str], path: Path) -> float:
+    """The SDK's recorder over the fp32 model; seconds taken."""
+    from quantd_client.calibration import CalibrationRecorder
+
+    t0 = time.perf_counter()
+    with torch.no_grad(), CalibrationRecorder(probe.model) as rec:
+        probe.model.encode(sentences, batch_size=len(sentences), convert_to_tensor=True)
+    rec.save(path)
+    return time.perf_counter() - t0
+
+
+def run_agnostic(probe: EmbeddingProbe, weights: Path, calibration: Path, tmp: Path, schemes: list[str],
+                 groups: list[str]) -> list[dict[str, Any]]:
+    """quantd's pipeline on the weights file with the recorded calibration file."""
+    from quantd.io.artifact import dequantize_artifact
+    from quantd.io.pipeline import quantize_file
+    from quantd_client import QuantConfig
+
+    rows = []
+    for g in groups:
+        for name in schemes:
+            if GROUP_SCHEMES[g]["symmetric"] and name in ("hqq", "awq", "gptq_static_act_order"):
+                continue  # hqq is affine only; the symmetric g128 row compares GPTQ with llm-compressor's
+            config = QuantConfig.model_validate({"scheme": {**GROUP_SCHEMES[g], **SCHEMES[name]}})
+            out = tmp / f"{name}_{g}.safetensors"
+            t0 = time.perf_counter()
+            report = quantize_file(weights, out, config, device="cpu", calibration=calibration)
+            seconds = time.perf_counter() - t0
+            deq = dequantize_artifact(out, dtype=torch.float32)
+            cos = probe.cosine({k: v for k, v in deq.items() if k in probe.weights})
+            errs = [t.stats.output_rel_error for t in report.tensors if t.stats and t.stats.output_rel_error]
+            row = {"library": "quantd", "calibration": "recorded once (fp32 model)", "method": name, "scheme": g,
+                   "seconds": seconds, **cos,
+                   "mean_output_rel_error": sum(errs) / len(errs) if errs else None,
+                   "mean_sqnr_db": report.summary.mean_sqnr_db}
+            log(f"quantd {name} {g}: cos {cos['embedding_cos_mean']:.4f} in {seconds:.2f} s")
+            rows.append(row)
+    return rows
+
+
+def _encoder_layers(probe: EmbeddingProbe) -> list[str]:
+    return [n for n, m in probe.model.named_modules() if type(m).__name__ == "BertLayer"]
+
+
+@torch.no_grad()
+def run_sequential(probe: EmbeddingProbe, sentences: list[str], schemes: list[str], groups: list[str]
+                   ) -> list[dict[str, Any]]:
+    """Each encoder layer's Linear inputs recorded with the earlier layers already quantized."""
+    from quantd.engine.methods import LayerHessian, quantize_tensor
+    from quantd.engine.primitives import dequantize
+    from quantd_client import Scheme
+    from quantd_client.calibration import CalibrationRecorder
+
+    rows = []
+    layers = _encoder_layers(probe)
+    for g in groups:
+        for name in schemes:
+            if name not in SEQUENTIAL:
+                continue
+            scheme = Scheme.model_validate({**GROUP_SCHEMES[g], **SCHEMES[name]})
+            quantized: dict[str, torch.Tensor] = {}
+            t0 = time.perf_counter()
+            try:
+                for lname in layers:
+                    prefix = lname + "."
+                    with CalibrationRecorder(probe.model, include=lambda n, p=prefix: n.startswith(p)) as rec:
+                        probe.model.encode(sentences, batch_size=len(sentences), convert_to_tensor=True)
+                    for mname, h in rec.hessians.items():
+                        wname = f"{mname}.weight"
+                        qt = quantize_tensor(probe.weights[wname], scheme, name=wname,
+                                             calibration=LayerHessian(h, rec.counts[mname]))
+                        quantized[wname] = dequantize(qt)
+                        probe.modules[wname].weight.copy_(quantized[wname])
+            finally:
+                for wname, w in probe.weights.items():
+                    probe.modules[wname].weight.copy_(w)
+            seconds = time.perf_counter() - t0
+            cos = probe.cosine(quantized)
+            log(f"quantd sequential {name} {g}: cos {cos['embedding_cos_mean']:.4f} in {seconds:.2f} s")
+            rows.append({"library": "quantd", "calibration": "sequential (earlier layers quantized)",
+                         "method": name, "scheme": g, "seconds": seconds, **cos})
+    return rows
+
+
+def run_hqq_library(probe: EmbeddingProbe, repeats: int) -> list[dict[str, Any]]:
+    """The hqq library's Quantizer against quantd's hqq, int4 affine g64, on every Linear weight."""
+    from quantd.engine.methods import quantize_tensor
+    from quantd.engine.primitives import dequantize
+    from quantd_client import Scheme
+
+    scheme = Scheme.model_validate({**GROUP_SCHEMES["asym_g64"], "method": "hqq"})
+
+    def ours() -> dict[str, torch.Tensor]:
+        return {k: dequantize(quantize_tensor(w, scheme, name=k)) for k, w in probe.weights.items()}
+
+    t_ours, times_ours, deq = timed(ours, repeats=repeats)
+    rows = [{"library": "quantd", "method": "hqq", "scheme": "asym_g64", "seconds": t_ours, "times": times_ours,
+             **probe.cosine(deq)}]
+    try:
+        from hqq.core.quantize import Quantizer
+    except ImportError as e:
+        rows.append({"library": "hqq", "method": "hqq", "scheme": "asym_g64", "unavailable": str(e)})
+        return rows
+
+    def theirs() -> dict[str, torch.Tensor]:
+        out = {}
+        for k, w in probe.weights.items():
+            wq, meta = Quantizer.quantize(w, nbits=4, channel_wise=True, group_size=64, optimize=True, axis=1,
+                                          bitpack=False, compute_dtype=torch.float32, device="cpu")
+            meta["scale"], meta["zero"] = meta["scale"].half().float(), meta["zero"].half().float()
+            out[k] = Quantizer.dequantize(wq, meta).float().reshape(w.shape)
+        return out
+
+    t_theirs, times_theirs, deq = timed(theirs, repeats=repeats)
+    rows.append({"library": "hqq", "version": library_version("hqq"), "method": "hqq", "scheme": "asym_g64",
+                 "seconds": t_theirs, "times": times_theirs, **probe.cosine(deq)})
+    rows[0]["speedup_vs_hqq"] = t_theirs / t_ours
+    log(f"hqq: quantd {t_ours:.3f} s cos {rows[0]['embedding_cos_mean']:.4f}; library {t_theirs:.3f} s cos "
+        f"{rows[1]['embedding_cos_mean']:.4f}")
+    return rows
+
+
+def run_llmcompressor(llmc_path: str | None, sentences: list[str], groups: list[str], timeout_s: float
+                      ) -> list[dict[str, Any]]:
+    """llm-compressor's oneshot in a subprocess (its own package directory first on the path); the subprocess
+    measures the embeddings itself, since AWQ also changes the layers it folds its scales into."""
+    script = Path(__file__).resolve().parent / "_llmc_run.py"
+    rows: list[dict[str, Any]] = []
+    for method, group, actorder in (("gptq", "asym_g64", None), ("gptq", "asym_g64", "static"),
+                                    ("gptq", "sym_g128", None), ("gptq", "sym_g128", "static"),
+                                    ("awq", "asym_g64", None)):
+        if group not in groups:
+            continue
+        env = dict(os.environ)
+        if llmc_path:
+            env["PYTHONPATH"] = os.pathsep.join([llmc_path, env.get("PYTHONPATH", "")])
+        spec = {"method": method, "symmetric": GROUP_SCHEMES[group]["symmetric"],
+                "group_size": GROUP_SCHEMES[group]["group_size"], "actorder": actorder, "sentences": sentences,
+                "evaluation": list(SENTENCES)}
+        label = f"llm-compressor {method} {group}{' act-order ' + actorder if actorder else ''}"
+        row: dict[str, Any] = {"library": "llm-compressor", "method": method, "scheme": group, "actorder": actorder,
+                               "calibration": "sequential (its pipeline, BertLayer)"}
+        try:
+            proc = subprocess.run([sys.executable, str(script), json.dumps(spec)], env=env, capture_output=True,
+                                  text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rows.append({**row, "unavailable": f"timed out after {timeout_s} s"})
+            continue
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            log(f"{label} failed: {proc.stderr[-3000:]}")
+            lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "Error" in ln.split(":", 1)[0]]  # the exception line, not pydantic's hint
+            rows.append({**row, "unavailable": (errors or lines or ["failed"])[-1][:500]})
+            continue
+        result = json.loads(lines[-1])
+        log(f"{label}: cos {result['embedding_cos_mean']:.4f} in {result['seconds']:.2f} s")
+        rows.append({**row, **result})
+    return rows
+
+
+def _section(name: str, fn: Callable[[], Any]) -> Any:
+    log(f"== {name}")
+    try:
+        return fn()
+    except Exception as e:  # one failing section must not lose the others' figures
+        import traceback
+
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    private_inductor_cache()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="asym g64 only, no llm-compressor, 1 repeat")
+    ap.add_argument("--repeats", type=int, default=2, help="timed repeats of the HQQ comparison")
+    ap.add_argument("--llmc-path", default=os.environ.get("QUANTD_BENCH_LLMC_PATH"),
+                    help="a directory with llmcompressor and its pinned dependencies (pip install --target)")
+    ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor")
+    ap.add_argument("--groups", default=",".join(GROUP_SCHEMES), help=f"comma-separated, of {list(GROUP_SCHEMES)}")
+    ap.add_argument("--out", default=None, help="file under bench/results/ (default methods.json)")
+    args = ap.parse_args(argv)
+    groups = ["asym_g64"] if args.quick else args.groups.split(",")
+    repeats = 1 if args.quick else args.repeats
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    cal_sentences = calibration_sentences()
+    probe = EmbeddingProbe()
+    payload: dict[str, Any] = {
+        "benchmark": "methods", "machine": machine_info(),
+        "model": "sentence-transformers/all-MiniLM-L6-v2 (every Linear weight)",
+        "evaluation_sentences": len(SENTENCES), "calibration_sentences": len(cal_sentences),
+        "metric": "cosine of mean-pooled, L2-normalised sentence embeddings against fp32, mean over sentences",
+        "versions": {"torch": torch.__version__, "hqq": library_version("hqq")},
+        "schemes": {k: {kk: vv for kk, vv in v.items() if kk != "method"} for k, v in SCHEMES.items()
+                    if set(v) - {"method"}},
+    }
+    with tempfile.TemporaryDirectory(prefix="quantd-bench-methods-") as tmp_s:
+        tmp = Path(tmp_s)
+        weights = tmp / "minilm_linear.safetensors"
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in probe.weights.items()}, str(weights))
+        calibration = tmp / "calibration.safetensors"
+        payload["record_calibration_s"] = record_calibration(probe, cal_sentences, calibration)
+        payload["fp32_self_cosine"] = probe.cosine({})["embedding_cos_mean"]
+        payload["hqq"] = _section("HQQ: quantd vs the hqq library", lambda: run_hqq_library(probe, repeats))
+        payload["agnostic"] = _section("quantd, calibration file recorded once", lambda: run_agnostic(
+            probe, weights, calibration, tmp, list(SCHEMES), groups))
+        payload["sequential"] = _section("quantd, sequential calibration", lambda: run_sequential(
+            probe, cal_sentences, list(SCHEMES), groups))
+        if not (args.quick or args.no_llmc):
+            payload["llmcompressor"] = _section("llm-compressor", lambda: run_llmcompressor(
+                args.llmc_path, cal_sentences, groups, timeout_s=900.0))
+    payload["elapsed_s"] = time.perf_counter() - t_start
+    path = write_results(args.out or ("methods_quick.json" if args.quick else "methods.json"), payload)
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

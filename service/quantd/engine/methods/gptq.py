@@ -1,0 +1,220 @@
+"""GPTQ: columns quantized one after another, each one's error spread onto the columns not yet quantized
+through the inverse Hessian of the layer's inputs (Frantar et al., 2022).
+
+With ``H = Σ x xᵀ / N + λ·mean(diag H)·I`` and ``U`` the upper Cholesky factor of ``H⁻¹``, column ``j``:
+``q_j = Q(w_j)``, ``e_j = (w_j − q_j) / U_jj``, ``W[:, k] −= e_j · U_jk`` for the later columns ``k``. The
+update is applied inside a block of columns right away and to the columns after the block in one matmul
+at its end (lazy batch updates). The loop over columns is the method itself (each column depends on the
+last); every step is vectorised over the rows. With groups, each group's scale and zero point come from the
+scheme's observer on the group's columns as they are when the group is reached (their earlier updates
+included). ``act_order`` visits columns by decreasing ``diag H``; the groups then follow that order and
+``g_idx`` maps each column to its group, unless ``static_groups`` fixes every group's parameters on the
+original weight first (groups stay contiguous, no ``g_idx``). Dead inputs (``H_jj = 0``) get zero weights,
+as in the reference implementations. ``clip_grid`` picks each group's range (shrunk by up to ``max_shrink``)
+for the least output error through the group's block of ``H``; ``awq_scales`` first scales the input
+channels as AWQ does (:mod:`quantd.engine.methods.awq`), stored as ``channel_scale``. Memory: a few
+``[in, in]`` and ``[out, in]`` float32 matrices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from quantd.engine.observers import observe_range
+from quantd.engine.qparams import choose_qparams
+from quantd.engine.types import QuantizedTensor
+from quantd.errors import ConfigError, MalformedInputError
+from quantd_client import Scheme
+from quantd_client._dtypes import DTypeInfo, dtype_info
+
+from ._common import check_linear_weight, encode, group_columns
+from .awq import awq_scales
+from .base import Arg, LayerHessian, Method, register
+
+
+def inverse_hessian_factor(h: torch.Tensor, *, damp: float, name: str) -> torch.Tensor:
+    """The upper Cholesky factor ``U`` of ``(H + damp·mean(diag H)·I)⁻¹`` (``H⁻¹ = Uᵀ U``), on ``h``'s device.
+
+    With ``J`` the reversal permutation and ``J H J = L Lᵀ``: ``H = R Rᵀ`` for the upper ``R = J L J``, so
+    ``H⁻¹ = (R⁻¹)ᵀ R⁻¹`` and ``U = R⁻¹ = J L⁻¹ J``: one Cholesky and one triangular solve, no explicit
+    inverse. The damping grows tenfold (up to four times) while ``H`` is not positive definite in float32."""
+    eye = torch.eye(h.shape[0], device=h.device, dtype=h.dtype)
+    mean_diag = float(torch.diagonal(h).mean())
+    flipped = h.flip(0, 1)
+    lam = damp
+    for _ in range(5):
+        chol, info = torch.linalg.cholesky_ex(flipped + lam * mean_diag * eye)
+        if int(info) == 0:
+            inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+            upper: torch.Tensor = inv.flip(0, 1)
+            if bool(torch.isfinite(upper).all()):
+                return upper
+        lam *= 10.0
+    raise MalformedInputError(f"tensor {name!r}: the calibration Hessian is not positive definite even with "
+                              f"damping {lam / 10:g}", tensor=name)
+
+
+def _qparams(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-row float32 scale and zero point columns ``[rows, 1]`` of the block ``w[rows, k]``."""
+    lo, hi = observe_range(w, scheme)
+    scale, zp = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
+                               scale_dtype=scheme.scale_dtype)
+    return scale.float().unsqueeze(1), None if zp is None else zp.float().unsqueeze(1)
+
+
+def _qparams_searched(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, ratios: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As :func:`_qparams`, each row's range shrunk by the ratio whose rounding error ``d`` of the block
+    ``w[rows, k]`` has the least output error ``d H dᵀ`` through the block's own ``H[k, k]``."""
+    lo, hi = observe_range(w, scheme)
+    best_s = best_z = None
+    best_err = torch.full((w.shape[0], 1), float("inf"), device=w.device)
+    for r in ratios.tolist():  # a few candidates, each for every row at once
+        scale, zp = choose_qparams(lo * r, hi * r, dtype=scheme.dtype, symmetric=scheme.symmetric,
+                                   scale_dtype=scheme.scale_dtype)
+        s = scale.float().unsqueeze(1)
+        z = None if zp is None else zp.float().unsqueeze(1)
+        code = encode(w, s, z, info)
+        d = (code if z is None else code - z) * s - w
+        err = ((d @ h) * d).sum(dim=1, keepdim=True)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = s if best_s is None else torch.where(better, s, best_s)
+        if z is not None:
+            best_z = z if best_z is None else torch.where(better, z, best_z)
+    if best_s is None:
+        raise ValueError("no clipping ratio to search")
+    return best_s, best_z
+
+
+def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, damp: float, block_size: int,
+         act_order: bool, static_groups: bool, name: str, clip_grid: int = 0, max_shrink: float = 0.0
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Codes ``[out, in]`` (float32 integers, original column order), scale and zero point ``[out, G]``
+    (float32), and ``g_idx`` (None when the groups are the contiguous ones)."""
+    w = w.float().clone()
+    h = h.float().clone()
+    rows, cols = w.shape
+    gs = group_columns(cols, scheme)
+    n_groups = cols // gs
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    static = None
+    if static_groups or scheme.granularity == "channel":  # every group's parameters from the weight up front
+        s, z = _qparams(w.reshape(rows * n_groups, gs), scheme)
+        static = (s.reshape(rows, n_groups), None if z is None else z.reshape(rows, n_groups))
+    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
+    if perm is not None:
+        w, h = w[:, perm], h[perm][:, perm]
+    u = inverse_hessian_factor(h, damp=damp, name=name)
+    ratios = None
+    if clip_grid > 0 and max_shrink > 0:
+        ratios = 1.0 - torch.arange(max(1, int(max_shrink * clip_grid))) / clip_grid
+    q = torch.empty_like(w)
+    scale = torch.empty(rows, n_groups, device=w.device)
+    zero = None if scheme.symmetric else torch.empty(rows, n_groups, device=w.device)
+    # the column's group: its own (static) or the position it is visited at (dynamic)
+    col_group = (torch.arange(cols, device=w.device) // gs) if perm is None or static is None else perm // gs
+    if static is not None:
+        scale.copy_(static[0])
+        if zero is not None and static[1] is not None:
+            zero.copy_(static[1])
+    bs = max(gs if static is None else 1, (block_size // gs) * gs if static is None else block_size)
+    for b0 in range(0, cols, bs):
+        b1 = min(b0 + bs, cols)
+        w1 = w[:, b0:b1].clone()
+        err = torch.empty_like(w1)
+        u1 = u[b0:b1, b0:b1]
+        for i in range(b1 - b0):  # column by column: each one's rounding depends on the previous ones' errors
+            j = b0 + i
+            if static is None and j % gs == 0:  # a new group starts: its parameters from its columns as they are
+                if ratios is None:
+                    s, z = _qparams(w1[:, i:i + gs], scheme)
+                else:
+                    s, z = _qparams_searched(w1[:, i:i + gs], h[j:j + gs, j:j + gs], scheme, info, ratios)
+                scale[:, j // gs] = s[:, 0]
+                if zero is not None and z is not None:
+                    zero[:, j // gs] = z[:, 0]
+            g = int(col_group[j])
+            s_col = scale[:, g:g + 1]
+            z_col = None if zero is None else zero[:, g:g + 1]
+            col = w1[:, i:i + 1]
+            code = encode(col, s_col, z_col, info)
+            deq = (code if z_col is None else code - z_col) * s_col
+            q[:, j:j + 1] = code
+            e = (col - deq) / u1[i, i]
+            w1[:, i:] -= e * u1[i:i + 1, i:]
+            err[:, i:i + 1] = e
+        w[:, b1:] -= err @ u[b0:b1, b1:]
+    g_idx = None
+    if perm is not None:
+        inv = torch.argsort(perm)
+        q = q[:, inv]
+        if static is None:
+            g_idx = (inv // gs).to(torch.int32)
+    return q, scale, zero, g_idx
+
+
+def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool], calibration: LayerHessian | None,
+              name: str) -> QuantizedTensor:
+    info = dtype_info(scheme.dtype)
+    if calibration is None:
+        raise ConfigError("method 'gptq' needs calibration for this tensor", field="calibration", tensor=name)
+    act_order = bool(args["act_order"]) and scheme.granularity == "group"
+    w, h = x.float(), calibration.hessian.float() / max(calibration.count, 1)
+    channel_scale = None
+    if args["awq_scales"]:  # AWQ's per-input-channel scales first: GPTQ then rounds W·s against H / (s sᵀ)
+        channel_scale = awq_scales(w, calibration.hessian.float(), calibration.count, scheme, grid=20,
+                                   duo_scaling=True, name=name)
+        w = w * channel_scale
+        h = h / channel_scale.unsqueeze(0) / channel_scale.unsqueeze(1)
+    codes, scale, zero, g_idx = gptq(w, h, scheme, info,
+                                     damp=float(args["damp"]), block_size=int(args["block_size"]),
+                                     act_order=act_order, static_groups=bool(args["static_groups"]), name=name,
+                                     clip_grid=int(args["clip_grid"]), max_shrink=float(args["max_shrink"]))
+    return _result(x, scheme, info, codes, scale, zero, g_idx, method="gptq", channel_scale=channel_scale)
+
+
+def _result(x: torch.Tensor, scheme: Scheme, info: DTypeInfo, codes: torch.Tensor, scale: torch.Tensor,
+            zero: torch.Tensor | None, g_idx: torch.Tensor | None, *, method: str,
+            channel_scale: torch.Tensor | None = None) -> QuantizedTensor:
+    from quantd.engine.qparams import code_dtype, scale_torch_dtype, zero_point_dtype
+
+    sshape = (x.shape[0],) if scheme.granularity == "channel" else tuple(scale.shape)
+    return QuantizedTensor(
+        codes=codes.to(code_dtype(scheme.dtype)), scale=scale.to(scale_torch_dtype(scheme.scale_dtype)).reshape(sshape),
+        zero_point=None if zero is None else zero.to(zero_point_dtype(scheme.dtype)).reshape(sshape),
+        shape=tuple(x.shape), dtype=scheme.dtype, orig_dtype=x.dtype, granularity=scheme.granularity, axis=0,
+        group_size=scheme.group_size, symmetric=zero is None, method=method, observer=scheme.observer,
+        g_idx=g_idx, channel_scale=channel_scale)
+
+
+def _check(shape: tuple[int, ...], scheme: Scheme, args: Mapping[str, float | bool], name: str) -> None:
+    check_linear_weight(shape, scheme, "gptq", name)
+
+
+def _uses_g_idx(scheme: Scheme, args: Mapping[str, float | bool]) -> bool:
+    return bool(args.get("act_order")) and not args.get("static_groups") and scheme.granularity == "group"
+
+
+GPTQ = register(Method(
+    name="gptq", needs="hessian", quantize=_quantize, check=_check, uses_g_idx=_uses_g_idx,
+    uses_channel_scale=lambda scheme, args: bool(args.get("awq_scales")),
+    description="GPTQ: columns rounded in turn, each error compensated on the later columns through the "
+                "inverse Hessian of the layer's inputs (needs calibration; 2-D Linear weights, integer, "
+                "per channel or group)",
+    args=(
+        Arg("damp", "float", 0.01, "damping added to the Hessian's diagonal, relative to its mean", 0.0, 10.0),
+        Arg("block_size", "int", 128, "columns per lazy batch update", 1, 65536),
+        Arg("act_order", "bool", False, "visit columns by decreasing Hessian diagonal (stores g_idx with groups "
+                                        "unless static_groups)"),
+        Arg("static_groups", "bool", False, "fix every group's scale and zero point on the original weight "
+                                            "before the column loop"),
+        Arg("clip_grid", "int", 0, "search each group's range shrink on this grid (0: the observer's range as "
+                                   "it is), for the least output error through the group's block of H", 0, 200),
+        Arg("max_shrink", "float", 0.2, "the most a group's range is shrunk by the search", 0.0, 0.9),
+        Arg("awq_scales", "bool", False, "scale the input channels as AWQ does before GPTQ (stores channel_scale)"),
+    )))

@@ -1,0 +1,233 @@
+"""The method registry and its methods (rtn, hqq, gptq, awq) against small, obviously-correct references."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+import torch
+
+from quantd.engine.methods import METHODS, LayerHessian, check_method, output_rel_error, quantize_tensor
+from quantd.engine.methods.hqq import optimize_zero_point
+from quantd.engine.primitives import dequantize, quantize
+from quantd.engine.stats import bits_per_weight, quantized_error_stats
+from quantd.engine.types import QuantizedTensor
+from quantd.errors import ConfigError
+from quantd_client import Scheme
+from quantd_client._schemas import MethodName
+
+
+def _layer(rows: int = 48, cols: int = 128, n: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight and correlated inputs with a few loud channels (what makes GPTQ and AWQ matter)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g)
+    mix = torch.randn(cols, cols, generator=g) / cols**0.5 + torch.eye(cols)
+    x = torch.randn(n, cols, generator=g) @ mix
+    x[:, :4] *= 8.0
+    return w, x
+
+
+def _rel(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> float:
+    """‖X Wᵀ − X Ŵᵀ‖² / ‖X Wᵀ‖², in float64 from the rows themselves."""
+    y, y_hat = x.double() @ w.double().T, x.double() @ w_hat.double().T
+    return float((y - y_hat).square().sum() / y.square().sum())
+
+
+def test_registry_is_the_wire_literal() -> None:
+    assert list(METHODS) and set(METHODS) == set(get_args(MethodName))
+    for m in METHODS.values():
+        assert m.needs in ("none", "hessian") and m.description
+
+
+def test_unknown_and_ill_typed_arguments_are_refused_naming_the_tensor() -> None:
+    with pytest.raises(ConfigError, match=r"scheme.method_args.*'w'.*\['nope'\].*hqq"):
+        check_method((8, 64), Scheme(method="hqq", method_args={"nope": 1.0}), name="w", has_calibration=False)
+    with pytest.raises(ConfigError, match="takes true or false"):
+        check_method((8, 64), Scheme(method="gptq", method_args={"act_order": 1.0}), name="w", has_calibration=True)
+    with pytest.raises(ConfigError, match="integer"):
+        check_method((8, 64), Scheme(method="gptq", method_args={"block_size": 2.5}), name="w", has_calibration=True)
+    with pytest.raises(ConfigError, match="no arguments"):
+        check_method((8, 64), Scheme(method="rtn", method_args={"x": 1.0}), name="w", has_calibration=False)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_methods_need_calibration_and_linear_weights(method: str) -> None:
+    with pytest.raises(ConfigError, match=r"field 'calibration' tensor 'enc.q.weight'.*needs calibration"):
+        check_method((8, 64), Scheme(method=method, group_size=32), name="enc.q.weight", has_calibration=False)
+    with pytest.raises(ConfigError, match="2-D Linear weights"):
+        check_method((8, 4, 16), Scheme(method=method, group_size=32), name="conv", has_calibration=True)
+    with pytest.raises(ConfigError, match="integer dtypes"):
+        check_method((8, 64), Scheme(method=method, dtype="nf4", group_size=32), name="w", has_calibration=True)
+
+
+def _gptq_reference(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, damp: float) -> torch.Tensor:
+    """Textbook GPTQ/OBQ in float64, one column at a time with the explicit inverse Hessian and its
+    rank-one downdate after every column (no Cholesky, no blocks); the groups' parameters from the scheme
+    (min-max) on the group's columns when the group is reached. Returns Ŵ."""
+    from quantd.engine.qparams import choose_qparams
+    from quantd_client._dtypes import dtype_info
+
+    info = dtype_info(scheme.dtype)
+    w = w.double().clone()
+    h = h.double() + damp * torch.diagonal(h).double().mean() * torch.eye(h.shape[0], dtype=torch.float64)
+    hinv = torch.linalg.inv(h)
+    out = torch.empty_like(w)
+    gs = scheme.group_size
+    for j in range(w.shape[1]):
+        if j % gs == 0:
+            blk = w[:, j:j + gs].float()
+            scale, zp = choose_qparams(blk.amin(1), blk.amax(1), dtype=scheme.dtype, symmetric=scheme.symmetric,
+                                       scale_dtype=scheme.scale_dtype)
+            s, z = scale.double(), zp.double()
+        q = (torch.round(w[:, j].float() / s.float()).double() + z).clamp(info.qmin, info.qmax)
+        out[:, j] = (q - z) * s
+        err = (w[:, j] - out[:, j]) / hinv[j, j]
+        w[:, j + 1:] -= err[:, None] * hinv[j, j + 1:][None, :]
+        hinv = hinv - hinv[:, j:j + 1] @ hinv[j:j + 1, :] / hinv[j, j]
+    return out
+
+
+def test_gptq_matches_a_per_column_reference_on_a_tiny_layer() -> None:
+    w, x = _layer(rows=24, cols=64, n=256)
+    h = x.T @ x
+    scheme = Scheme(dtype="int4", group_size=16, method="gptq", method_args={"block_size": 32})
+    qt = quantize_tensor(w, scheme, name="w", calibration=LayerHessian(h, x.shape[0]))
+    ours = dequantize(qt)
+    ref = _gptq_reference(w, h / x.shape[0], scheme, damp=0.01)
+    same = (ours.double() - ref).abs() <= 1e-4 * ref.abs().max()
+    assert same.float().mean() > 0.97  # float32 vs float64 may round a rare column the other way
+    assert _rel(w, ours, x) == pytest.approx(_rel(w, ref.float(), x), rel=0.1)
+    assert _rel(w, ours, x) < 0.8 * _rel(w, dequantize(quantize(w, scheme.model_copy(update={"method": "rtn"}))), x)
+
+
+@pytest.mark.parametrize("static_groups", [False, True])
+def test_gptq_act_order_result_dequantizes_through_g_idx(static_groups: bool) -> None:
+    w, x = _layer()
+    scheme = Scheme(dtype="int4", group_size=32, method="gptq",
+                    method_args={"act_order": True, "static_groups": static_groups})
+    qt = quantize_tensor(w, scheme, name="w", calibration=LayerHessian(x.T @ x, x.shape[0]))
+    assert (qt.g_idx is None) == static_groups
+    g_idx = qt.g_idx.long() if qt.g_idx is not None else torch.arange(w.shape[1]) // 32
+    if qt.g_idx is not None:  # every group holds group_size columns, in decreasing Hessian order
+        assert torch.bincount(g_idx).tolist() == [32] * 4
+        assert not torch.equal(g_idx, torch.arange(w.shape[1]) // 32)
+    assert qt.zero_point is not None and qt.scale is not None
+    manual = (qt.codes.float() - qt.zero_point.float()[:, g_idx]) * qt.scale.float()[:, g_idx]
+    torch.testing.assert_close(dequantize(qt), manual, rtol=0, atol=0)
+    rtn = dequantize(quantize(w, scheme.model_copy(update={"method": "rtn"})))
+    assert _rel(w, dequantize(qt), x) < _rel(w, rtn, x)
+    stats = quantized_error_stats(w, qt)
+    assert stats.numel == w.numel() and stats.bits_per_weight == bits_per_weight(qt)
+
+
+def test_gptq_per_channel_and_dead_inputs() -> None:
+    w, x = _layer(rows=16, cols=64)
+    x[:, 5] = 0.0  # an input that never fires: its weights are dropped, as in the reference implementations
+    qt = quantize_tensor(w, Scheme(dtype="int8", granularity="channel", symmetric=True, method="gptq"), name="w",
+                         calibration=LayerHessian(x.T @ x, x.shape[0]))
+    assert qt.scale is not None and qt.scale.shape == (16,) and qt.g_idx is None
+    assert torch.all(dequantize(qt)[:, 5] == 0)
+
+
+def test_output_rel_error_is_the_layer_output_error() -> None:
+    w, x = _layer()
+    qt = quantize(w, Scheme(dtype="int3", group_size=32))
+    assert output_rel_error(w, qt, x.T @ x) == pytest.approx(_rel(w, dequantize(qt), x), rel=1e-4)
+    assert output_rel_error(w, qt, torch.eye(64)) is None  # another width: not this layer's inputs
+
+
+def _hqq_objective(w: torch.Tensor, qt: QuantizedTensor, p: float = 0.7) -> torch.Tensor:
+    return (w - dequantize(qt)).abs().reshape(-1, qt.group_size).pow(p).mean(dim=1)
+
+
+@pytest.mark.parametrize("dtype", ["int2", "int3", "int4", "uint8"])
+def test_hqq_improves_on_its_min_max_start_and_stores_float_zero_points(dtype: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 256, generator=g) * torch.rand(32, 1, generator=g)
+    w[0, :3] = 6.0  # outliers: what the non-convex norm lets go
+    scheme = Scheme(dtype=dtype, group_size=64, method="hqq")
+    qt = quantize_tensor(w, scheme, name="w")
+    start = quantize_tensor(w, scheme.model_copy(update={"method_args": {"iters": 1}}), name="w")
+    assert qt.zero_point_domain == "float" and qt.zero_point is not None
+    assert qt.zero_point.dtype == torch.float16 and not torch.equal(qt.zero_point, qt.zero_point.round())
+    l1 = (w - dequantize(qt)).abs().reshape(-1, 64).mean(1)
+    l1_start = (w - dequantize(start)).abs().reshape(-1, 64).mean(1)
+    assert torch.all(l1 <= l1_start * (1 + 1e-3))  # each block keeps its best zero point (fp16 rounding aside)
+    assert float(l1.mean()) < float(l1_start.mean())
+    assert float(_hqq_objective(w, qt).mean()) < float(_hqq_objective(w, start).mean())
+    rtn = quantize(w, scheme.model_copy(update={"method": "rtn"}))
+    assert float((w - dequantize(qt)).abs().mean()) < float((w - dequantize(rtn)).abs().mean())
+    codes = qt.codes.float()
+    assert codes.min() >= -(2 ** (int(dtype[-1]) - 1)) if dtype.startswith("int") else codes.min() >= 0
+
+
+def test_hqq_zero_point_update_is_the_half_quadratic_step() -> None:
+    """One iteration by hand: W_q, W_r, the generalised soft threshold, then z = mean(W_q − (W − W_e)/s)."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(4, 16, generator=g)
+    s = ((w.amax(1, keepdim=True) - w.amin(1, keepdim=True)) / 15).float()
+    z0 = -w.amin(1, keepdim=True) / s
+    wq = torch.round(w / s + z0).clamp(0, 15)
+    e = w - (wq - z0) * s
+    we = torch.sign(e) * torch.relu(e.abs() - e.abs().pow(-0.3) / 10.0)
+    z1 = (wq - (w - we) / s).mean(1, keepdim=True)
+    err = lambda z: (w - (torch.round(w / s + z).clamp(0, 15) - z) * s).abs().mean(1, keepdim=True)  # noqa: E731
+    got = optimize_zero_point(w, s, z0, levels=15, iters=2, lp_norm=0.7, beta=10.0, kappa=1.01)
+    torch.testing.assert_close(got, torch.where(err(z1) < err(z0), z1, z0))
+
+
+def test_awq_beats_rtn_on_loud_channels_and_stores_channel_scale() -> None:
+    w, x = _layer(rows=64, cols=128, n=1024)
+    scheme = Scheme(dtype="int4", group_size=64, method="awq")
+    qt = quantize_tensor(w, scheme, name="w", calibration=LayerHessian(x.T @ x, x.shape[0]))
+    assert qt.channel_scale is not None and qt.channel_scale.shape == (128,) and qt.channel_scale.dtype == torch.float32
+    assert qt.scale is not None and qt.zero_point is not None
+    idx = torch.arange(128) // 64
+    manual = (qt.codes.float() - qt.zero_point.float()[:, idx]) * qt.scale.float()[:, idx] / qt.channel_scale
+    torch.testing.assert_close(dequantize(qt), manual)
+    rtn = dequantize(quantize(w, scheme.model_copy(update={"method": "rtn"})))
+    assert _rel(w, dequantize(qt), x) < 0.95 * _rel(w, rtn, x)
+    stats = quantized_error_stats(w, qt)
+    assert 0.0 <= stats.clipped_fraction <= 1.0 and stats.theoretical_max_error is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("method", ["hqq", "gptq", "awq"])
+def test_methods_run_on_cuda(method: str) -> None:
+    w, x = _layer()
+    scheme = Scheme(dtype="int4", group_size=32, method=method)
+    cal = LayerHessian((x.T @ x).cuda(), x.shape[0])
+    qt_gpu = quantize_tensor(w.cuda(), scheme, name="w", calibration=cal)
+    assert qt_gpu.codes.is_cuda
+    rtn = dequantize(quantize(w, scheme.model_copy(update={"method": "rtn"})))
+    assert _rel(w, dequantize(qt_gpu).cpu(), x) < _rel(w, rtn, x)
+
+
+def test_gptq_with_awq_scales_and_clip_search() -> None:
+    w, x = _layer(rows=32, cols=128, n=1024)
+    h = LayerHessian(x.T @ x, x.shape[0])
+    plain = quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq"), name="w", calibration=h)
+    scaled = quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq",
+                                       method_args={"awq_scales": True, "clip_grid": 20}), name="w", calibration=h)
+    assert plain.channel_scale is None and scaled.channel_scale is not None
+    assert scaled.scale is not None and scaled.zero_point is not None
+    idx = torch.arange(128) // 32
+    manual = ((scaled.codes.float() - scaled.zero_point.float()[:, idx]) * scaled.scale.float()[:, idx]
+              / scaled.channel_scale)
+    torch.testing.assert_close(dequantize(scaled), manual)
+    assert _rel(w, dequantize(scaled), x) < _rel(w, dequantize(plain), x)
+
+
+def test_the_docs_tables_list_every_method_and_argument() -> None:
+    """docs/methods.md's tables name every registered method and each argument with its default."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "methods.md").read_text(encoding="utf-8")
+    for m in METHODS.values():
+        assert f"| `{m.name}`" in text, m.name
+        for a in m.args:
+            row = next((ln for ln in text.splitlines()
+                        if ln.startswith(f"| `{m.name}` |") and f"`{a.name}`" in ln.split("|")[2]), None)
+            assert row is not None, (m.name, a.name)
+            default = str(a.default).lower() if isinstance(a.default, bool) else f"{a.default:g}"
+            assert default in row, (m.name, a.name, default, row)

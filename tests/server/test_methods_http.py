@@ -1,0 +1,77 @@
+"""Methods over HTTP: /v1/info lists them with their arguments; a GPTQ job with a calibration file; the
+422s a method's config earns before the job is accepted."""
+
+from __future__ import annotations
+
+import json
+from typing import get_args
+
+import torch
+
+from quantd_client._artifact import read_artifact
+from quantd_client._schemas import MethodName
+
+from .conftest import assert_problem, st_bytes
+
+
+def _files(calibration: bytes | None) -> dict[str, tuple[str, bytes, str]]:
+    g = torch.Generator().manual_seed(0)
+    files = {"file": ("m.safetensors", st_bytes({"enc.q.weight": torch.randn(16, 64, generator=g),
+                                                  "enc.q.bias": torch.randn(16, generator=g)}),
+                      "application/octet-stream")}
+    if calibration is not None:
+        files["calibration"] = ("cal.safetensors", calibration, "application/octet-stream")
+    return files
+
+
+def _rows() -> bytes:
+    return st_bytes({"enc.q": torch.randn(200, 64, generator=torch.Generator().manual_seed(1))})
+
+
+async def test_info_lists_every_method_with_its_arguments(server):
+    info = (await server.client.get("/v1/info")).json()
+    assert info["methods"] == list(get_args(MethodName))
+    by_name = {m["name"]: m for m in info["method_args"]}
+    assert set(by_name) == set(info["methods"])
+    assert by_name["gptq"]["needs"] == "hessian" and by_name["hqq"]["needs"] == "none"
+    assert {a["name"] for a in by_name["gptq"]["args"]} >= {"damp", "act_order", "block_size"}
+
+
+async def test_gptq_job_with_a_calibration_file(server):
+    config = {"scheme": {"dtype": "int4", "group_size": 32, "method": "gptq", "method_args": {"act_order": True}}}
+    r = await server.client.post("/v1/jobs", files=_files(_rows()), data={"config": json.dumps(config)})
+    assert r.status_code == 202, r.text
+    job = await server.wait_job(r.json()["id"])
+    assert job["status"] == "succeeded", job
+    rep = (await server.client.get(f"/v1/jobs/{job['id']}/report")).json()
+    (weight,) = [t for t in rep["tensors"] if t["name"] == "enc.q.weight"]
+    assert 0.0 < weight["stats"]["output_rel_error"] < 0.05
+    assert rep["activations"] is None  # the file served the method, not activation ranges
+    art = read_artifact((await server.client.get(f"/v1/jobs/{job['id']}/artifact")).content)
+    assert "enc.q.weight.g_idx" in art.tensor_names
+    assert art.dequantize("enc.q.weight")["enc.q.weight"].shape == (16, 64)
+
+
+async def test_method_configs_that_cannot_run_are_refused_before_the_job(server):
+    gptq = {"scheme": {"dtype": "int4", "group_size": 32, "method": "gptq"}}
+    body = assert_problem(await server.client.post("/v1/jobs", files=_files(None),
+                                                   data={"config": json.dumps(gptq)}), 422)
+    assert "enc.q.weight" in body["detail"] and "needs calibration" in body["detail"], body
+    bad_arg = {"scheme": {"dtype": "int4", "group_size": 32, "method": "hqq", "method_args": {"damp": 0.1}}}
+    body = assert_problem(await server.client.post("/v1/jobs", files=_files(None),
+                                                   data={"config": json.dumps(bad_arg)}), 422)
+    assert "method_args" in body["detail"] and "damp" in body["detail"], body
+    narrow = st_bytes({"enc.q": torch.randn(10, 32)})
+    body = assert_problem(await server.client.post("/v1/jobs", files=_files(narrow),
+                                                   data={"config": json.dumps(gptq)}), 422)
+    assert "32 input features" in body["detail"], body
+    r = await server.client.get("/v1/jobs")
+    assert r.json()["items"] == []
+
+
+async def test_hqq_over_the_sync_endpoint(server):
+    config = {"scheme": {"dtype": "int4", "group_size": 32, "method": "hqq"}}
+    r = await server.client.post("/v1/quantize", files=_files(None), data={"config": json.dumps(config)})
+    assert r.status_code == 200, r.text
+    art = read_artifact(r.content)
+    assert art.metadata["tensors"]["enc.q.weight"]["zero_point_domain"] == "float"
