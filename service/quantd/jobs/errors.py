@@ -84,6 +84,5 @@ class SourceInvalid(QuantdError):
 class DestinationInvalid(QuantdError):
     """A job by reference whose destination cannot take its output (a directory output needs a prefix)."""
 
-    status = 422
     title = "Destination cannot be written"
     type_ = "urn:quantd:destination-invalid"

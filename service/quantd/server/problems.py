@@ -24,6 +24,7 @@ from quantd.errors import (
     UnsupportedFormatError,
 )
 from quantd.jobs.errors import (
+    DestinationInvalid,
     IdempotencyConflict,
     InvalidListQuery,
     JobExpired,
@@ -121,6 +122,7 @@ STATUS_OF: dict[type[QuantdError], int] = {
     StorageError: 500,
     SourceForbidden: 403,
     SourceInvalid: 422,
+    DestinationInvalid: 422,
 }
 
 
