@@ -8,14 +8,14 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from pydantic import ValidationError
 
-import gguf
 from _gguf_models import llama_cpp_or_none, llama_logits, llama_quantize, write_tiny_llama
-from gguf import GGMLQuantizationType
 from quantd.errors import ConfigError, MalformedInputError, UnsupportedFormatError
 from quantd.io import open_model
 from quantd.io.gguf_file import GGUFFile
