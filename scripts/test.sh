@@ -13,7 +13,7 @@ if ! command -v pg_ctl >/dev/null && ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev
     || echo "postgresql could not be installed: its tests will skip"
 fi
 # Every other install is constrained to that torch. llama-cpp-python builds llama.cpp from source the first
-# time (about 13 minutes on 2 cores; pip caches the wheel), for any x86-64 CPU rather than this one.
+# time (pip caches the wheel), for any x86-64 CPU rather than this one.
 echo "torch==2.13.0" > "${TMPDIR:-/tmp}/quantd-constraints.txt"
 CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" \
   $PY -m pip install -q -c "${TMPDIR:-/tmp}/quantd-constraints.txt" -e ".[dev]"

@@ -75,7 +75,7 @@ def test_failures_exit_nonzero_with_detail(model: Path, tmp_path: Path, capsys: 
 def test_a_config_file_that_is_not_an_object_is_a_usage_error(model: Path, tmp_path: Path, text: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "c.json"
-    cfg.write_text(text)  # valid JSON, not a config: it was a traceback (AttributeError, TypeError)
+    cfg.write_text(text)  # valid JSON, not a config: a one-line usage error
     assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--config", str(cfg), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("quantd quantize: --config") and "JSON object" in err
@@ -88,7 +88,7 @@ def test_group_size_flag_asks_for_groups_over_a_per_channel_config(model: Path, 
     assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--config", str(cfg), "--dtype", "int4",
                  "--group-size", "16", "--device", "cpu", "--json"]) == 0
     scheme = json.loads(capsys.readouterr().out)["tensors"][0]["scheme"]
-    assert (scheme["granularity"], scheme["group_size"]) == ("group", 16)  # it was silently per channel
+    assert (scheme["granularity"], scheme["group_size"]) == ("group", 16)  # --group-size asks for groups
 
 
 def test_missing_input_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -301,7 +301,7 @@ def _refuse(*args: object, **kwargs: object) -> None:
 
 def test_bad_settings_are_one_line_naming_the_variable_and_never_its_value(monkeypatch: pytest.MonkeyPatch,
                                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    # It was pydantic's multi-line dump, with input_value={'api_keys': 'tenant-a:sk-live-…'}: part of a secret.
+    # One line naming the variable, never echoing its value (it holds secrets).
     monkeypatch.setenv("QUANTD_API_KEYS", "tenant-a:sk-live-0123456789abcdef,bad")
     assert main(["serve", "--port", "1"]) == 2
     err = capsys.readouterr().err

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -112,8 +111,6 @@ def test_analyze(live_url: str, api_key: str) -> None:
     assert s8.sqnr_db is not None and s4.sqnr_db is not None and s8.sqnr_db > s4.sqnr_db + 10
 
 
-@pytest.mark.skipif(importlib.util.find_spec("quantd.engine.calibration") is None,
-                    reason="quantd.engine.calibration not written yet")
 def test_calibrate(live_url: str, api_key: str) -> None:
     act = RNG.standard_normal((8, 16)).astype(np.float32)
     with Client(live_url, api_key=api_key) as c:

@@ -272,7 +272,7 @@ def test_download_409_until_succeeded(api: Api, tmp_path: Path) -> None:
 
 
 def test_list_jobs_beyond_one_page_asks_for_full_pages(api: Api) -> None:
-    # limit=150 was sent as ?limit=150, which the server refuses (422: at most 100 a page).
+    # The server takes at most 100 a page: a larger limit is fetched as full pages.
     seen: list[int] = []
 
     def h(request: httpx.Request) -> httpx.Response:

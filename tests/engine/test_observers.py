@@ -178,7 +178,7 @@ def test_entropy_per_group_and_zero_blocks() -> None:
 
 @pytest.mark.slow
 def test_entropy_calibrates_many_blocks_in_chunks_of_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the histograms of all blocks were one [B, nbins] int64 tensor: 32 GiB for 65 536 blocks × 65 536 bins
+    # all blocks' histograms as one [B, nbins] int64 tensor would be 32 GiB for 65 536 blocks × 65 536 bins
     x = _heavy(rows=300, cols=64, seed=6)
     rows_of = obs.entropy._entropy_rows
     seen: list[int] = []

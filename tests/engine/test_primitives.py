@@ -250,7 +250,7 @@ def test_float64_casts_round_once(dtype: str, torch_dtype: torch.dtype, np_dtype
 
 
 def test_clipping_of_a_float16_cast_is_counted_for_bfloat16_inputs() -> None:
-    # compared in bfloat16, float16's largest value 65504 is 65536: 65536 was not counted as clipped
+    # compared in bfloat16, float16's largest value 65504 is 65536: 65536 must still count as clipped
     from quantd.engine.stats import clipped_count
 
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
@@ -261,7 +261,7 @@ def test_clipping_of_a_float16_cast_is_counted_for_bfloat16_inputs() -> None:
 @pytest.mark.parametrize("dtype,gran", [("int4", "group"), ("int8", "channel"), ("nf4", "group"),
                                         ("fp8_e4m3", "channel"), ("uint4", "tensor")])
 def test_a_scale_beyond_the_scale_dtype_is_a_config_error(dtype: str, gran: str) -> None:
-    # float16 scales were clamped to 65504 and the whole block clipped: a 200 with SQNR 0 dB
+    # a scale beyond float16's range is a ConfigError, not a clamp that clips the whole block
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(6))
     x[3] *= 1e12
     with pytest.raises(ConfigError, match=r"field 'scale_dtype' tensor 'w': a scale of .* is needed, beyond "
@@ -270,7 +270,7 @@ def test_a_scale_beyond_the_scale_dtype_is_a_config_error(dtype: str, gran: str)
     for wide in ("bfloat16", "float32"):
         qt = quantize(x, _scheme(dtype, gran, 0, 32, scale_dtype=wide), name="w")
         assert bool(torch.isfinite(dequantize(qt)).all())
-    big = torch.full((2, 32), 1e300, dtype=torch.float64)  # was "NaN or Inf values": finite, but not in float32
+    big = torch.full((2, 32), 1e300, dtype=torch.float64)  # finite, but not in float32: said so, not "NaN or Inf"
     with pytest.raises(ConfigError, match=r"values up to 1e\+300 are beyond float32's range"):
         quantize(big, _scheme("int8", "channel", 0, 32, scale_dtype="float32"), name="w")
     assert float(quantize(big, _scheme("float16", "channel", 0, 32), name="w").codes.max()) == 65504.0

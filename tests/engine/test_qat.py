@@ -128,8 +128,8 @@ def test_module_rejects_non_integer_and_unobserved() -> None:
 def test_the_half_step_beyond_either_end_is_outside() -> None:
     # s = 0.25, zp = 2: the range is [(qmin − zp)·s, (qmax − zp)·s] = [−2.5, 1.25]. x = −2.6 and 1.3 round
     # onto the end codes but lie outside it: the documented (and LSQ's) gradients are those of clamped
-    # values. They were classified by the rounded code (gradient 1, and round(u) − u for the scale), and
-    # ties made the two ends differ: x = (qmin − zp − ½)·s counted as inside, (qmax − zp + ½)·s outside.
+    # values, not the rounded code's, and both ends treat the half-step tie alike: x = (qmin − zp − ½)·s and
+    # (qmax − zp + ½)·s are both outside.
     s, zp = torch.tensor(0.25, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)
     x = torch.tensor([-2.6, -2.625, -2.5, 1.25, 1.3, 1.375, 0.3], dtype=torch.float64, requires_grad=True)
     FakeQuantizeClamped.apply(x, s, zp, QMIN, QMAX).sum().backward()

@@ -314,7 +314,6 @@ def test_quantize_on_cuda_matches_cpu(tmp_path: Path, model_file: Path) -> None:
 
 
 def test_calibrate_file(tmp_path: Path) -> None:
-    pytest.importorskip("quantd.engine.calibration", reason="engine-observers' calibration not written yet")
     from quantd.io import calibrate_file
     from quantd_client import ObserverSpec
 

@@ -219,7 +219,7 @@ def test_worker_registry(store: SQLiteJobStore, clock: Clock) -> None:
 
 
 def test_a_requeued_job_keeps_its_progress_totals(store: SQLiteJobStore, clock: Clock) -> None:
-    # Re-queued (lease expired) or released, its progress was reset to {}: tensors_total read 0.
+    # Re-queued (lease expired) or released, a job keeps its progress totals; the done counts restart.
     job_id = add(store)[0].id
     a = store.claim("A", "cpu", 10.0)
     assert a is not None

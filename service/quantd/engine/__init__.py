@@ -1,8 +1,8 @@
 """The quantization engine: pure torch functions on tensors (no HTTP, no files, no database).
 
-The core (granularity, qparams, primitives, packing, stats) is imported eagerly; the modules of
-engine-observers (observers, calibration, analysis, qat, qlinear) are resolved on first access, so
-importing ``quantd.engine`` stays light and a missing optional module fails only where it is used.
+The core (granularity, qparams, primitives, packing, stats) is imported eagerly; observers,
+calibration, analysis, qat and qlinear are imported on first access, so importing ``quantd.engine``
+stays light.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ class FakeQuantize(nn.Module):
             saved = state_dict.get(prefix + name)
             if isinstance(saved, torch.Tensor) and saved.shape != getattr(self, name).shape:
                 getattr(self, name).data = torch.empty_like(saved, device=getattr(self, name).device)
-        state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())  # saved before it was kept
+        state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())  # a state dict without it keeps this layer's
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

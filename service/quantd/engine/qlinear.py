@@ -152,7 +152,7 @@ class QuantizedLinear(nn.Module):
             _check_bias(bias, tuple(state_dict.get(prefix + "weight_codes", self.weight_codes).shape))
         if bias is not None or prefix + "weight_codes" in state_dict:
             self.bias_codes = None if bias is None else torch.empty_like(bias, device=self.weight_codes.device)
-        # A state dict saved before the input/output quantization was part of it keeps this layer's.
+        # A state dict without the input/output quantization keeps this layer's.
         state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

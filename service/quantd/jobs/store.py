@@ -99,8 +99,8 @@ class JobStore(Protocol):
     def prune_workers(self, older_than_s: float) -> int: ...
 
 
-# A job back in the queue starts its progress again, keeping its totals (they were reset to {}: a re-queued
-# job showed tensors_total 0, and its event stream's progress went backwards to nothing).
+# A job back in the queue starts its progress counts again and keeps its totals, so its event stream never
+# shows a total of 0.
 _PROGRESS_RESTART = ("json_set(COALESCE(progress, '{}'), '$.tensors_done', 0, '$.bytes_done', 0,"
                      " '$.fraction', 0.0)")
 

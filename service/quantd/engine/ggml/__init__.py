@@ -78,7 +78,7 @@ _POOLS_LOCK = threading.Lock()
 def _chunk_pool(threads: int) -> ThreadPoolExecutor:
     """CPU chunks run side by side, each op single-threaded: a chunk's few hundred small ops parallelised
     inside each op wait at every op's barrier for the slowest thread, which on a busy CPU (a descheduled
-    thread) made them 20x slower than one thread; whole chunks per thread have no such barriers."""
+    thread) makes them many times slower than one thread; whole chunks per thread have no such barriers."""
     with _POOLS_LOCK:
         pool = _POOLS.get(threads)
         if pool is None:
