@@ -20,6 +20,7 @@ from quantd.io.model_dir import quantize_directory
 from quantd.io.outputs import get_format
 from quantd.io.outputs.compressed_tensors import pack_rows_int32
 from quantd.io.readers import TensorInfo
+from quantd.server.problems import status_of
 from quantd_client import QuantConfig, Scheme
 
 ct = pytest.importorskip("compressed_tensors", reason="the compressed-tensors package is the reference")
@@ -59,7 +60,7 @@ def test_schemes_it_cannot_hold_are_refused_before_any_work(scheme: dict[str, An
     config = QuantConfig.model_validate({"output": CT, "scheme": scheme})
     with pytest.raises(ConfigError) as e:
         plan([_info("m.q.weight", (64, 256))], config)
-    assert e.value.status == 422 and e.value.field == field and e.value.tensor == "m.q.weight"
+    assert status_of(e.value) == 422 and e.value.field == field and e.value.tensor == "m.q.weight"
     assert "m.q.weight" in e.value.detail
 
 

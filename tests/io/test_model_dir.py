@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from quantd.errors import JobCancelled, MalformedInputError
 from quantd.io.model_dir import PathError, check_relpath, output_relpath, quantize_directory
+from quantd.server.problems import status_of
 from quantd_client import QuantConfig
 
 CONFIG = QuantConfig.model_validate({"scheme": {"dtype": "int8", "granularity": "channel", "symmetric": True}})
@@ -27,7 +28,7 @@ def test_relative_paths_pass(path: str) -> None:
 def test_bad_paths_are_refused_naming_them(path: str) -> None:
     with pytest.raises(PathError) as e:
         check_relpath(path)
-    assert e.value.status == 422 and e.value.field == "file"
+    assert status_of(e.value) == 422 and e.value.field == "file"
 
 
 def test_pytorch_shards_become_safetensors_shards(tmp_path: Path) -> None:
