@@ -129,6 +129,10 @@ def quantd_codec(spec: SchemeSpec) -> Codec:
         zp = 0 if qt.zero_point is None else qt.zero_point.numel() * qt.zero_point.element_size() * 8
         return float(qt.scale.numel() * 16 + zp)
 
+    if spec.method != "rtn":  # methods beyond round-to-nearest go through the method registry
+        from quantd.engine.methods import quantize_tensor
+
+        return Codec(lambda w: quantize_tensor(w, scheme, name="bench"), lambda qt: dequantize(qt), overhead)
     return Codec(lambda w: quantize(w, scheme, name="bench"), lambda qt: dequantize(qt), overhead)
 
 

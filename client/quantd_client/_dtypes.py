@@ -90,7 +90,7 @@ NF4_CODEBOOK: tuple[float, ...] = (
 
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 OBSERVERS = ("minmax", "percentile", "meanstd", "ema", "mse", "entropy")
-METHODS = ("rtn",)
+METHODS = ("rtn", "hqq", "gptq", "awq")
 GRANULARITIES = ("tensor", "channel", "group")
 INPUT_FORMATS = ("safetensors", "pytorch", "npy", "npz", "gguf")
 OUTPUT_FORMATS = ("safetensors", "compressed-tensors", "gguf")

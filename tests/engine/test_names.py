@@ -28,3 +28,12 @@ def test_the_cli_offers_the_schema_names() -> None:
     by_flag = {a.option_strings[0]: a for a in quantize._actions if a.option_strings}
     assert tuple(by_flag["--observer"].choices) == get_args(ObserverName)
     assert by_flag["--dtype"].help == "|".join(get_args(DType))
+
+
+def test_the_name_tuples_of_the_dtype_table_are_the_schema_names() -> None:
+    from quantd_client import _dtypes, _schemas
+
+    assert get_args(_schemas.MethodName) == _dtypes.METHODS
+    assert get_args(ObserverName) == _dtypes.OBSERVERS
+    assert get_args(_schemas.GranularityName) == _dtypes.GRANULARITIES
+    assert get_args(_schemas.InputFormat) == _dtypes.INPUT_FORMATS
