@@ -11,7 +11,7 @@ from quantd.testing import live_server as _live_server
 
 __all__ = ["LIVE_API_KEY", "free_port", "inductor_cache_dir", "live_server"]
 
-# The key of the session's keyed live server (tests/conftest.py's live_keyed_url).
+# The key of the test run's keyed live server (tests/conftest.py's live_keyed_url).
 LIVE_API_KEY = "sdk-test-key-0001"
 
 

@@ -53,7 +53,7 @@ def eager() -> Iterator[None]:
     kernels.KERNELS.reset()
 
 
-# Live ``quantd serve`` processes shared by the whole session (the CLI's --server paths, the SDK's happy
+# Live ``quantd serve`` processes shared by the whole test run (the CLI's --server paths, the SDK's happy
 # paths, the OpenAPI conformance run): one open, one with API keys, each started once.
 @pytest.fixture(scope="session")
 def live_open_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

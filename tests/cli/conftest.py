@@ -1,4 +1,4 @@
-"""A live server for the CLI's ``--server`` paths: the session's open ``quantd serve`` (tests/conftest.py)."""
+"""A live server for the CLI's ``--server`` paths: the test run's shared open ``quantd serve`` (tests/conftest.py)."""
 
 from __future__ import annotations
 

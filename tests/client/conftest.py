@@ -1,4 +1,4 @@
-"""A live quantd server for the SDK's happy paths: the session's keyed ``quantd serve`` (tests/conftest.py)."""
+"""A live quantd server for the SDK's happy paths: the test run's shared keyed ``quantd serve`` (tests/conftest.py)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def run_schemathesis(base: str, report: Path, *, api_key: str | None) -> dict[st
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["open", "keyed"])
 def test_the_api_conforms_to_its_openapi_document(mode: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    """On the session's live servers (tests/conftest.py): a temp data dir each."""
+    """On the test run's shared live servers (tests/conftest.py): a temp data dir each."""
     key = LIVE_API_KEY if mode == "keyed" else None
     base = request.getfixturevalue("live_keyed_url" if key else "live_open_url")
     result = run_schemathesis(base, tmp_path / "report.json", api_key=key)

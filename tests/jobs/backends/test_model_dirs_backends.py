@@ -4,12 +4,12 @@ file by file (Range, ETag) and as a tar from a third, and deleted with every obj
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
 import tarfile
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,6 @@ import torch
 from safetensors.torch import load, save
 
 from quantd.jobs.backends.s3 import S3Storage
-from quantd.server.app import create_app
-from quantd.server.settings import Settings
 
 CONFIG = {"scheme": {"dtype": "int8", "granularity": "channel", "symmetric": True}}
 CT_CONFIG = {"output": "compressed-tensors", **CONFIG}
@@ -43,24 +41,10 @@ def model_dir(seed: int = 0) -> dict[str, bytes]:
 
 
 @pytest.fixture
-def replicas(pg_url: str, bucket: str, s3: Any, tmp_path: Path) -> Callable[..., Any]:
-    @asynccontextmanager
-    async def start(*specs: dict[str, Any]) -> AsyncIterator[list[httpx.AsyncClient]]:
-        async with AsyncExitStack() as stack:
-            clients = []
-            for i, spec in enumerate(specs):
-                settings = Settings(data_dir=tmp_path / f"replica{i}", device="cpu", log_level="WARNING",
-                                    warmup=False, database_url=pg_url, storage_url=f"s3://{bucket}/quantd",
-                                    s3_endpoint_url=s3.endpoint, api_keys="a:key-tenant-a-0001",
-                                    source_prefixes=f"a=s3://{bucket}/team-a/", **spec)
-                app = create_app(settings)
-                await stack.enter_async_context(app.router.lifespan_context(app))
-                transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-                clients.append(await stack.enter_async_context(
-                    httpx.AsyncClient(transport=transport, base_url=f"http://replica{i}", headers=HA)))
-            yield clients
-
-    return start
+def replicas(replicas: Callable[..., Any], bucket: str) -> Callable[..., Any]:
+    """The shared replicas, keyed for tenant ``a`` with its source prefix, every request as that tenant."""
+    return functools.partial(replicas, headers=HA, defaults={
+        "api_keys": "a:key-tenant-a-0001", "source_prefixes": f"a=s3://{bucket}/team-a/"})
 
 
 def job_keys(s3: Any, bucket: str) -> list[str]:

@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import torch
 from safetensors.torch import save
 
 from quantd.jobs.backends.s3 import S3Storage
-from quantd.server.app import create_app
-from quantd.server.settings import Settings
 
 CONFIG = {"scheme": {"dtype": "int8", "granularity": "channel", "symmetric": True}}
 
@@ -26,26 +21,6 @@ CONFIG = {"scheme": {"dtype": "int8", "granularity": "channel", "symmetric": Tru
 def model_bytes(seed: int = 0) -> bytes:
     g = torch.Generator().manual_seed(seed)
     return save({"layer.weight": torch.randn(32, 64, generator=g), "layer.bias": torch.randn(32, generator=g)})
-
-
-@pytest.fixture
-def replicas(pg_url: str, bucket: str, s3: Any, tmp_path: Path) -> Callable[..., Any]:
-    @asynccontextmanager
-    async def start(*specs: dict[str, Any]) -> AsyncIterator[list[httpx.AsyncClient]]:
-        async with AsyncExitStack() as stack:
-            clients = []
-            for i, spec in enumerate(specs):
-                settings = Settings(data_dir=tmp_path / f"replica{i}", device="cpu", log_level="WARNING",
-                                    warmup=False, database_url=pg_url, storage_url=f"s3://{bucket}/quantd",
-                                    s3_endpoint_url=s3.endpoint, **spec)
-                app = create_app(settings)
-                await stack.enter_async_context(app.router.lifespan_context(app))
-                transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-                clients.append(await stack.enter_async_context(
-                    httpx.AsyncClient(transport=transport, base_url=f"http://replica{i}")))
-            yield clients
-
-    return start
 
 
 def keys(s3: Any, bucket: str) -> list[str]:
