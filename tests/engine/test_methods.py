@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import get_args
 
 import pytest
@@ -90,7 +91,8 @@ def _gptq_reference(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, damp: floa
 def test_gptq_matches_a_per_column_reference_on_a_tiny_layer() -> None:
     w, x = _layer(rows=24, cols=64, n=256)
     h = x.T @ x
-    scheme = Scheme(dtype="int4", group_size=16, method="gptq", method_args={"block_size": 32})
+    scheme = Scheme(dtype="int4", group_size=16, method="gptq",
+                    method_args={"block_size": 32, "act_order": False, "clip_grid": 0, "diag_damp": 0.0})
     qt = quantize_tensor(w, scheme, name="w", calibration=LayerHessian(h, x.shape[0]))
     ours = dequantize(qt)
     ref = _gptq_reference(w, h / x.shape[0], scheme, damp=0.01)
@@ -206,9 +208,10 @@ def test_methods_run_on_cuda(method: str) -> None:
 def test_gptq_with_awq_scales_and_clip_search() -> None:
     w, x = _layer(rows=32, cols=128, n=1024)
     h = LayerHessian(x.T @ x, x.shape[0])
-    plain = quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq"), name="w", calibration=h)
+    plain = quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq",
+                                      method_args={"clip_grid": 0, "act_order": False}), name="w", calibration=h)
     scaled = quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq",
-                                       method_args={"awq_scales": True, "clip_grid": 20}), name="w", calibration=h)
+                                       method_args={"awq_scales": True, "act_order": False}), name="w", calibration=h)
     assert plain.channel_scale is None and scaled.channel_scale is not None
     assert scaled.scale is not None and scaled.zero_point is not None
     idx = torch.arange(128) // 32
@@ -216,6 +219,70 @@ def test_gptq_with_awq_scales_and_clip_search() -> None:
               / scaled.channel_scale)
     torch.testing.assert_close(dequantize(scaled), manual)
     assert _rel(w, dequantize(scaled), x) < _rel(w, dequantize(plain), x)
+
+
+def _loud_inputs(cols: int, seed: int, correlation: float) -> tuple[torch.Tensor, Callable[[int], torch.Tensor]]:
+    """A weight ``[64, cols]`` and a sampler of inputs with log-normal channel scales and a few loud channels."""
+    g = torch.Generator().manual_seed(seed)
+    mix = correlation * torch.randn(cols, cols, generator=g) / cols**0.5 + torch.eye(cols)
+    loud = torch.exp(0.8 * torch.randn(cols, generator=g))
+    loud[:4] *= 20.0
+    return torch.randn(64, cols, generator=g), lambda n: (torch.randn(n, cols, generator=g) @ mix) * loud
+
+
+def test_gptq_diag_damp_generalises_from_few_calibration_rows() -> None:
+    """With as many calibration rows as input features, GPTQ on the raw Hessian fits the rows' noise: on
+    held-out inputs of the same distribution the shrunk Hessian (diag_damp, the default) does better, and
+    both beat RTN; with 16 rows a feature the shrinkage is small and costs little."""
+    w, inputs = _loud_inputs(256, seed=0, correlation=0.3)
+    x, held_out = inputs(256), inputs(2048)
+    cal = LayerHessian(x.T @ x, x.shape[0])
+    scheme = Scheme(dtype="int4", group_size=64, method="gptq")
+    raw_scheme = scheme.model_copy(update={"method_args": {"diag_damp": 0.0}})
+    default = dequantize(quantize_tensor(w, scheme, name="w", calibration=cal))
+    raw = dequantize(quantize_tensor(w, raw_scheme, name="w", calibration=cal))
+    rtn = dequantize(quantize(w, scheme.model_copy(update={"method": "rtn"})))
+    assert _rel(w, raw, x) < _rel(w, default, x)  # the raw Hessian fits the calibration rows better...
+    assert _rel(w, default, held_out) < 0.85 * _rel(w, raw, held_out)  # ...and other inputs worse
+    assert _rel(w, default, held_out) < 0.85 * _rel(w, rtn, held_out)
+    x = inputs(16 * 256)
+    cal = LayerHessian(x.T @ x, x.shape[0])
+    default = dequantize(quantize_tensor(w, scheme, name="w", calibration=cal))
+    raw = dequantize(quantize_tensor(w, raw_scheme, name="w", calibration=cal))
+    assert _rel(w, default, held_out) < 1.05 * _rel(w, raw, held_out)
+
+
+def test_gptq_diag_shrinkage_follows_width_over_rows() -> None:
+    from quantd.engine.methods.gptq import diag_shrink_ratio, shrink_to_diagonal
+
+    assert diag_shrink_ratio(0.2, cols=1024, rows=1024) == pytest.approx(0.2)
+    assert diag_shrink_ratio(0.2, cols=1024, rows=16 * 1024) == pytest.approx(0.05)
+    h = torch.tensor([[4.0, 1.0], [1.0, 9.0]])
+    torch.testing.assert_close(shrink_to_diagonal(h, 0.5), torch.tensor([[6.0, 1.0], [1.0, 13.5]]))
+    assert shrink_to_diagonal(h, 0.0) is h
+
+
+@pytest.mark.parametrize("static_groups", [False, True])
+def test_gptq_clip_search_never_loses_to_the_observer_range(static_groups: bool) -> None:
+    """The searched range includes the observer's own (ratio 1), so each group's diag-H-weighted rounding
+    error of the original weight is no larger with the search (static groups: exactly that criterion)."""
+    w, x = _layer(rows=32, cols=128, n=1024)
+    h = x.T @ x
+    args = {"static_groups": static_groups, "act_order": False}
+    qts = [quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq",
+                                     method_args={**args, "clip_grid": grid}), name="w",
+                           calibration=LayerHessian(h, x.shape[0])) for grid in (0, 20)]
+    if static_groups:  # the codes are GPTQ's, the ranges those of the weight: compare the ranges' rounding
+        errs = []
+        for qt in qts:
+            assert qt.scale is not None and qt.zero_point is not None
+            s = qt.scale.float().repeat_interleave(32, dim=1)
+            z = qt.zero_point.float().repeat_interleave(32, dim=1)
+            d = ((torch.round(w / s) + z).clamp(-8, 7) - z) * s - w
+            errs.append(((d * d) * torch.diagonal(h)).reshape(32, 4, 32).sum(dim=2))
+        assert bool((errs[1] <= errs[0] * (1 + 1e-5)).all()) and float(errs[1].sum()) < float(errs[0].sum())
+        assert not torch.equal(qts[0].scale, qts[1].scale)
+    assert _rel(w, dequantize(qts[1]), x) < _rel(w, dequantize(qts[0]), x)
 
 
 def test_the_docs_tables_list_every_method_and_argument() -> None:

@@ -5,15 +5,19 @@ With ``H = Σ x xᵀ / N + λ·mean(diag H)·I`` and ``U`` the upper Cholesky fa
 ``q_j = Q(w_j)``, ``e_j = (w_j − q_j) / U_jj``, ``W[:, k] −= e_j · U_jk`` for the later columns ``k``. The
 update is applied inside a block of columns right away and to the columns after the block in one matmul
 at its end (lazy batch updates). The loop over columns is the method itself (each column depends on the
-last); every step is vectorised over the rows. With groups, each group's scale and zero point come from the
-scheme's observer on the group's columns as they are when the group is reached (their earlier updates
-included). ``act_order`` visits columns by decreasing ``diag H``; the groups then follow that order and
-``g_idx`` maps each column to its group, unless ``static_groups`` fixes every group's parameters on the
-original weight first (groups stay contiguous, no ``g_idx``). Dead inputs (``H_jj = 0``) get zero weights,
-as in the reference implementations. ``clip_grid`` picks each group's range (shrunk by up to ``max_shrink``)
-for the least output error through the group's block of ``H``; ``awq_scales`` first scales the input
-channels as AWQ does (:mod:`quantd.engine.methods.awq`), stored as ``channel_scale``. Memory: a few
-``[in, in]`` and ``[out, in]`` float32 matrices.
+last); every step is vectorised over the rows. Before that, ``H`` is shrunk towards its diagonal,
+``H_jj ← (1 + diag_damp·√(in / N))·H_jj``: with few calibration rows for the layer's width its off-diagonal
+terms carry sampling noise that GPTQ would fit (a lower error on the calibration rows, a higher one on
+other inputs). With groups, each group's scale and
+zero point come from the scheme's observer on the group's columns as they are when the group is reached
+(their earlier updates included), the range shrunk (by up to ``max_shrink``, ``clip_grid`` candidates) to
+the least rounding error weighted by ``diag H``. ``act_order`` (the default) visits columns by decreasing
+``diag H``; the groups then follow that order and ``g_idx`` maps each column to its group, unless
+``static_groups`` fixes every group's parameters on the original weight first (groups stay contiguous, no
+``g_idx``). Dead inputs (``H_jj = 0``) get zero weights, as in the reference implementations.
+``awq_scales`` first scales the input channels as AWQ does (:mod:`quantd.engine.methods.awq`, searched
+against the damped ``H``), stored as ``channel_scale``. Memory: a few ``[in, in]`` and ``[out, in]``
+float32 matrices.
 """
 
 from __future__ import annotations
@@ -64,10 +68,12 @@ def _qparams(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tenso
     return scale.float().unsqueeze(1), None if zp is None else zp.float().unsqueeze(1)
 
 
-def _qparams_searched(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, ratios: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _qparams_searched(w: torch.Tensor, importance: torch.Tensor, scheme: Scheme, info: DTypeInfo,
+                      ratios: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As :func:`_qparams`, each row's range shrunk by the ratio whose rounding error ``d`` of the block
-    ``w[rows, k]`` has the least output error ``d H dᵀ`` through the block's own ``H[k, k]``."""
+    ``w[rows, k]`` has the least ``Σ_j h_j d_j²``, ``h = importance[rows or 1, k]`` the inputs' energy per
+    column (``diag H``): the layer's output error without the cross terms, which a few thousand calibration
+    rows estimate poorly."""
     lo, hi = observe_range(w, scheme)
     best_s = best_z = None
     best_err = torch.full((w.shape[0], 1), float("inf"), device=w.device)
@@ -78,7 +84,7 @@ def _qparams_searched(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DT
         z = None if zp is None else zp.float().unsqueeze(1)
         code = encode(w, s, z, info)
         d = (code if z is None else code - z) * s - w
-        err = ((d @ h) * d).sum(dim=1, keepdim=True)
+        err = (d * d * importance).sum(dim=1, keepdim=True)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_s = s if best_s is None else torch.where(better, s, best_s)
@@ -102,17 +108,23 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, d
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    ratios = None
+    if clip_grid > 0 and max_shrink > 0:
+        ratios = 1.0 - torch.arange(max(1, int(max_shrink * clip_grid))) / clip_grid
     static = None
     if static_groups or scheme.granularity == "channel":  # every group's parameters from the weight up front
-        s, z = _qparams(w.reshape(rows * n_groups, gs), scheme)
+        blocks = w.reshape(rows * n_groups, gs)
+        if ratios is None:
+            s, z = _qparams(blocks, scheme)
+        else:
+            importance = torch.diagonal(h).reshape(1, n_groups, gs).expand(rows, -1, -1).reshape(-1, gs)
+            s, z = _qparams_searched(blocks, importance, scheme, info, ratios)
         static = (s.reshape(rows, n_groups), None if z is None else z.reshape(rows, n_groups))
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
     if perm is not None:
         w, h = w[:, perm], h[perm][:, perm]
     u = inverse_hessian_factor(h, damp=damp, name=name)
-    ratios = None
-    if clip_grid > 0 and max_shrink > 0:
-        ratios = 1.0 - torch.arange(max(1, int(max_shrink * clip_grid))) / clip_grid
+    hdiag = torch.diagonal(h)
     q = torch.empty_like(w)
     scale = torch.empty(rows, n_groups, device=w.device)
     zero = None if scheme.symmetric else torch.empty(rows, n_groups, device=w.device)
@@ -134,7 +146,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, d
                 if ratios is None:
                     s, z = _qparams(w1[:, i:i + gs], scheme)
                 else:
-                    s, z = _qparams_searched(w1[:, i:i + gs], h[j:j + gs, j:j + gs], scheme, info, ratios)
+                    s, z = _qparams_searched(w1[:, i:i + gs], hdiag[j:j + gs].unsqueeze(0), scheme, info, ratios)
                 scale[:, j // gs] = s[:, 0]
                 if zero is not None and z is not None:
                     zero[:, j // gs] = z[:, 0]
@@ -158,21 +170,40 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, d
     return q, scale, zero, g_idx
 
 
+def diag_shrink_ratio(diag_damp: float, *, cols: int, rows: int) -> float:
+    """``diag_damp · √(cols / rows)``: how much each ``H_jj`` grows (relative to itself). The sampling noise of
+    ``H``'s off-diagonal terms estimated from ``rows`` inputs of width ``cols`` shrinks as ``√(cols / rows)``:
+    with few rows for a wide layer GPTQ would fit that noise; with many rows the shrinkage vanishes."""
+    return diag_damp * (cols / max(rows, 1)) ** 0.5
+
+
+def shrink_to_diagonal(h: torch.Tensor, ratio: float) -> torch.Tensor:
+    """``H + ratio · diag(H)``: the Hessian moved towards its diagonal, per channel (scale-equivariant, unlike
+    the ``mean(diag H)·I`` damping, which a few loud channels make large for every other one)."""
+    if ratio <= 0.0:
+        return h
+    return h + torch.diag_embed(torch.diagonal(h) * ratio)
+
+
 def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool], calibration: LayerHessian | None,
               name: str) -> QuantizedTensor:
     info = dtype_info(scheme.dtype)
     if calibration is None:
         raise ConfigError("method 'gptq' needs calibration for this tensor", field="calibration", tensor=name)
     act_order = bool(args["act_order"]) and scheme.granularity == "group"
-    w, h = x.float(), calibration.hessian.float() / max(calibration.count, 1)
+    count = max(calibration.count, 1)
+    w, h = x.float(), calibration.hessian.float() / count
+    h = shrink_to_diagonal(h, diag_shrink_ratio(float(args["diag_damp"]), cols=w.shape[1], rows=count))
+    damp = float(args["damp"])
     channel_scale = None
     if args["awq_scales"]:  # AWQ's per-input-channel scales first: GPTQ then rounds W·s against H / (s sᵀ)
-        channel_scale = awq_scales(w, calibration.hessian.float(), calibration.count, scheme, grid=20,
-                                   duo_scaling=True, name=name)
+        # searched against the damped H that GPTQ then minimises, not the raw (noisy) one
+        damped = h + damp * float(torch.diagonal(h).mean()) * torch.eye(h.shape[0], device=h.device)
+        channel_scale = awq_scales(w, damped * count, count, scheme, grid=20, duo_scaling=True, name=name)
         w = w * channel_scale
         h = h / channel_scale.unsqueeze(0) / channel_scale.unsqueeze(1)
     codes, scale, zero, g_idx = gptq(w, h, scheme, info,
-                                     damp=float(args["damp"]), block_size=int(args["block_size"]),
+                                     damp=damp, block_size=int(args["block_size"]),
                                      act_order=act_order, static_groups=bool(args["static_groups"]), name=name,
                                      clip_grid=int(args["clip_grid"]), max_shrink=float(args["max_shrink"]))
     return _result(x, scheme, info, codes, scale, zero, g_idx, method="gptq", channel_scale=channel_scale)
@@ -208,13 +239,16 @@ GPTQ = register(Method(
                 "per channel or group)",
     args=(
         Arg("damp", "float", 0.01, "damping added to the Hessian's diagonal, relative to its mean", 0.0, 10.0),
+        Arg("diag_damp", "float", 0.2, "each H_jj grows by diag_damp·√(in / rows)·H_jj: the Hessian shrunk "
+                                       "towards its diagonal when the calibration has few rows (0: off)",
+            0.0, 10.0),
         Arg("block_size", "int", 128, "columns per lazy batch update", 1, 65536),
-        Arg("act_order", "bool", False, "visit columns by decreasing Hessian diagonal (stores g_idx with groups "
+        Arg("act_order", "bool", True, "visit columns by decreasing Hessian diagonal (stores g_idx with groups "
                                         "unless static_groups)"),
         Arg("static_groups", "bool", False, "fix every group's scale and zero point on the original weight "
                                             "before the column loop"),
-        Arg("clip_grid", "int", 0, "search each group's range shrink on this grid (0: the observer's range as "
-                                   "it is), for the least output error through the group's block of H", 0, 200),
+        Arg("clip_grid", "int", 20, "search each group's range shrink on this grid (0: the observer's range as "
+                                    "it is), for the least rounding error weighted by diag H", 0, 200),
         Arg("max_shrink", "float", 0.2, "the most a group's range is shrunk by the search", 0.0, 0.9),
         Arg("awq_scales", "bool", False, "scale the input channels as AWQ does before GPTQ (stores channel_scale)"),
     )))
