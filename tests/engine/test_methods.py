@@ -154,7 +154,8 @@ def test_hqq_improves_on_its_min_max_start_and_stores_float_zero_points(dtype: s
     assert qt.zero_point.dtype == torch.float16 and not torch.equal(qt.zero_point, qt.zero_point.round())
     l1 = (w - dequantize(qt)).abs().reshape(-1, 64).mean(1)
     l1_start = (w - dequantize(start)).abs().reshape(-1, 64).mean(1)
-    assert torch.all(l1 <= l1_start * (1 + 1e-3))  # each block keeps its best zero point (fp16 rounding aside)
+    tol = 1e-2 if dtype == "uint8" else 1e-3  # a float16 zero point near 255 is stored to 1/8 of a code
+    assert torch.all(l1 <= l1_start * (1 + tol))  # each block keeps its best zero point (fp16 rounding aside)
     assert float(l1.mean()) < float(l1_start.mean())
     assert float(_hqq_objective(w, qt).mean()) < float(_hqq_objective(w, start).mean())
     rtn = quantize(w, scheme.model_copy(update={"method": "rtn"}))
@@ -176,6 +177,54 @@ def test_hqq_zero_point_update_is_the_half_quadratic_step() -> None:
     err = lambda z: (w - (torch.round(w / s + z).clamp(0, 15) - z) * s).abs().mean(1, keepdim=True)  # noqa: E731
     got = optimize_zero_point(w, s, z0, levels=15, iters=2, lp_norm=0.7, beta=10.0, kappa=1.01)
     torch.testing.assert_close(got, torch.where(err(z1) < err(z0), z1, z0))
+
+
+def test_hqq_range_search_starts_from_a_lower_squared_error() -> None:
+    """The start range is each block's shrink ratio of least squared rounding error, min-max included, and the
+    result beats the min-max start (max_shrink 0, the reference's) in squared error too."""
+    from quantd.engine.methods.hqq import _pick_range, shrink_ratios
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(512, 64, generator=g) * torch.rand(512, 1, generator=g)
+    lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    lv = torch.tensor(15.0)
+
+    def sq_err(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return ((torch.round(w / s + z).clamp(0, 15) - z) * s - w).square().sum(1)
+
+    searched = sq_err(*_pick_range(w, lo, hi, shrink_ratios(0.2, 10, w.device), lv, torch.float16, 2.0**-24))
+    minmax = sq_err(*_pick_range(w, lo, hi, shrink_ratios(0.0, 10, w.device), lv, torch.float16, 2.0**-24))
+    assert bool((searched <= minmax).all()) and float(searched.sum()) < 0.95 * float(minmax.sum())
+    scheme = Scheme(dtype="int4", group_size=64, method="hqq")
+    x = w.reshape(64, 512)
+    new = quantize_tensor(x, scheme, name="w")
+    ref = quantize_tensor(x, scheme.model_copy(update={"method_args": {"max_shrink": 0.0}}), name="w")
+    assert float((dequantize(new) - x).square().sum()) < float((dequantize(ref) - x).square().sum())
+
+
+@pytest.mark.parametrize("dtype", ["int4", "uint8", "int3"])
+def test_hqq_compiled_equals_eager(compiled: None, dtype: str) -> None:
+    """The compiled chunk (range search, iterations, codes) computes what the eager ops compute."""
+    from quantd.engine import kernels
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(96, 256, generator=g) * torch.rand(96, 1, generator=g)
+    scheme = Scheme(dtype=dtype, group_size=64, method="hqq")
+    got = quantize_tensor(w, scheme, name="w")
+    kernels.KERNELS.reset(available=False)
+    want = quantize_tensor(w, scheme, name="w")
+    kernels.KERNELS.reset(available=True)
+    assert got.scale is not None and want.scale is not None and got.zero_point is not None
+    assert want.zero_point is not None
+    assert torch.equal(got.scale, want.scale)
+    # pow's vectorised and scalar forms may differ in the last bit, and the rounding inside the iterations
+    # carries that on: some zero points differ, the error they reach hardly does
+    assert float((got.zero_point != want.zero_point).float().mean()) < 0.1
+    err = [float((dequantize(qt) - w).abs().mean()) for qt in (got, want)]
+    assert err[0] == pytest.approx(err[1], rel=1e-2)
+    same = (got.zero_point == want.zero_point).reshape(-1)  # blocks with the same parameters: the same codes,
+    a, b = got.codes.reshape(-1, 64)[same], want.codes.reshape(-1, 64)[same]  # but for a rare tie at .5
+    assert float((a != b).float().mean()) < 1e-3
 
 
 def test_awq_beats_rtn_on_loud_channels_and_stores_channel_scale() -> None:

@@ -22,6 +22,7 @@ float32 matrices.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -174,7 +175,7 @@ def diag_shrink_ratio(diag_damp: float, *, cols: int, rows: int) -> float:
     """``diag_damp · √(cols / rows)``: how much each ``H_jj`` grows (relative to itself). The sampling noise of
     ``H``'s off-diagonal terms estimated from ``rows`` inputs of width ``cols`` shrinks as ``√(cols / rows)``:
     with few rows for a wide layer GPTQ would fit that noise; with many rows the shrinkage vanishes."""
-    return diag_damp * (cols / max(rows, 1)) ** 0.5
+    return diag_damp * math.sqrt(cols / max(rows, 1))
 
 
 def shrink_to_diagonal(h: torch.Tensor, ratio: float) -> torch.Tensor:
