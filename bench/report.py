@@ -824,10 +824,12 @@ def methods_section(data: dict[str, Any]) -> list[str]:
                      rows))
     hqq = [r for r in data.get("hqq") or [] if isinstance(r, dict) and "unavailable" not in r]
     if hqq:
-        out += ["", "HQQ int4 affine g64 on every Linear weight, the engine alone (quantize and dequantize), "
-                    "against the `hqq` library's `Quantizer` in the same run:", "",
+        out += ["", "HQQ int4 affine g64 on every Linear weight, the method calls alone (quantize and dequantize, "
+                    "warm) and quantd's whole in-process job, against the `hqq` library's `Quantizer` in the same "
+                    "run:", "",
                 table(["library", "emb. cos mean", "seconds", "quantd speed-up"],
-                      [[r["library"] + (f" {r['version']}" if r.get("version") else ""),
+                      [[r["library"] + (f" {r['version']}" if r.get("version") else "")
+                        + (f" ({r['scope']})" if r.get("scope") and r["library"] == "quantd" else ""),
                         fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r.get("seconds"), ".2f"),
                         fmt(r.get("speedup_vs_hqq"), ".2f")] for r in hqq])]
     return out
