@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,20 +23,20 @@ from quantd.io.model_skeleton import Fold, apply_fold, block_folds, build_model,
 from quantd.io.text_calibration import is_jsonl, read_jsonl
 from quantd_client import QuantConfig
 
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
-with warnings.catch_warnings():  # the model modules' import-time deprecation notices
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
-
-WORDS = ("the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "table", "quickly", "slowly", "red", "blue",
-         "big", "small", "and", "then", "it", "was")
-VOCAB = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
-LLAMA = {"vocab_size": 48, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-         "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64,
-         "tie_word_embeddings": False}
-BERT = {"vocab_size": 48, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "max_position_embeddings": 64}
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+from _tiny_models import (
+    LLAMA,
+    AutoModel,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    id_rows,
+    sentences,
+    tiny_bert,
+    tiny_llama,
+    write_jsonl,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,59 +50,6 @@ def offline() -> Iterator[None]:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights and biases away from 1 and 0, so that a wrong fold shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5 if name.endswith("weight")
-                        else torch.randn(p.shape, generator=g) * 0.1)
-
-
-def save_tokenizer(path: Path) -> None:
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(VOCAB, unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
-    fast.save_pretrained(str(path))
-
-
-def tiny_llama(path: Path, *, seed: int = 0, tokenizer: bool = True, **overrides: Any) -> Path:
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, **overrides}))
-    _randomize(model, seed)
-    model.save_pretrained(str(path))
-    if tokenizer:
-        save_tokenizer(path)
-    return path
-
-
-def tiny_bert(path: Path, *, seed: int = 0) -> Path:
-    torch.manual_seed(seed)
-    model = BertModel(BertConfig(**BERT))
-    _randomize(model, seed)
-    model.save_pretrained(str(path))
-    save_tokenizer(path)
-    return path
-
-
-def sentences(n: int, seed: int = 0) -> list[str]:
-    g = torch.Generator().manual_seed(seed)
-    return [" ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (int(torch.randint(4, 14, (1,), generator=g)),),
-                                                          generator=g)) for _ in range(n)]
-
-
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def id_rows(n: int, vocab: int = 48, seed: int = 0) -> list[dict[str, Any]]:
-    g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(2, vocab, (int(torch.randint(3, 12, (1,), generator=g)),),
-                                        generator=g).tolist()} for _ in range(n)]
 
 
 GPTQ = {"scheme": {"dtype": "int4", "group_size": 32, "method": "gptq"}, "calibration": {"samples": 16}}
@@ -150,7 +96,7 @@ def test_grouped_query_attention_keeps_v_and_o_apart(tmp_path: Path) -> None:
 def test_folding_scales_leaves_the_model_unchanged(tmp_path: Path, kind: str) -> None:
     """Every fold applied with random scales in float: the model's outputs stay what they were."""
     path = tiny_llama(tmp_path / "m", seed=3) if kind == "llama" else tiny_bert(tmp_path / "m", seed=3)
-    model = transformers.AutoModel.from_pretrained(str(path)).eval()
+    model = AutoModel.from_pretrained(str(path)).eval()
     ids = torch.tensor([[2, 5, 9, 14, 3, 7, 11, 20]])
     with torch.no_grad():
         before = model(input_ids=ids).last_hidden_state
@@ -335,8 +281,8 @@ def test_awq_folds_into_norms_and_projections_and_compressed_tensors_holds_it(ll
     norm = "model.layers.0.input_layernorm.weight"
     assert written[norm].dtype == original[norm].dtype and not torch.equal(written[norm], original[norm])
     assert torch.equal(written["model.norm.weight"], original["model.norm.weight"])  # outside the blocks
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    ref = AutoModelForCausalLM.from_pretrained(str(llama_dir))
     ids = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9]])
     with torch.no_grad():
         a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits

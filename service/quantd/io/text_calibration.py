@@ -3,7 +3,7 @@
 
 It is told from a safetensors calibration file by its content: its first bytes, after blanks and a UTF-8
 byte order mark, are ``{`` and it has no NUL byte (a safetensors file starts with a little-endian header
-length, whose upper bytes are zero). Parsing is bounded: at most :data:`MAX_LINES` lines of at most
+length, whose upper bytes are zero); a blank file is JSONL without lines. Parsing is bounded: at most :data:`MAX_LINES` lines of at most
 :data:`MAX_LINE_BYTES` bytes, and every problem names its line.
 """
 
@@ -45,9 +45,11 @@ def is_jsonl(path: str | os.PathLike[str]) -> bool:
     """Whether the file at ``path`` looks like JSONL (by content, not name)."""
     with open(path, "rb") as f:
         head = f.read(_SNIFF)
+        whole = not f.read(1)
     if b"\0" in head:
         return False
-    return head.removeprefix(_BOM).lstrip(b" \t\r\n").startswith(b"{")
+    body = head.removeprefix(_BOM).lstrip(b" \t\r\n")
+    return body.startswith(b"{") or (whole and not body)  # blank: JSONL without lines (refused as such)
 
 
 @dataclass(frozen=True)
