@@ -161,6 +161,7 @@ def test_a_line_too_long_is_refused_without_reading_it_whole(tmp_path: Path, mon
     ("no config.json", ["config.json"]),
     ("no tokenizer", ["need a tokenizer"]),
     ("missing weight", ["model.layers.2.mlp.down_proj.weight", "in no weight file"]),
+    ("encoder-decoder", ["T5ForConditionalGeneration", "encoder-decoder"]),
 ])
 def test_models_that_cannot_run_are_refused(tmp_path: Path, case: str, words: list[str]) -> None:
     from safetensors.torch import load_file, save_file
@@ -170,6 +171,10 @@ def test_models_that_cannot_run_are_refused(tmp_path: Path, case: str, words: li
         cfg = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**cfg, "model_type": "no-such-model",
                                                       "architectures": ["NoSuchModel"], "auto_map": {"AutoModel": "x.Y"}}))
+    elif case == "encoder-decoder":
+        (path / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
+                                                      "d_model": 32, "d_ff": 64, "num_layers": 1, "num_heads": 2,
+                                                      "d_kv": 16, "vocab_size": 48}))
     elif case == "no config.json":
         (path / "config.json").unlink()
     elif case == "missing weight":

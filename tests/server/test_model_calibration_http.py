@@ -187,3 +187,26 @@ async def test_minilm_with_jsonl_calibration(server, tmp_path: Path, lines: str)
     probe = ["The fisherman sold his boat.", "A child studied the map before dinner.", "It rained all week."]
     cos = (_minilm_embeddings(out, probe) * _minilm_embeddings(MINILM, probe)).sum(-1)
     assert bool((cos > 0.9).all()), cos
+
+
+async def test_a_run_that_fails_midway_fails_its_job_and_the_worker_goes_on(server, llama_dir: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import quantd.engine.methods as methods
+
+    real = methods.quantize_tensor
+
+    def fail_in_block_1(x: torch.Tensor, scheme: Any, *, name: str = "tensor", calibration: Any = None) -> Any:
+        if name.startswith("model.layers.1."):
+            raise RuntimeError("device lost")
+        return real(x, scheme, name=name, calibration=calibration)
+
+    monkeypatch.setattr(methods, "quantize_tensor", fail_in_block_1)
+    config = {**GPTQ_CT, "output": "safetensors"}
+    r = await _submit(server, llama_dir, _jsonl(id_rows(4)), config)
+    assert r.status_code == 202, r.text
+    job = await server.wait_job(r.json()["id"], timeout=120)
+    assert job["status"] == "failed" and "device lost" in job["error"]["detail"], job
+    monkeypatch.setattr(methods, "quantize_tensor", real)
+    r = await _submit(server, llama_dir, _jsonl(id_rows(4)), config)
+    job = await server.wait_job(r.json()["id"], timeout=120)
+    assert job["status"] == "succeeded", job.get("error")

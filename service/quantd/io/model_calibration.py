@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import shutil
@@ -316,6 +317,13 @@ class _Run:
         if rest:
             self._tail(batches, rest)
 
+    def _forward(self, b: _Batch) -> None:
+        """The whole model on one batch (its blocks stood in for), without a key/value cache."""
+        model = self.plan.model
+        params = inspect.signature(model.forward).parameters
+        extra = {"use_cache": False} if "use_cache" in params else {}
+        model(input_ids=b.input_ids, attention_mask=b.attention_mask, **extra)
+
     def _wanted(self, module: str) -> bool:
         p = self.plans.get(self.plan.linears[module])
         return p is not None and p.scheme is not None
@@ -330,7 +338,7 @@ class _Run:
                     hessians.tokens = b.tokens
                 self.caught = None
                 with contextlib.suppress(_Caught):
-                    self.plan.model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
+                    self._forward(b)
                 if self.caught is None:
                     raise MalformedInputError(f"{type(self.plan.model).__name__} never reached its first block")
                 args, kwargs = self.caught
@@ -425,37 +433,50 @@ class _Run:
 
     def _quantize(self, modules: Mapping[str, nn.Module], hess: _Hessians, *, folded: bool) -> None:
         from quantd.engine.awq_fold import quantize_folded
-        from quantd.engine.methods import LayerHessian, get_method, output_rel_error, quantize_tensor
+        from quantd.engine.methods import LayerHessian, get_method, quantize_tensor
         from quantd.engine.primitives import dequantize
-        from quantd.engine.stats import quantized_error_stats
 
         for m, mod in modules.items():
             weight = self.plan.linears[m]
             p = self.plans[weight]
             scheme = self._scheme(weight)
             n = hess.count.get(m, 0)
+            w = mod.weight.detach()
+            orig = torch_dtype(p.info.dtype)
+            if n == 0 and get_method(scheme.method).needs == "none":  # never run: a method without calibration
+                qt = dataclasses.replace(quantize_tensor(w, scheme, name=weight), orig_dtype=orig)
+                self._store(weight, p, scheme, w, qt, None)
+                mod.weight.copy_(dequantize(qt).to(w.dtype))
+                continue
             if n == 0:
                 raise MalformedInputError(f"module {m!r} saw no calibration tokens: the model never ran it",
                                           tensor=weight)
             h = hess.h[m]
-            w = mod.weight.detach()
-            orig = torch_dtype(p.info.dtype)
             if folded and weight in self.plan.folded:
                 args = get_method("awq").resolve_args(scheme, tensor=weight)
                 qt = quantize_folded(w, h, scheme, args=args, name=weight, orig_dtype=orig)
             else:
                 qt = dataclasses.replace(quantize_tensor(w, scheme, name=weight, calibration=LayerHessian(h, n)),
                                          orig_dtype=orig)
-            stats = quantized_error_stats(w, qt)
-            stats = stats.model_copy(update={"output_rel_error": output_rel_error(w, qt, h)})
-            sink = self.sinks[self.where[weight]]
-            for out_name, t in self.fmt.encode(qt, weight).items():
-                sink.write(out_name, t)
-            self.written.add(weight)
-            self.reports[weight] = TensorReport(name=weight, shape=list(p.info.shape), in_dtype=p.info.dtype,
-                                                scheme=scheme, stats=stats, skipped=False)
+            self._store(weight, p, scheme, w, qt, h)
             mod.weight.copy_(dequantize(qt).to(w.dtype))
-            self.on_tensor(weight)
+
+    def _store(self, weight: str, p: PlannedTensor, scheme: Scheme, w: torch.Tensor, qt: Any,
+               h: torch.Tensor | None) -> None:
+        """One quantized weight measured (its output error through ``h``), written to its shard, reported."""
+        from quantd.engine.methods import output_rel_error
+        from quantd.engine.stats import quantized_error_stats
+
+        stats = quantized_error_stats(w, qt)
+        if h is not None:
+            stats = stats.model_copy(update={"output_rel_error": output_rel_error(w, qt, h)})
+        sink = self.sinks[self.where[weight]]
+        for out_name, t in self.fmt.encode(qt, weight).items():
+            sink.write(out_name, t)
+        self.written.add(weight)
+        self.reports[weight] = TensorReport(name=weight, shape=list(p.info.shape), in_dtype=p.info.dtype,
+                                            scheme=scheme, stats=stats, skipped=False)
+        self.on_tensor(weight)
 
     def _tail(self, batches: list[_Batch], rest: Mapping[str, nn.Module]) -> None:
         """The Linear layers after the blocks: the final hidden states replayed through the rest."""
@@ -470,7 +491,7 @@ class _Run:
             for b in batches:
                 hess.tokens = b.tokens
                 self._replay = b.hidden
-                self.plan.model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
+                self._forward(b)
         finally:
             hess.remove()
             self._replay = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -42,22 +44,28 @@ def _bad(msg: str) -> ConfigError:
     return ConfigError(msg, field="calibration")
 
 
+_BUILDING = threading.Lock()
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on ``meta`` (no memory, no initialisation) while their
-    buffers (rotary frequencies, position ids) are computed for real."""
-    register = nn.Module.register_parameter
+    """Modules this thread builds inside get their parameters on ``meta`` (no memory, no initialisation)
+    while their buffers (rotary frequencies, position ids) are computed for real. Other threads' modules
+    are left alone; one build at a time patches ``register_parameter``."""
+    with _BUILDING:
+        register = nn.Module.register_parameter
+        builder = threading.get_ident()
 
-    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(self, name, param)
-        if param is not None and param.device.type != "meta":
-            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+        def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            register(self, name, param)
+            if param is not None and param.device.type != "meta" and threading.get_ident() == builder:
+                self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def _implemented_architectures() -> set[str]:
@@ -117,6 +125,11 @@ def build_model(cfg: Mapping[str, Any], *, real_buffers: bool) -> nn.Module:
         except Exception as e:
             raise _bad(f"config.json: transformers cannot build {cls.__name__} from it: {type(e).__name__}: "
                        f"{str(e)[:300]}") from None
+    if getattr(conf, "is_encoder_decoder", False):
+        raise _bad(f"{cls.__name__} is an encoder-decoder model: JSONL calibration runs models with one stack of "
+                   "blocks (decoders, encoders)")
+    if "input_ids" not in inspect.signature(model.forward).parameters:
+        raise _bad(f"{cls.__name__} does not take token ids (input_ids): JSONL calibration runs text models")
     model.eval()
     return model
 
@@ -258,7 +271,12 @@ def plan_model(model: nn.Module, config: QuantConfig, tensor_names: Mapping[str,
             if any(n is None for n in names):
                 continue
             schemes = [config.scheme_for(n, tensor_names[n])[0] for n in names if n is not None]
-            if all(s is not None and s.method == "awq" for s in schemes) and all(s == schemes[0] for s in schemes):
+            source = blocks[i].get_submodule(fold.source)
+            kept = isinstance(source, nn.Linear) or all(  # a norm with the scales in it is written in float
+                config.scheme_for(tensor_of[f"{prefix_i}.{fold.source}.{leaf}"], tuple(p.shape))[0] is None
+                for leaf, p in source.named_parameters() if f"{prefix_i}.{fold.source}.{leaf}" in tensor_of)
+            if kept and all(s is not None and s.method == "awq" for s in schemes) and \
+                    all(s == schemes[0] for s in schemes):
                 use.append(fold)
                 folded.update(n for n in names if n is not None)
         folds[i] = use
