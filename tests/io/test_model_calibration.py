@@ -309,22 +309,29 @@ def test_unfoldable_awq_weights_keep_channel_scale_and_compressed_tensors_refuse
 
 def test_one_block_of_weights_is_loaded_at_a_time(llama_dir: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    peaks: list[int] = []
+    """At any time the parameters loaded are one block's, or the modules outside the blocks that one pass
+    runs: the embedding table before the blocks, the head after them, never both."""
+    snapshots: list[tuple[int, set[str]]] = []
     real = _Weights.load
 
     def load(self: _Weights, names: Any) -> None:
         real(self, names)
-        peaks.append(self.live)
+        live = {n for n, p in self.plan.model.named_parameters(remove_duplicate=False) if p.device.type != "meta"}
+        snapshots.append((self.live, live))
 
     monkeypatch.setattr(_Weights, "load", load)
-    quantize_directory(llama_dir, tmp_path / "out", QuantConfig.model_validate(GPTQ), device="cpu",
+    config = {**GPTQ, "rules": [{"match": "lm_head.*", "scheme": {"dtype": "int8", "granularity": "channel"}}]}
+    quantize_directory(llama_dir, tmp_path / "out", QuantConfig.model_validate(config), device="cpu",
                        calibration=write_jsonl(tmp_path / "c.jsonl", id_rows(4)))
     model = LlamaForCausalLM.from_pretrained(str(llama_dir))
     total = sum(p.numel() for p in model.parameters())
     block = sum(p.numel() for p in model.model.layers[0].parameters())
-    outside = total - 3 * block
-    assert peaks and max(peaks) <= max(block, outside)  # a block, or the modules outside the blocks, never both
-    assert max(peaks) < total / 2
+    assert snapshots and max(n for n, _ in snapshots) <= block
+    assert max(n for n, _ in snapshots) < total / 3
+    assert any("lm_head.weight" in live for _, live in snapshots)  # the head ran (and was quantized)
+    for _, live in snapshots:
+        assert not ({"model.embed_tokens.weight", "lm_head.weight"} <= live)
+        assert len({n.split(".")[2] for n in live if n.startswith("model.layers.")}) <= 1
 
 
 def test_a_failing_run_leaves_no_output(llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

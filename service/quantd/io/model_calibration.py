@@ -10,7 +10,8 @@ weights loaded from the shards (float32, on the worker's device):
 
 1. the block runs on every batch with hooks on its Linear layers summing ``H = Σ x xᵀ`` over the real
    (unpadded) tokens;
-2. with ``awq``, the per-input-channel scales are folded where the block allows it (:data:`FOLD_PATTERNS`):
+2. with ``awq``, the per-input-channel scales are folded where the block allows it
+   (:data:`quantd.io.model_skeleton.FOLD_PATTERNS`):
    searched jointly for all consumers of one source, the source's output divided and the consumers' input
    columns multiplied, checked to leave the block's output unchanged;
 3. each Linear is quantized with its scheme's method and written to its output shard;
@@ -33,7 +34,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ log = logging.getLogger("quantd.io")
 BATCH_SEQUENCES = 8
 # A fold must leave the block's output unchanged to this relative error (float32).
 FOLD_TOLERANCE = 1e-3
+
 
 def _bad(msg: str) -> ConfigError:
     return ConfigError(msg, field="calibration")
@@ -274,14 +276,31 @@ class _Run:
             raise RuntimeError("no hidden states to replay")
         return self._replay
 
-    def _load_outside(self, load: bool) -> None:
-        """The parameters outside the blocks (embeddings, final norm, heads) loaded or given back."""
-        blocks = self.plan.blocks_name + "."
-        names = [n for n, _ in self.plan.model.named_parameters() if not n.startswith(blocks)]
-        if load:
-            self.weights.load(names)
-        else:
-            self.weights.release(names)
+    @contextlib.contextmanager
+    def _outside(self) -> Iterator[None]:
+        """The modules outside the blocks for one pass: the small ones loaded now, Linear and Embedding layers
+        (the embedding table, the output head) only when they run; every one given back at the end."""
+        model, prefix = self.plan.model, self.plan.blocks_name + "."
+        eager: list[str] = []
+        handles = []
+        for name, mod in model.named_modules():
+            if name == self.plan.blocks_name or name.startswith(prefix):
+                continue
+            own = [f"{name}.{leaf}" if name else leaf for leaf, _ in mod.named_parameters(recurse=False)]
+            if not own:
+                continue
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                handles.append(mod.register_forward_pre_hook(
+                    lambda m, args, names=own: self.weights.load(names)))
+            else:
+                eager += own
+        self.weights.load(eager)
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            self.weights.release([n for n, _ in model.named_parameters() if not n.startswith(prefix)])
 
     def _linears_outside(self) -> dict[str, nn.Module]:
         blocks = self.plan.blocks_name + "."
@@ -296,19 +315,18 @@ class _Run:
 
     def _run(self, batches: list[_Batch]) -> None:
         blocks = self.plan.blocks
-        self._load_outside(True)
-        head = _Hessians()
         outside = self._linears_outside()
-        head.hook(outside)
-        try:
-            self._catch(batches, head)
-        finally:
-            head.remove()
-        first = {m: n for m, n in head.count.items() if n > 0}
-        if first:  # Linear layers before the blocks: quantized on their own inputs, then the catch redone
-            self._quantize({m: outside[m] for m in first}, head, folded=False)
-            self._catch(batches, None)
-        self._load_outside(False)
+        with self._outside():
+            head = _Hessians()
+            head.hook(outside)
+            try:
+                self._catch(batches, head)
+            finally:
+                head.remove()
+            first = {m: n for m, n in head.count.items() if n > 0}
+            if first:  # Linear layers before the blocks: quantized on their own inputs, then the catch redone
+                self._quantize({m: outside[m] for m in first}, head, folded=False)
+                self._catch(batches, None)
         for i in range(len(blocks)):
             if self.should_cancel():
                 raise JobCancelled(f"cancelled at block {i} of {len(blocks)}")
@@ -317,12 +335,19 @@ class _Run:
         if rest:
             self._tail(batches, rest)
 
-    def _forward(self, b: _Batch) -> None:
-        """The whole model on one batch (its blocks stood in for), without a key/value cache."""
+    def _forward(self, b: _Batch, *, replay: bool = False) -> None:
+        """The whole model on one batch (its blocks stood in for), without a key/value cache. A replay, whose
+        first block ignores what it is given, feeds zero embeddings: the embedding table is not loaded."""
         model = self.plan.model
         params = inspect.signature(model.forward).parameters
-        extra = {"use_cache": False} if "use_cache" in params else {}
-        model(input_ids=b.input_ids, attention_mask=b.attention_mask, **extra)
+        extra: dict[str, Any] = {"use_cache": False} if "use_cache" in params else {}
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        width = getattr(emb, "embedding_dim", None)
+        if replay and "inputs_embeds" in params and isinstance(width, int):
+            extra["inputs_embeds"] = torch.zeros(*b.input_ids.shape, width, device=b.input_ids.device)
+        else:
+            extra["input_ids"] = b.input_ids
+        model(attention_mask=b.attention_mask, **extra)
 
     def _wanted(self, module: str) -> bool:
         p = self.plans.get(self.plan.linears[module])
@@ -484,23 +509,20 @@ class _Run:
         originals = list(blocks)
         for k in range(len(blocks)):
             blocks[k] = _Stand(originals[k], "replay" if k == 0 else "pass", self)
-        self._load_outside(True)
-        hess = _Hessians()
-        hess.hook(rest)
-        try:
-            for b in batches:
-                hess.tokens = b.tokens
-                self._replay = b.hidden
-                self._forward(b)
-        finally:
-            hess.remove()
-            self._replay = None
-            for k, orig in enumerate(originals):
-                blocks[k] = orig
-        try:
+        with self._outside():
+            hess = _Hessians()
+            hess.hook(rest)
+            try:
+                for b in batches:
+                    hess.tokens = b.tokens
+                    self._replay = b.hidden
+                    self._forward(b, replay=True)
+            finally:
+                hess.remove()
+                self._replay = None
+                for k, orig in enumerate(originals):
+                    blocks[k] = orig
             self._quantize(rest, hess, folded=False)
-        finally:
-            self._load_outside(False)
 
 
 def _batches(seqs: Sequence[torch.Tensor], pad_id: int, device: torch.device) -> list[_Batch]:

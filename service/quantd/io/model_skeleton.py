@@ -189,7 +189,7 @@ def block_folds(block: nn.Module) -> list[Fold]:
     for src, consumers in FOLD_PATTERNS:
         if src not in mods or not all(isinstance(mods.get(c), nn.Linear) for c in consumers):
             continue
-        width = {mods[c].in_features for c in consumers}  # type: ignore[union-attr]
+        width = {mods[c].in_features for c in consumers}
         if len(width) != 1:
             continue
         source = mods[src]
