@@ -844,8 +844,9 @@ def methods_model_aware_section(data: dict[str, Any]) -> list[str]:
            "does: tokenised by the directory's tokenizer, the model run block by block, AWQ's scales folded where "
            "the block allows, every tensor of the output loaded back); baselines of the same run: the calibration "
            "file recorded once from the fp32 model, and the bench's sequential loop over the engine methods. "
-           "*seconds*: the whole quantization (for the model-aware rows: model build, tokenisation, forward "
-           "passes, methods, output directory).", ""]
+           "*seconds*: one run each, the whole quantization (for the model-aware rows: model build, "
+           "tokenisation, forward passes, methods, output directory). The model-aware Hessians count real tokens "
+           "only; the other two record every position of one padded batch of all sentences.", ""]
     rows: list[list[str]] = []
     for key in ("model_aware", "sequential", "agnostic"):
         part = data.get(key)
