@@ -345,3 +345,18 @@ def test_a_failing_run_leaves_no_output(llama_dir: Path, tmp_path: Path, monkeyp
         quantize_directory(llama_dir, tmp_path / "out", QuantConfig.model_validate(GPTQ), device="cpu",
                            calibration=write_jsonl(tmp_path / "c.jsonl", id_rows(4)))
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_bert_directory_calibrates_its_pooler_on_the_replayed_outputs(tmp_path: Path) -> None:
+    path = tiny_bert(tmp_path / "bert")
+    config = QuantConfig.model_validate({**GPTQ, "output": "compressed-tensors",
+                                         "scheme": {**GPTQ["scheme"], "symmetric": True}})
+    report = quantize_directory(path, tmp_path / "out", config, device="cpu",
+                                calibration=write_jsonl(tmp_path / "c.jsonl", [{"text": s} for s in sentences(10)]))
+    errors = {t.name: t.stats.output_rel_error for t in report.tensors if t.stats is not None}
+    assert len(errors) == 2 * 6 + 1 and "pooler.dense.weight" in errors
+    assert all(e is not None and 0.0 < e < 0.1 for e in errors.values()), errors
+    model = AutoModel.from_pretrained(str(tmp_path / "out"))
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[2, 3, 4, 5]]))
+    assert torch.isfinite(out.pooler_output).all()
