@@ -102,7 +102,17 @@ def plan_text_calibration(files: ModelFiles, config: QuantConfig, calibration: s
     mplan = plan_model(build_model(cfg, real_buffers=real_buffers), config, tensors)
     lines = read_jsonl(calibration, vocab_size=mplan.vocab_size)
     tokenizer = load_tokenizer(files.files) if any(cl.text is not None for cl in lines) else None
-    plans, structure = plan_directory(files, config, calibration_index(mplan, tensors), folded=mplan.folded)
+    try:
+        plans, structure = plan_directory(files, config, calibration_index(mplan, tensors), folded=mplan.folded)
+    except ConfigError as e:  # an AWQ weight whose scales cannot fold: say why and what to do
+        weight = e.tensor if e.field == "scheme.method" else None
+        scheme = config.scheme_for(weight, tensors[weight])[0] if weight in tensors else None
+        if weight in mplan.linears.values() and weight not in mplan.folded and scheme is not None \
+                and scheme.method == "awq":
+            e.detail = (f"{e.detail} (model-aware calibration has no layer before this weight to fold its AWQ "
+                        "scales into: quantize it with gptq through a rule, or skip it)")
+            e.args = (e.detail,)
+        raise
     return TextCalibrationPlan(plans, structure, mplan, lines, tokenizer)
 
 
