@@ -360,3 +360,18 @@ def test_a_bert_directory_calibrates_its_pooler_on_the_replayed_outputs(tmp_path
     with torch.no_grad():
         out = model(input_ids=torch.tensor([[2, 3, 4, 5]]))
     assert torch.isfinite(out.pooler_output).all()
+
+
+def test_a_cancelled_run_stops_between_blocks_and_leaves_no_output(llama_dir: Path, tmp_path: Path) -> None:
+    from quantd.errors import JobCancelled
+
+    asked = []
+
+    def cancel_at_block_2() -> bool:
+        asked.append(1)
+        return len(asked) >= 2
+
+    with pytest.raises(JobCancelled, match="block 1 of 3"):
+        quantize_directory(llama_dir, tmp_path / "out", QuantConfig.model_validate(GPTQ), device="cpu",
+                           calibration=write_jsonl(tmp_path / "c.jsonl", id_rows(4)), should_cancel=cancel_at_block_2)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
