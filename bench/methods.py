@@ -62,13 +62,13 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "rtn": {"method": "rtn"},
     "hqq": {"method": "hqq"},
     "awq": {"method": "awq"},
-    "gptq": {"method": "gptq"},  # the defaults: act-order, diag-H-weighted range search, diagonal shrinkage
-    # the paper's GPTQ (damp 0.01, the observer's range, the raw Hessian), in column order and act-order
-    "gptq_paper": {"method": "gptq", "method_args": {"act_order": False, "clip_grid": 0, "diag_damp": 0.0}},
-    "gptq_paper_act_order": {"method": "gptq", "method_args": {"clip_grid": 0, "diag_damp": 0.0}},
+    "gptq": {"method": "gptq"},  # the defaults: damp 0.1, act-order, diag-H-weighted range search
+    # the paper's GPTQ (damp 0.01, the observer's range), in column order and act-order
+    "gptq_paper": {"method": "gptq", "method_args": {"act_order": False, "clip_grid": 0, "damp": 0.01}},
+    "gptq_paper_act_order": {"method": "gptq", "method_args": {"clip_grid": 0, "damp": 0.01}},
     "gptq_static_act_order": {"method": "gptq", "method_args": {"static_groups": True}},
-    # AWQ's channel scales before GPTQ, damping 0.1 (artifact with channel_scale)
-    "gptq_tuned": {"method": "gptq", "method_args": {"damp": 0.1, "awq_scales": True}},
+    # AWQ's channel scales before GPTQ, and the Hessian shrunk towards its diagonal (artifact with channel_scale)
+    "gptq_tuned": {"method": "gptq", "method_args": {"awq_scales": True, "diag_damp": 0.2}},
 }
 SEQUENTIAL = ("awq", "gptq", "gptq_tuned")
 GROUP_SCHEMES: dict[str, dict[str, Any]] = {
@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llmc-path", default=os.environ.get("QUANTD_BENCH_LLMC_PATH"),
                     help="a directory with llmcompressor and its pinned dependencies (pip install --target)")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor")
+    ap.add_argument("--no-model-aware", action="store_true", help="skip the model-aware rows")
     ap.add_argument("--groups", default=",".join(GROUP_SCHEMES), help=f"comma-separated, of {list(GROUP_SCHEMES)}")
     ap.add_argument("--out", default=None, help="file under bench/results/ (default methods.json)")
     ap.add_argument("--model-aware-only", action="store_true",
@@ -365,8 +366,9 @@ def main(argv: list[str] | None = None) -> int:
             probe, weights, calibration, tmp, schemes, groups))
         payload["sequential"] = _section("quantd, sequential calibration", lambda: run_sequential(
             probe, cal_sentences, schemes, groups))
-        payload["model_aware"] = _section("quantd, model-aware calibration (JSONL, run by the worker)",
-                                          lambda: run_model_aware(probe, cal_sentences, tmp, schemes, groups))
+        if not args.no_model_aware:
+            payload["model_aware"] = _section("quantd, model-aware calibration (JSONL, run by the worker)",
+                                              lambda: run_model_aware(probe, cal_sentences, tmp, schemes, groups))
         if not (args.quick or args.no_llmc or args.model_aware_only):
             payload["llmcompressor"] = _section("llm-compressor", lambda: run_llmcompressor(
                 args.llmc_path, cal_sentences, groups, timeout_s=900.0))

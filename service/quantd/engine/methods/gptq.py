@@ -5,10 +5,10 @@ With ``H = Σ x xᵀ / N + λ·mean(diag H)·I`` and ``U`` the upper Cholesky fa
 ``q_j = Q(w_j)``, ``e_j = (w_j − q_j) / U_jj``, ``W[:, k] −= e_j · U_jk`` for the later columns ``k``. The
 update is applied inside a block of columns right away and to the columns after the block in one matmul
 at its end (lazy batch updates). The loop over columns is the method itself (each column depends on the
-last); every step is vectorised over the rows. Before that, ``H`` is shrunk towards its diagonal,
-``H_jj ← (1 + diag_damp·√(in / N))·H_jj``: with few calibration rows for the layer's width its off-diagonal
-terms carry sampling noise that GPTQ would fit (a lower error on the calibration rows, a higher one on
-other inputs). With groups, each group's scale and
+last); every step is vectorised over the rows. The damping ``λ`` (``damp``, 0.1 by default where the paper
+takes 0.01) keeps GPTQ from fitting the sampling noise of an ``H`` estimated from a few thousand rows (a
+lower error on the calibration rows, a higher one on other inputs); ``diag_damp`` can instead shrink ``H``
+towards its diagonal, ``H_jj ← (1 + diag_damp·√(in / N))·H_jj``. With groups, each group's scale and
 zero point come from the scheme's observer on the group's columns as they are when the group is reached
 (their earlier updates included), the range shrunk (by up to ``max_shrink``, ``clip_grid`` candidates) to
 the least rounding error weighted by ``diag H``. ``act_order`` (the default) visits columns by decreasing
@@ -239,8 +239,8 @@ GPTQ = register(Method(
                 "inverse Hessian of the layer's inputs (needs calibration; 2-D Linear weights, integer, "
                 "per channel or group)",
     args=(
-        Arg("damp", "float", 0.01, "damping added to the Hessian's diagonal, relative to its mean", 0.0, 10.0),
-        Arg("diag_damp", "float", 0.2, "each H_jj grows by diag_damp·√(in / rows)·H_jj: the Hessian shrunk "
+        Arg("damp", "float", 0.1, "damping added to the Hessian's diagonal, relative to its mean", 0.0, 10.0),
+        Arg("diag_damp", "float", 0.0, "each H_jj grows by diag_damp·√(in / rows)·H_jj: the Hessian shrunk "
                                        "towards its diagonal when the calibration has few rows (0: off)",
             0.0, 10.0),
         Arg("block_size", "int", 128, "columns per lazy batch update", 1, 65536),
