@@ -62,15 +62,16 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "rtn": {"method": "rtn"},
     "hqq": {"method": "hqq"},
     "awq": {"method": "awq"},
-    "gptq": {"method": "gptq"},  # the defaults: damp 0.1, act-order, diag-H-weighted range search
+    "gptq": {"method": "gptq"},  # the defaults: damp 0.1, the diag-H-weighted range search, column order
+    "gptq_act_order": {"method": "gptq", "method_args": {"act_order": True}},
     # the paper's GPTQ (damp 0.01, the observer's range), in column order and act-order
-    "gptq_paper": {"method": "gptq", "method_args": {"act_order": False, "clip_grid": 0, "damp": 0.01}},
-    "gptq_paper_act_order": {"method": "gptq", "method_args": {"clip_grid": 0, "damp": 0.01}},
-    "gptq_static_act_order": {"method": "gptq", "method_args": {"static_groups": True}},
+    "gptq_paper": {"method": "gptq", "method_args": {"clip_grid": 0, "damp": 0.01}},
+    "gptq_paper_act_order": {"method": "gptq", "method_args": {"act_order": True, "clip_grid": 0, "damp": 0.01}},
+    "gptq_static_act_order": {"method": "gptq", "method_args": {"act_order": True, "static_groups": True}},
     # AWQ's channel scales before GPTQ, and the Hessian shrunk towards its diagonal (artifact with channel_scale)
-    "gptq_tuned": {"method": "gptq", "method_args": {"awq_scales": True, "diag_damp": 0.2}},
+    "gptq_tuned": {"method": "gptq", "method_args": {"act_order": True, "awq_scales": True, "diag_damp": 0.2}},
 }
-SEQUENTIAL = ("awq", "gptq", "gptq_tuned")
+SEQUENTIAL = ("awq", "gptq", "gptq_act_order", "gptq_tuned")
 GROUP_SCHEMES: dict[str, dict[str, Any]] = {
     "asym_g64": {"dtype": "int4", "symmetric": False, "granularity": "group", "group_size": 64},
     "sym_g128": {"dtype": "int4", "symmetric": True, "granularity": "group", "group_size": 128},
@@ -163,7 +164,7 @@ def run_sequential(probe: EmbeddingProbe, sentences: list[str], schemes: list[st
 
 # --- quantd's service path: the worker runs the model on JSONL calibration lines (model-aware calibration) ---
 
-MODEL_AWARE = ("gptq", "awq", "gptq_tuned")
+MODEL_AWARE = ("gptq_act_order", "awq", "gptq_tuned")
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ lower error on the calibration rows, a higher one on other inputs); ``diag_damp`
 towards its diagonal, ``H_jj ← (1 + diag_damp·√(in / N))·H_jj``. With groups, each group's scale and
 zero point come from the scheme's observer on the group's columns as they are when the group is reached
 (their earlier updates included), the range shrunk (by up to ``max_shrink``, ``clip_grid`` candidates) to
-the least rounding error weighted by ``diag H``. ``act_order`` (the default) visits columns by decreasing
+the least rounding error weighted by ``diag H``. ``act_order`` visits columns by decreasing
 ``diag H``; the groups then follow that order and ``g_idx`` maps each column to its group, unless
 ``static_groups`` fixes every group's parameters on the original weight first (groups stay contiguous, no
 ``g_idx``). Dead inputs (``H_jj = 0``) get zero weights, as in the reference implementations.
@@ -244,7 +244,7 @@ GPTQ = register(Method(
                                        "towards its diagonal when the calibration has few rows (0: off)",
             0.0, 10.0),
         Arg("block_size", "int", 128, "columns per lazy batch update", 1, 65536),
-        Arg("act_order", "bool", True, "visit columns by decreasing Hessian diagonal (stores g_idx with groups "
+        Arg("act_order", "bool", False, "visit columns by decreasing Hessian diagonal (stores g_idx with groups "
                                         "unless static_groups)"),
         Arg("static_groups", "bool", False, "fix every group's scale and zero point on the original weight "
                                             "before the column loop"),
