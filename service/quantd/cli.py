@@ -279,8 +279,8 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
 
 def _prepare_in_process(model: Path) -> None:
     """Before the CLI's in-process engine runs (and imports torch): glibc's malloc as
-    ``QUANTD_KEEP_FREED_MEMORY`` says, Inductor's kernel cache per kind of CPU in its default dir, and
-    whether compiled kernels can pay off in this one run over ``model``."""
+    ``QUANTD_KEEP_FREED_MEMORY`` says, Inductor's kernel cache per kind of CPU in its default dir,
+    whether compiled kernels can pay off in this one run over ``model``, and the threads of an eager run."""
     from quantd.runtime import keep_freed_memory_as_configured, keep_kernel_cache_in, use_kernels_for
 
     try:
@@ -288,7 +288,10 @@ def _prepare_in_process(model: Path) -> None:
     except ValueError as e:
         raise UsageError(f"settings: {e}") from None
     keep_kernel_cache_in(None)
-    use_kernels_for(model)
+    if not use_kernels_for(model):  # eager: parallel over chunks, no OpenMP join per op (engine.parallel)
+        from quantd.engine.parallel import single_threaded_caller
+
+        single_threaded_caller()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

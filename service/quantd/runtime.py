@@ -121,26 +121,15 @@ def keep_freed_memory_as_configured() -> bool:
     return keep_freed_memory(enabled)
 
 
-# Input bytes from which a one-shot run (the CLI's in-process quantize/analyze) uses the compiled kernels
-# under QUANTD_COMPILE=auto. Below it, importing the compiler stack and tracing each kernel cost the run more
-# than the kernels save over the eager path (bench/oneshot.py measures both on a 91 MB and an 800 MB model).
-ONESHOT_COMPILE_MIN_BYTES = 512 << 20
-
-
-def input_bytes(path: Path) -> int:
-    """The bytes of a model file, or of every file under a model directory."""
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    return path.stat().st_size if path.exists() else 0
-
-
 def use_kernels_for(path: Path) -> bool:
-    """Decide, for a one-shot run over the model at ``path``, whether the compiled kernels may run: with
-    ``QUANTD_COMPILE=auto`` only for inputs of at least :data:`ONESHOT_COMPILE_MIN_BYTES`; otherwise the
-    run stays eager and never imports the compiler stack. True when they may."""
+    """Decide, for a one-shot run over the model at ``path``, whether the compiled kernels may run: only with
+    ``QUANTD_COMPILE=1``. Under ``auto`` (the default) a one-shot run stays eager and never imports the
+    compiler stack: importing Dynamo and Inductor and loading the cached kernels costs seconds, more than the
+    kernels save over the eager chunk loops on the models ``bench/oneshot.py`` measures (91 MB and 800 MB).
+    True when they may."""
     from quantd.engine.kernels import KERNELS, compile_setting
 
-    if compile_setting() == "auto" and input_bytes(path) < ONESHOT_COMPILE_MIN_BYTES:
+    if compile_setting() == "auto":
         KERNELS.reset(available=False)
     return KERNELS.available()
 

@@ -23,6 +23,7 @@ from quantd.engine import kernels
 from quantd.engine.granularity import block_view, granularity_of, is_row_major
 from quantd.engine.kernels import quantize as compiled_quantize
 from quantd.engine.kernels import stats as compiled
+from quantd.engine.parallel import map_chunks
 from quantd.engine.primitives import FLOAT_TORCH_DTYPES, NF4_CODEBOOK_F32, dequantize
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError
@@ -174,23 +175,29 @@ class _Moments:
     max_abs_x: float | None  # None from the compiled codes path (only float casts use it)
 
 
-def _chunk_sums(xc: torch.Tensor, hc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The per-chunk sums of float ``xc``/``hc``, through the float64 buffers ``a``/``b`` (overwritten).
+def _chunk_sums(xc: torch.Tensor, hc: torch.Tensor) -> torch.Tensor:
+    """The per-chunk sums of float ``xc``/``hc``, through float64 buffers of the chunk's size.
 
     One conversion of each input, then in-cache float64 passes; results stay on the device (no sync).
     """
+    a = torch.empty(xc.numel(), dtype=torch.float64, device=xc.device)
+    b = torch.empty_like(a)
     a.copy_(xc)
     b.copy_(hc)
     return _buffer_sums(a, b)
 
 
-def _buffer_sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The sums of :func:`_chunk_sums` of the float64 chunks ``a`` (x) and ``b`` (x̂), both overwritten."""
+def _buffer_sums(a: torch.Tensor, b: torch.Tensor, *, abs_x: bool = True) -> torch.Tensor:
+    """The sums of :func:`_chunk_sums` of the float64 chunks ``a`` (x) and ``b`` (x̂), both overwritten.
+    ``abs_x=False`` leaves out max ``|x|`` (NaN in its column): only float casts' statistics use it."""
     n_c = a.numel()
     sum_x = a.sum()
     sum_x2, sum_h2, sum_xh = torch.dot(a, a), torch.dot(b, b), torch.dot(a, b)
-    max_abs_x = torch.maximum(a.amax(), a.amin().neg())  # (vector_norm(inf) is many times slower on CPU)
-    err = torch.sub(a, b, out=b).abs_()
+    if abs_x:  # (vector_norm(inf) is many times slower on CPU)
+        max_abs_x = torch.maximum(a.amax(), a.amin().neg())
+    else:
+        max_abs_x = torch.full((), math.nan, dtype=torch.float64, device=a.device)
+    err = b.sub_(a).abs_()  # |x − x̂|
     sum_e2 = torch.dot(err, err)
     sum_abs_e = err.sum()
     max_abs_e = err.amax()
@@ -217,11 +224,10 @@ def _moments(x: torch.Tensor, x_hat: torch.Tensor) -> _Moments:
             rows.append(fused)
             start = whole
     if start < fx.numel():
-        a = torch.empty(step, dtype=torch.float64, device=x.device)
-        b = torch.empty(step, dtype=torch.float64, device=x.device)
-        rows.extend(_chunk_sums(fx[i:i + step], fh[i:i + step], a[: min(step, fx.numel() - i)],
-                                b[: min(step, fx.numel() - i)]).unsqueeze(0)
-                    for i in range(start, fx.numel(), step))
+        starts = range(start, fx.numel(), step)
+        rows.append(torch.stack(map_chunks(lambda i: _chunk_sums(fx[starts[i]:starts[i] + step],
+                                                                 fh[starts[i]:starts[i] + step]),
+                                           len(starts), x.device)))
     return _merge(torch.cat(rows))
 
 
@@ -247,25 +253,26 @@ def _outlier_count(x: torch.Tensor, mean: float, threshold: float) -> int:
         if fused is not None:
             return int(fused)
     step = min(_CHUNK, flat.numel())
+    starts = range(0, flat.numel(), step)
     bounds = (compiled._float32_interval(mean, threshold)
               if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else None)
     if bounds is not None:
         lo, hi = bounds
-        outside = torch.zeros((), dtype=torch.int64, device=x.device)
-        for i in range(0, flat.numel(), step):
-            part = flat[i:i + step].float()
-            outside += (part < lo).sum(dtype=torch.int32) + (part > hi).sum(dtype=torch.int32)
-        return int(outside)
-    buf = torch.empty(step, dtype=torch.float64, device=x.device)
-    flags = torch.empty(step, dtype=torch.bool, device=x.device)
-    count = torch.zeros((), dtype=torch.int64, device=x.device)
-    for i in range(0, flat.numel(), step):
-        part = flat[i:i + step]
-        d = buf[: part.numel()]
-        d.copy_(part)
-        above = torch.gt(d.sub_(mean).abs_(), threshold, out=flags[: part.numel()])
-        count += above.sum(dtype=torch.int32)  # a chunk has < 2**31 elements
-    return int(count)
+
+        def outside(i: int) -> torch.Tensor:
+            # Comparisons into float32 0/1 and their float32 sum: exact (a chunk's count is below 2²⁴), and
+            # several times faster on CPU than a bool result and its integer sum.
+            part = flat[starts[i]:starts[i] + step].float()
+            flags = torch.empty_like(part)
+            return (torch.lt(part, lo, out=flags).sum() + torch.gt(part, hi, out=flags).sum()).to(torch.int64)
+
+        return int(torch.stack(map_chunks(outside, len(starts), x.device)).sum())
+
+    def above(i: int) -> torch.Tensor:
+        d = flat[starts[i]:starts[i] + step].to(torch.float64, copy=True)
+        return (d.sub_(mean).abs_() > threshold).sum(dtype=torch.int32)  # a chunk has < 2**31 elements
+
+    return int(torch.stack(map_chunks(above, len(starts), x.device)).sum())
 
 
 def _cosine(m: _Moments) -> float:
@@ -328,23 +335,24 @@ def _moments_from_codes_eager(x: torch.Tensor, qt: QuantizedTensor) -> _Moments:
     n_blocks, width = blocks.shape
     rows = max(1, min(n_blocks, _CHUNK // max(1, width)))
     cols = min(width, _CHUNK)
-    a_buf = torch.empty(rows * cols, dtype=torch.float64, device=x.device)
-    b_buf = torch.empty_like(a_buf)
-    parts: list[torch.Tensor] = []
-    for r in range(0, n_blocks, rows):
-        for c in range(0, width, cols):
-            xb, cb = blocks[r:r + rows, c:c + cols], codes[r:r + rows, c:c + cols]
-            a, b = a_buf[: xb.numel()].view(xb.shape), b_buf[: xb.numel()].view(xb.shape)
-            a.copy_(xb)
-            if codebook is not None:
-                torch.index_select(codebook, 0, cb.reshape(-1).long(), out=b.view(-1))
-            else:
-                b.copy_(cb)
-                if zp is not None:
-                    b.sub_(zp[r:r + rows])
-            b.mul_(scale[r:r + rows])
-            parts.append(_buffer_sums(a.view(-1), b.view(-1)).unsqueeze(0))
-    return _merge(torch.cat(parts))
+    pieces = [(r, c) for r in range(0, n_blocks, rows) for c in range(0, width, cols)]
+
+    def sums(i: int) -> torch.Tensor:
+        r, c = pieces[i]
+        xb, cb = blocks[r:r + rows, c:c + cols], codes[r:r + rows, c:c + cols]
+        a = torch.empty(xb.shape, dtype=torch.float64, device=x.device)
+        b = torch.empty_like(a)
+        a.copy_(xb)
+        if codebook is not None:
+            torch.index_select(codebook, 0, cb.reshape(-1).long(), out=b.view(-1))
+        else:
+            b.copy_(cb)
+            if zp is not None:
+                b.sub_(zp[r:r + rows])
+        b.mul_(scale[r:r + rows])
+        return _buffer_sums(a.view(-1), b.view(-1), abs_x=False)
+
+    return _merge(torch.stack(map_chunks(sums, len(pieces), x.device)))
 
 
 def quantized_error_stats(x: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
