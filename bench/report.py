@@ -764,14 +764,23 @@ def oneshot_section(data: dict[str, Any]) -> list[str]:
            f"Each cell is a fresh process from start to exit, median of {data['rounds']} interleaved rounds. Baseline, "
            "same run: the floor, a process that imports torch, loads the file with safetensors and saves it back "
            "(*× floor*: the cell's median over the floor's).", ""]
-    for model in dict.fromkeys(r["model"] for r in data["runs"]):
-        rows = [r for r in data["runs"] if r["model"] == model]
+    runs = data["runs"]
+    for model in dict.fromkeys(r["model"] for r in runs if r["model"] != "imports"):
+        rows = [r for r in runs if r["model"] == model]
         floor = next(r for r in rows if r["what"] == "floor")
         out += [f"**{model}** ({data['model_bytes'][model] / 1e6:.0f} MB): floor {floor['median_s']:.2f} s", "",
                 table(["scheme", "run", "QUANTD_COMPILE", "median s", "min s", "× floor", "peak RSS MB"],
                       [[r["scheme"] or "", r["what"], r.get("setting", ""), fmt(r["median_s"], ".2f"),
-                        fmt(r["min_s"], ".2f"), fmt(r["vs_floor"], ".2f"), fmt(r["max_rss_kb"] / 1024, ".0f")]
+                        fmt(r["min_s"], ".2f"), fmt(r["vs_floor"], ".2f"),
+                        fmt(None if r["max_rss_kb"] is None else r["max_rss_kb"] / 1024, ".0f")]
                        for r in rows if r["what"] != "floor"]), ""]
+        out += [*_oneshot_findings(rows), ""]
+    imports = {r["what"]: r["median_s"] for r in runs if r["model"] == "imports"}
+    if len(imports) == 2:
+        base, full = imports["import torch"], imports["import torch, Dynamo, Inductor"]
+        out += [f"Importing Dynamo and Inductor on top of torch (what any compiled path pays before its first "
+                f"kernel, also one loading cached kernels or cache artifacts as a whole): {full - base:.2f} s more "
+                f"than `import torch` alone ({base:.2f} s), medians of the same rounds.", ""]
     prof = data.get("profile_minilm")
     if prof:
         out += [f"Where one CLI run's time goes (all-MiniLM-L6-v2, {prof['scheme']}, cProfile's cumulative times, "
@@ -781,10 +790,33 @@ def oneshot_section(data: dict[str, Any]) -> list[str]:
     if serve:
         out += ["`quantd serve` on a data dir whose kernels an earlier run built, seconds from process start. "
                 "Baseline, same run: a process that only imports torch.", "",
-                table(["round", "/readyz 200", "first /v1/quantize answered", "import torch"],
+                table(["round", "/readyz 200", "first /v1/quantize answered", "import torch", "answered − import torch"],
                       [[str(i + 1), fmt(r["ready_s"], ".2f"), fmt(r["first_quantize_s"], ".2f"),
-                        fmt(r.get("import_torch_s"), ".2f")] for i, r in enumerate(serve)])]
+                        fmt(r.get("import_torch_s"), ".2f"),
+                        fmt(None if r["first_quantize_s"] is None or r.get("import_torch_s") is None
+                            else r["first_quantize_s"] - r["import_torch_s"], ".2f")]
+                       for i, r in enumerate(serve)])]
     return out
+
+
+def _oneshot_findings(rows: list[dict[str, Any]]) -> list[str]:
+    """One model's one-shot rows summed up: quantd (default settings) against the floor and against the fastest
+    peer of each scheme, and compiled against eager, all same-run medians."""
+    lines = []
+    for scheme in dict.fromkeys(r["scheme"] for r in rows if r["scheme"]):
+        mine = next((r for r in rows if r["scheme"] == scheme and r["what"] == "quantd" and r.get("setting") == "auto"),
+                    None)
+        peers = [r for r in rows if r["scheme"] == scheme and r["what"] not in ("quantd", "floor")]
+        if mine is None or not peers:
+            continue
+        best = min(peers, key=lambda r: r["median_s"])
+        line = (f"- {scheme}: quantd {mine['vs_floor']:.2f}× the floor; {best['median_s'] / mine['median_s']:.2f}× "
+                f"as fast as the fastest peer ({best['what']})")
+        compiled = next((r for r in rows if r["scheme"] == scheme and r.get("setting") == "1"), None)
+        if compiled is not None:
+            line += f"; compiled kernels (QUANTD_COMPILE=1) {compiled['median_s'] / mine['median_s']:.2f}× eager's time"
+        lines.append(line + ".")
+    return lines
 
 
 # What bench/methods.py's row labels run (its SCHEMES), for results files that do not record them.

@@ -241,6 +241,8 @@ def make_client(args: argparse.Namespace) -> Any:
 def resolve_device(device: str) -> str:
     """``auto`` → ``cuda`` when there is a GPU, else ``cpu``; a CUDA device that is not there is a usage error
     (one line, not a traceback from deep in torch)."""
+    if device == "cpu":  # nothing to check: no CUDA probe, no job layer imported
+        return device
     from quantd.errors import ConfigError
     from quantd.jobs.config import check_device
 
