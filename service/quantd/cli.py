@@ -279,10 +279,11 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
         raise UsageError(f"settings: {e}") from None
 
 
-def _prepare_in_process(model: Path) -> None:
+def _prepare_in_process(model: Path, *, ggml: bool = False) -> None:
     """Before the CLI's in-process engine runs (and imports torch): glibc's malloc as
     ``QUANTD_KEEP_FREED_MEMORY`` says, Inductor's kernel cache per kind of CPU in its default dir,
-    whether compiled kernels can pay off in this one run over ``model``, and the threads of an eager run."""
+    whether compiled kernels can pay off in this one run over ``model``, and the threads of an eager run
+    (``ggml``: ggml block types, whose chunk pool takes the caller's thread count, keep it)."""
     from quantd.runtime import keep_freed_memory_as_configured, keep_kernel_cache_in, use_kernels_for
 
     try:
@@ -290,7 +291,7 @@ def _prepare_in_process(model: Path) -> None:
     except ValueError as e:
         raise UsageError(f"settings: {e}") from None
     keep_kernel_cache_in(None)
-    if not use_kernels_for(model):  # eager: parallel over chunks, no OpenMP join per op (engine.parallel)
+    if not use_kernels_for(model) and not ggml:  # eager: parallel over chunks, no OpenMP join per op
         from quantd.engine.parallel import single_threaded_caller
 
         single_threaded_caller()
@@ -345,7 +346,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             job.download(args.output, progress=progress)
             report = job.report()
     else:
-        _prepare_in_process(Path(args.input))
+        _prepare_in_process(Path(args.input), ggml=config.output == "gguf")
         report = _quantize_in_process(args, config)
     if args.json:
         _print_json(report.model_dump(mode="json"))
@@ -395,7 +396,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         with make_client(args) as c:
             resp = c.analyze(args.input, schemes, analyses=args.analyses)
     else:
-        _prepare_in_process(Path(args.input))
+        from quantd_client import DTYPES
+
+        _prepare_in_process(Path(args.input), ggml=any(DTYPES[s.dtype].kind == "ggml" for s in schemes))
         from quantd.io.pipeline import analyze_file
 
         resp = analyze_file(args.input, schemes, device=resolve_device(args.device), analyses=args.analyses)

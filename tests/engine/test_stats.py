@@ -403,3 +403,19 @@ def test_eager_chunked_statistics_equal_a_float64_reference(eager: None, case: s
     assert st.outlier_rate == float(np.mean(np.abs(a - mean) > st.outlier_threshold))
     assert st.clipped_fraction == 0.0  # min-max ranges
     assert st.theoretical_max_error is not None and st.max_abs_error <= st.theoretical_max_error
+
+
+@pytest.mark.parametrize("chunk", [96, 100, 5000])  # whole block rows per chunk: ranges taken on the way
+def test_eager_clipped_count_from_the_chunk_loops_ranges(eager: None, chunk: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stats, "_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(24, 96, generator=gen)
+    x[3, 7], x[20, 1] = 40.0, -35.0
+    qt = quantize(x, _scheme(dtype="int4", group_size=32, observer="percentile", observer_args={"percentile": 99.0}))
+    m = stats._moments_from_codes(x, qt)
+    assert m is not None and m.block_ranges is not None
+    blocks = x.reshape(-1, 32)
+    assert torch.equal(m.block_ranges[0], blocks.amin(dim=1)) and torch.equal(m.block_ranges[1], blocks.amax(dim=1))
+    st = stats.quantized_error_stats(x, qt)
+    assert st.clipped_fraction == stats.clipped_count(x, qt) / x.numel() > 0

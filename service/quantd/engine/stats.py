@@ -121,7 +121,8 @@ def _block_bounds(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.full((rows, 1), lo_v, device=dev), torch.full((rows, 1), hi_v, device=dev)
 
 
-def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
+def clipped_count(x: torch.Tensor, qt: QuantizedTensor, ranges: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> int:
     """Elements of ``x`` outside the range ``qt`` represents (the clamp moved them by more than
     half a step): integer ``x/scale + zp ∉ [qmin − ½, qmax + ½]``; nf4 ``x/scale`` beyond its end levels
     ±1 by more than half the gap next to them; fp8 ``|x/scale| > max_finite + top step/2``; float casts
@@ -130,7 +131,9 @@ def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
 
     Division by a positive scale is monotone (also after float32 rounding), so a block whose own
     ``min/scale`` and ``max/scale`` are inside the bounds has no clipped element: only the blocks that
-    fail this check are counted element by element (none, for min-max ranges).
+    fail this check are counted element by element (none, for min-max ranges). ``ranges``: each block's
+    min and max of ``x`` in float32 when already known (the statistics' chunk loop takes them on the way),
+    else they are computed here.
     """
     info = DTYPES[qt.dtype]
     if info.kind == "float":
@@ -139,7 +142,9 @@ def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
     blocks, _ = block_view(x, granularity_of(qt), name="x")
     lo_b, hi_b = _block_bounds(qt)
     scale = qt.scale.reshape(-1, 1).float()  # type: ignore[union-attr]  # _block_bounds checked it
-    rng = compiled_quantize.row_range(blocks) if kernels.KERNELS.wants(blocks) else None
+    rng = ranges
+    if rng is None and kernels.KERNELS.wants(blocks):
+        rng = compiled_quantize.row_range(blocks)
     lo_r, hi_r = rng if rng is not None else (blocks.amin(dim=1), blocks.amax(dim=1))
     lo_x = lo_r.unsqueeze(1).float() / scale
     hi_x = hi_r.unsqueeze(1).float() / scale
@@ -173,6 +178,7 @@ class _Moments:
     sum_abs_e: float
     max_abs_e: float
     max_abs_x: float | None  # None from the compiled codes path (only float casts use it)
+    block_ranges: tuple[torch.Tensor, torch.Tensor] | None = None  # each block's float32 min and max of x
 
 
 def _chunk_sums(xc: torch.Tensor, hc: torch.Tensor) -> torch.Tensor:
@@ -336,6 +342,12 @@ def _moments_from_codes_eager(x: torch.Tensor, qt: QuantizedTensor) -> _Moments:
     rows = max(1, min(n_blocks, _CHUNK // max(1, width)))
     cols = min(width, _CHUNK)
     pieces = [(r, c) for r in range(0, n_blocks, rows) for c in range(0, width, cols)]
+    # Chunks of whole block rows also give each block's extremes, from the chunk in cache: the clipped count
+    # then needs no pass of its own over x.
+    lo_all = hi_all = None
+    if cols == width:
+        lo_all = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
+        hi_all = torch.empty_like(lo_all)
 
     def sums(i: int) -> torch.Tensor:
         r, c = pieces[i]
@@ -343,6 +355,9 @@ def _moments_from_codes_eager(x: torch.Tensor, qt: QuantizedTensor) -> _Moments:
         a = torch.empty(xb.shape, dtype=torch.float64, device=x.device)
         b = torch.empty_like(a)
         a.copy_(xb)
+        if lo_all is not None and hi_all is not None:  # exact: x in float64, its extremes back in float32
+            lo_all[r:r + rows] = a.amin(dim=1)
+            hi_all[r:r + rows] = a.amax(dim=1)
         if codebook is not None:
             torch.index_select(codebook, 0, cb.reshape(-1).long(), out=b.view(-1))
         else:
@@ -352,7 +367,8 @@ def _moments_from_codes_eager(x: torch.Tensor, qt: QuantizedTensor) -> _Moments:
         b.mul_(scale[r:r + rows])
         return _buffer_sums(a.view(-1), b.view(-1), abs_x=False)
 
-    return _merge(torch.stack(map_chunks(sums, len(pieces), x.device)))
+    m = _merge(torch.stack(map_chunks(sums, len(pieces), x.device)))
+    return m if lo_all is None or hi_all is None else replace(m, block_ranges=(lo_all, hi_all))
 
 
 def quantized_error_stats(x: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
@@ -421,7 +437,7 @@ def _stats(x: torch.Tensor, qt: QuantizedTensor, m: _Moments) -> ErrorStats:
         cosine=_cosine(m),
         outlier_rate=outliers / numel,
         outlier_threshold=threshold,
-        clipped_fraction=clipped_count(*_in_code_order(x, qt)) / numel,
+        clipped_fraction=clipped_count(*_in_code_order(x, qt), ranges=m.block_ranges) / numel,
         theoretical_max_error=theoretical_max_error(qt, m.max_abs_x),
         bits_per_weight=bpw,
         compression_ratio=torch.finfo(qt.orig_dtype).bits / bpw,
