@@ -7,7 +7,9 @@ float64 buffer that stays in cache; sums stay on the device until one sync at th
 (Chan et al.) rather than taken as ``E[x²] − E[x]²``, which cancels badly when the mean is large; each
 chunk's ``Σ (x − mean_c)²`` is centred on its mean (eager) or shifted by its first value (the compiled
 kernels, in one pass: :func:`quantd.engine.kernels.stats._moments`).
-The clipped count reads only the per-block extremes unless a block actually clips.
+The clipped count reads only the per-block extremes unless a block actually clips (the eager sums take them
+from the chunks they already hold). On CPU the eager chunks are spread over :mod:`quantd.engine.parallel`'s
+pool, each chunk's ops single-threaded.
 """
 
 from __future__ import annotations
