@@ -408,3 +408,16 @@ def test_a_closed_pipe_ends_quietly(where: str, model: Path, tmp_path: Path, req
     done = _closed_reader(cmd)
     assert done.returncode == 141, done.stderr  # 128 + SIGPIPE, as `head` leaves any other tool
     assert "Broken pipe" not in done.stderr and "Traceback" not in done.stderr and "Exception" not in done.stderr
+
+
+def test_one_shot_runs_single_thread_their_own_ops_only_for_chunk_work() -> None:
+    # Round to nearest is the engine's chunk loops (spread over engine.parallel's pool); the methods and
+    # calibration multiply large matrices, which keep OpenMP's threads.
+    from quantd.cli import _chunk_work_only
+    from quantd_client import Scheme, SchemeOverride
+
+    assert _chunk_work_only([Scheme(dtype="int4"), SchemeOverride(dtype="int8")])
+    assert not _chunk_work_only([Scheme(dtype="int4", method="gptq")])
+    assert not _chunk_work_only([Scheme(dtype="int4"), SchemeOverride(method="hqq")])
+    assert not _chunk_work_only([Scheme(dtype="int4")], calibration="calibration.safetensors")
+    assert not _chunk_work_only([Scheme(dtype="int4")], output="gguf")
