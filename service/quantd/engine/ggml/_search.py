@@ -115,6 +115,54 @@ def symmetric_search(x: torch.Tensor, w: torch.Tensor, nmax: int) -> torch.Tenso
     return torch.where(zero, torch.zeros_like(scale), scale)
 
 
+def _coordinate_descent(xt: torch.Tensor, wt: torch.Tensor, q: torch.Tensor, lo: int | None, hi: int, *,
+                        need_sl2: bool, sweeps: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's refinement of integer codes ``q`` ``[n, S]`` (in place) for ``x ≈ scale·q`` per column: up to
+    ``sweeps`` passes over the ``n`` positions, each code moved to the one the others' least-squares scale
+    asks for when that raises ``(Σwxq)² / Σwq²``. Returns ``(Σwxq, Σwq²)`` ``[S]``. ``need_sl2``:
+    ``make_qp_quants``' test (the others' ``Σwq² > 0`` before the move) rather than ``make_q3_quants``' (after).
+
+    A column that changed nothing in a sweep would change nothing in the next (its state is the same), which
+    is where ggml stops it; later sweeps run on the columns that changed in the previous one only."""
+    wx = wt * xt
+    sumlx = sum_rows(wx * q)
+    suml2 = sum_rows(wt * q * q)
+    cols: torch.Tensor | None = None  # the columns still moving (None: all)
+    x_a, w_a, wx_a, q_a, slx_a, sl2_a = xt, wt, wx, q, sumlx, suml2
+    for _ in range(sweeps):
+        changed = torch.zeros_like(slx_a, dtype=torch.bool)
+        rows = []
+        for i in range(x_a.shape[0]):
+            wi, xi, li, wxi = w_a[i], x_a[i], q_a[i], wx_a[i]
+            slx = slx_a - wxi * li
+            sl2 = sl2_a - wi * li * li
+            new_l = nearest_int(xi * sl2 / _nonzero(slx))
+            new_l = new_l.clamp_(max=hi) if lo is None else new_l.clamp_(lo, hi)
+            slx_n = slx + wxi * new_l
+            sl2_n = sl2 + wi * new_l * new_l
+            take = (slx > 0) & (new_l != li) & (slx_n * slx_n * sl2_a > slx_a * slx_a * sl2_n)
+            take &= (sl2 > 0) if need_sl2 else (sl2_n > 0)
+            rows.append(torch.where(take, new_l, li))
+            slx_a = torch.where(take, slx_n, slx_a)
+            sl2_a = torch.where(take, sl2_n, sl2_a)
+            changed |= take
+        q_a = torch.stack(rows)
+        if cols is None:
+            q.copy_(q_a)
+            sumlx, suml2 = slx_a, sl2_a
+        else:
+            q[:, cols] = q_a
+            sumlx[cols] = slx_a
+            suml2[cols] = sl2_a
+        moving = changed.nonzero().squeeze(1)
+        if moving.numel() == 0:
+            break
+        cols = moving if cols is None else cols[moving]
+        x_a, w_a, wx_a, q_a = x_a[:, moving], w_a[:, moving], wx_a[:, moving], q_a[:, moving]
+        slx_a, sl2_a = slx_a[moving], sl2_a[moving]
+    return sumlx, suml2
+
+
 def q3_search(x: torch.Tensor, nmax: int) -> torch.Tensor:
     """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` over the rows of ``x`` ``[S, n]``: codes from
     ``iscale = −nmax / max``, then up to 5 sweeps of coordinate descent, each position of every row moved
@@ -126,21 +174,7 @@ def q3_search(x: torch.Tensor, nmax: int) -> torch.Tensor:
     zero = mxv.abs() < GROUP_MAX_EPS
     mxv = torch.where(zero, torch.ones_like(mxv), mxv)
     q = nearest_int(xt * (-nmax / mxv)).clamp_(-nmax, nmax - 1)
-    wx = wt * xt
-    sumlx = sum_rows(wx * q)
-    suml2 = sum_rows(wt * q * q)
-    for _ in range(5):
-        for i in range(xt.shape[0]):
-            wi, xi, li, wxi = wt[i], xt[i], q[i], wx[i]
-            slx = sumlx - wxi * li
-            sl2 = suml2 - wi * li * li
-            new_l = nearest_int(xi * sl2 / _nonzero(slx)).clamp_(-nmax, nmax - 1)
-            slx_n = slx + wxi * new_l
-            sl2_n = sl2 + wi * new_l * new_l
-            take = (slx > 0) & (new_l != li) & (sl2_n > 0) & (slx_n * slx_n * suml2 > sumlx * sumlx * sl2_n)
-            q[i] = torch.where(take, new_l, li)
-            sumlx = torch.where(take, slx_n, sumlx)
-            suml2 = torch.where(take, sl2_n, suml2)
+    sumlx, suml2 = _coordinate_descent(xt, wt, q, -nmax, nmax - 1, need_sl2=False)
     scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
     return torch.where(zero, torch.zeros_like(scale), scale)
 
@@ -168,22 +202,7 @@ def qp_search(v: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor
         best = torch.where(take, err, best)
         iscale = torch.where(take, cand, iscale)
     q = nearest_int(vt * iscale).clamp_(max=nmax)
-    wv = wt * vt
-    sumlx = sum_rows(wv * q)
-    suml2 = sum_rows(wt * q * q)
-    for _ in range(5):
-        for i in range(vt.shape[0]):
-            wi, vi, li, wvi = wt[i], vt[i], q[i], wv[i]
-            slx = sumlx - wvi * li
-            sl2 = suml2 - wi * li * li
-            ok = (slx > 0) & (sl2 > 0)
-            new_l = nearest_int(vi * sl2 / _nonzero(slx)).clamp_(max=nmax)
-            slx_n = slx + wvi * new_l
-            sl2_n = sl2 + wi * new_l * new_l
-            take = ok & (new_l != li) & (slx_n * slx_n * suml2 > sumlx * sumlx * sl2_n)
-            q[i] = torch.where(take, new_l, li)
-            sumlx = torch.where(take, slx_n, sumlx)
-            suml2 = torch.where(take, sl2_n, suml2)
+    sumlx, suml2 = _coordinate_descent(vt, wt, q, None, nmax, need_sl2=True)
     scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
     q = torch.where(zero.unsqueeze(0), torch.zeros_like(q), q)
     return torch.where(zero, torch.zeros_like(scale), scale), q.T.clamp(min=0)
