@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from quantd.engine import kernels
+
 from ._common import GROUP_MAX_EPS, nearest_int, sum_rows
 
 
@@ -31,6 +33,51 @@ def _signed_absmax(xt: torch.Tensor) -> torch.Tensor:
     return xt.gather(0, idx).squeeze(0)
 
 
+def _affine_codes_sums(xt: torch.Tensor, wt: torch.Tensor, wx: torch.Tensor, m: torch.Tensor, iscale: torch.Tensor,
+                       nmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes ``q = clamp(nearest_int((x − m)·iscale), 0, nmax)`` of the columns of ``xt`` ``[n, S]`` and
+    their sums ``(Σwq, Σwq², Σwxq)`` ``[S]``."""
+    q = nearest_int((xt - m) * iscale).clamp(0, nmax)
+    wq = wt * q
+    return q, sum_rows(wq), sum_rows(wq * q), sum_rows(q * wx)
+
+
+def _affine_error(xt: torch.Tensor, wt: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, m: torch.Tensor,
+                  sums: tuple[torch.Tensor, ...], use_mad: bool) -> torch.Tensor:
+    """The weighted error of ``x̂ = scale·q + m``: absolute (``use_mad``), or squared from the sums
+    ``(Σw, Σwx, Σwx², Σwq, Σwq², Σwxq)`` (Σw(scale·q + m − x)² expanded)."""
+    if use_mad:
+        return sum_rows(wt * (scale * q + m - xt).abs())
+    sum_w, sum_x, sum_x2, sum_l, sum_l2, sum_xl = sums
+    return (scale * scale * sum_l2 + 2 * scale * m * sum_l - 2 * scale * sum_xl + m * m * sum_w
+            - 2 * m * sum_x + sum_x2)
+
+
+def affine_step(xt: torch.Tensor, wt: torch.Tensor, wx: torch.Tensor, stats: torch.Tensor, best: torch.Tensor,
+                best_scale: torch.Tensor, best_min: torch.Tensor, factor: torch.Tensor, nmax: int, use_mad: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One candidate of ``make_qkx2_quants`` for every column of ``xt`` ``[n, S]``: ``iscale = factor /
+    (max − best_min)``, its codes, the weighted least-squares scale and min (min clamped to ≤ 0), and the
+    new best ``(error, scale, min)`` where it is lower. ``stats`` ``[4, S]``: ``Σw, Σwx, Σwx², max``.
+    One compiled graph per candidate where the kernels run: a single pass over the elements."""
+    sum_w, sum_x, sum_x2, mx = stats.unbind(0)
+    rng = mx - best_min
+    one = torch.ones_like(rng)
+    iscale = factor / torch.where(rng > 0, rng, one)
+    q, sum_l, sum_l2, sum_xl = _affine_codes_sums(xt, wt, wx, best_min, iscale, nmax)
+    det = sum_w * sum_l2 - sum_l * sum_l
+    ok = det > 0
+    det = torch.where(ok, det, one)
+    this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+    this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+    pos = this_min > 0
+    this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
+    this_scale = torch.where(pos, sum_xl / _nonzero(sum_l2), this_scale)
+    err = _affine_error(xt, wt, q, this_scale, this_min, (sum_w, sum_x, sum_x2, sum_l, sum_l2, sum_xl), use_mad)
+    take = ok & (err < best)
+    return torch.where(take, err, best), torch.where(take, this_scale, best_scale), torch.where(take, this_min, best_min)
+
+
 def affine_search(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
                   use_mad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``make_qkx2_quants`` (``make_qkx3_quants`` differs only in its default weights) over the rows of ``x``
@@ -45,45 +92,35 @@ def affine_search(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdel
     mn = xt.amin(0).clamp(max=0)
     mx = xt.amax(0)
     flat = mx <= mn
-    one = torch.ones_like(mn)
     sum_w = sum_rows(wt)
     sum_x = sum_rows(wx)
     sum_x2 = sum_rows(wx * xt)
-
-    def error(scale: torch.Tensor, m: torch.Tensor, q: torch.Tensor, sum_l: torch.Tensor, sum_l2: torch.Tensor,
-              sum_xl: torch.Tensor) -> torch.Tensor:
-        if use_mad:
-            return sum_rows(wt * (scale * q + m - xt).abs())
-        return (scale * scale * sum_l2 + 2 * scale * m * sum_l - 2 * scale * sum_xl + m * m * sum_w
-                - 2 * m * sum_x + sum_x2)
-
-    def codes(iscale: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q = nearest_int((xt - m) * iscale).clamp_(0, nmax)
-        wq = wt * q
-        return q, sum_rows(wq), sum_rows(wq * q), sum_rows(q * wx)
-
-    iscale = nmax / torch.where(flat, one, mx - mn)
-    q, sum_l, sum_l2, sum_xl = codes(iscale, mn)
+    iscale = nmax / torch.where(flat, torch.ones_like(mn), mx - mn)
+    q, *sums = _affine_codes_sums(xt, wt, wx, mn, iscale, nmax)
     best_scale, best_min = 1 / iscale, mn
-    best = error(best_scale, best_min, q, sum_l, sum_l2, sum_xl)
+    best = _affine_error(xt, wt, q, best_scale, best_min, (sum_w, sum_x, sum_x2, *sums), use_mad)
+    stats = torch.stack([sum_w, sum_x, sum_x2, mx])
+    step_fn = None
     for step in range(nstep + 1):
-        rng = mx - best_min
-        iscale = _f32(_f32(rmin + _f32(rdelta * step)) + nmax) / torch.where(rng > 0, rng, one)
-        q, sum_l, sum_l2, sum_xl = codes(iscale, best_min)
-        det = sum_w * sum_l2 - sum_l * sum_l
-        ok = det > 0
-        det = torch.where(ok, det, one)
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
-        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
-        pos = this_min > 0
-        this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
-        this_scale = torch.where(pos, sum_xl / _nonzero(sum_l2), this_scale)
-        err = error(this_scale, this_min, q, sum_l, sum_l2, sum_xl)
-        take = ok & (err < best)
-        best = torch.where(take, err, best)
-        best_scale = torch.where(take, this_scale, best_scale)
-        best_min = torch.where(take, this_min, best_min)
+        factor = torch.tensor(_f32(_f32(rmin + _f32(rdelta * step)) + nmax), device=x.device)
+        args = (xt, wt, wx, stats, best, best_scale, best_min, factor, nmax, use_mad)
+        if step == 0 and kernels.KERNELS.wants(xt, small=True):
+            step_fn = kernels.KERNELS.bind("ggml_affine_step", affine_step, (nmax, use_mad, xt.shape[0]), *args)
+        out = None if step_fn is None else step_fn(*args)
+        best, best_scale, best_min = affine_step(*args) if out is None else out
     return torch.where(flat, torch.zeros_like(best_scale), best_scale), torch.where(flat, -mn, -best_min)
+
+
+def symmetric_step(xt: torch.Tensor, wt: torch.Tensor, wx: torch.Tensor, mxv: torch.Tensor, best: torch.Tensor,
+                   scale: torch.Tensor, factor: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One candidate of ``make_qx_quants`` for every column of ``xt`` ``[n, S]``: codes of ``iscale =
+    factor / max``, clamped to ``[−nmax, nmax − 1]``, and the new best ``(Σwxl)²/Σwl²`` and its scale
+    ``Σwxl / Σwl²`` where it is higher (ggml's test ``sumlx² > best·suml2``)."""
+    q = nearest_int(xt * (factor / mxv)).clamp(-nmax, nmax - 1)
+    slx, sl2 = sum_rows(q * wx), sum_rows(wt * q * q)
+    take = (sl2 > 0) & (slx * slx > best * sl2)
+    scale = torch.where(take, slx / _nonzero(sl2), scale)
+    return torch.where(take, scale * slx, best), scale
 
 
 def symmetric_search(x: torch.Tensor, w: torch.Tensor, nmax: int) -> torch.Tensor:
@@ -97,21 +134,20 @@ def symmetric_search(x: torch.Tensor, w: torch.Tensor, nmax: int) -> torch.Tenso
     mxv = _signed_absmax(xt)
     zero = mxv.abs() < GROUP_MAX_EPS
     mxv = torch.where(zero, torch.ones_like(mxv), mxv)
-
-    def fit(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = nearest_int(xt * iscale).clamp_(-nmax, nmax - 1)
-        return sum_rows(q * wx), sum_rows(wt * q * q)
-
-    sumlx, suml2 = fit(-nmax / mxv)
+    q = nearest_int(xt * (-nmax / mxv)).clamp(-nmax, nmax - 1)
+    sumlx, suml2 = sum_rows(q * wx), sum_rows(wt * q * q)
     scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
     best = scale * sumlx
+    step_fn = None
     for step in range(-9, 10):
         if step == 0:
             continue
-        slx, sl2 = fit(-_f32(nmax + _f32(0.1 * step)) / mxv)
-        take = (sl2 > 0) & (slx * slx > best * sl2)
-        scale = torch.where(take, slx / _nonzero(sl2), scale)
-        best = torch.where(take, scale * slx, best)
+        factor = torch.tensor(-_f32(nmax + _f32(0.1 * step)), device=x.device)
+        args = (xt, wt, wx, mxv, best, scale, factor, nmax)
+        if step == -9 and kernels.KERNELS.wants(xt, small=True):
+            step_fn = kernels.KERNELS.bind("ggml_symmetric_step", symmetric_step, (nmax, xt.shape[0]), *args)
+        out = None if step_fn is None else step_fn(*args)
+        best, scale = symmetric_step(*args) if out is None else out
     return torch.where(zero, torch.zeros_like(scale), scale)
 
 

@@ -134,6 +134,26 @@ class _Compiled:
             log.warning("compiled kernels disabled, using eager torch: %s", self._broken.splitlines()[0][:300])
             return None
 
+    def bind(self, name: str, fn: Callable[..., T], key: tuple[Any, ...], *args: Any,
+             options: dict[str, Any] | None = None) -> Callable[..., T | None] | None:
+        """For a loop that calls one kernel many times on tensors of the same shapes (a search's candidates):
+        :meth:`call` once with ``args`` (compiling it if need be), then a callable that runs the compiled
+        ``fn`` directly, without :meth:`call`'s per-call set-up, and returns None (the caller runs eager) if
+        it fails. None when the kernel is not available."""
+        if self.call(name, fn, key, *args, options=options) is None:
+            return None
+        compiled = self._fns[name]
+
+        def run(*a: Any) -> T | None:
+            try:
+                return compiled(*a)  # type: ignore[no-any-return]
+            except Exception as e:  # as in call(): fall back to eager, never fail the job
+                self._broken = f"{type(e).__name__}: {e}"
+                log.warning("compiled kernels disabled, using eager torch: %s", self._broken.splitlines()[0][:300])
+                return None
+
+        return run
+
     def reset(self, *, available: bool | None = None) -> None:
         """Forget the failure state (and optionally force availability): for tests."""
         self._broken = None
