@@ -151,6 +151,31 @@ def symmetric_search(x: torch.Tensor, w: torch.Tensor, nmax: int) -> torch.Tenso
     return torch.where(zero, torch.zeros_like(scale), scale)
 
 
+def descent_sweep(x_a: torch.Tensor, w_a: torch.Tensor, wx_a: torch.Tensor, q_a: torch.Tensor, slx_a: torch.Tensor,
+                  sl2_a: torch.Tensor, lo: int | None, hi: int, need_sl2: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sweep of :func:`_coordinate_descent` over the ``n`` positions of the columns of ``[n, S]``: the
+    new codes, ``Σwxq``, ``Σwq²`` and which columns changed. All element-wise across columns: compiled, one
+    pass."""
+    changed = torch.zeros_like(slx_a, dtype=torch.bool)
+    rows = []
+    for i in range(x_a.shape[0]):
+        wi, xi, li, wxi = w_a[i], x_a[i], q_a[i], wx_a[i]
+        slx = slx_a - wxi * li
+        sl2 = sl2_a - wi * li * li
+        new_l = nearest_int(xi * sl2 / _nonzero(slx))
+        new_l = new_l.clamp(max=hi) if lo is None else new_l.clamp(lo, hi)
+        slx_n = slx + wxi * new_l
+        sl2_n = sl2 + wi * new_l * new_l
+        take = (slx > 0) & (new_l != li) & (slx_n * slx_n * sl2_a > slx_a * slx_a * sl2_n)
+        take = take & ((sl2 > 0) if need_sl2 else (sl2_n > 0))
+        rows.append(torch.where(take, new_l, li))
+        slx_a = torch.where(take, slx_n, slx_a)
+        sl2_a = torch.where(take, sl2_n, sl2_a)
+        changed = changed | take
+    return torch.stack(rows), slx_a, sl2_a, changed
+
+
 def _coordinate_descent(xt: torch.Tensor, wt: torch.Tensor, q: torch.Tensor, lo: int | None, hi: int, *,
                         need_sl2: bool, sweeps: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     """ggml's refinement of integer codes ``q`` ``[n, S]`` (in place) for ``x ≈ scale·q`` per column: up to
@@ -166,23 +191,13 @@ def _coordinate_descent(xt: torch.Tensor, wt: torch.Tensor, q: torch.Tensor, lo:
     cols: torch.Tensor | None = None  # the columns still moving (None: all)
     x_a, w_a, wx_a, q_a, slx_a, sl2_a = xt, wt, wx, q, sumlx, suml2
     for _ in range(sweeps):
-        changed = torch.zeros_like(slx_a, dtype=torch.bool)
-        rows = []
-        for i in range(x_a.shape[0]):
-            wi, xi, li, wxi = w_a[i], x_a[i], q_a[i], wx_a[i]
-            slx = slx_a - wxi * li
-            sl2 = sl2_a - wi * li * li
-            new_l = nearest_int(xi * sl2 / _nonzero(slx))
-            new_l = new_l.clamp_(max=hi) if lo is None else new_l.clamp_(lo, hi)
-            slx_n = slx + wxi * new_l
-            sl2_n = sl2 + wi * new_l * new_l
-            take = (slx > 0) & (new_l != li) & (slx_n * slx_n * sl2_a > slx_a * slx_a * sl2_n)
-            take &= (sl2 > 0) if need_sl2 else (sl2_n > 0)
-            rows.append(torch.where(take, new_l, li))
-            slx_a = torch.where(take, slx_n, slx_a)
-            sl2_a = torch.where(take, sl2_n, sl2_a)
-            changed |= take
-        q_a = torch.stack(rows)
+        args = (x_a, w_a, wx_a, q_a, slx_a, sl2_a, lo, hi, need_sl2)
+        out = None
+        if kernels.KERNELS.wants(x_a, small=True):
+            for t in args[:4]:
+                torch._dynamo.mark_static(t, 0)  # the positions' loop unrolled in the graph
+            out = kernels.KERNELS.call("ggml_descent_sweep", descent_sweep, (lo, hi, need_sl2, x_a.shape[0]), *args)
+        q_a, slx_a, sl2_a, changed = descent_sweep(*args) if out is None else out
         if cols is None:
             q.copy_(q_a)
             sumlx, suml2 = slx_a, sl2_a
