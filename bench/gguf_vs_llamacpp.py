@@ -33,7 +33,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path += [str(HERE), str(HERE.parent / "tests")]
 
-from common import log, machine_info, write_results  # noqa: E402
+from common import log, machine_info, private_inductor_cache, write_results  # noqa: E402
 
 FILE_TYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7}
 
@@ -188,6 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from quantd_client import QuantConfig
 
     torch.set_num_threads(args.threads)
+    private_inductor_cache()  # a cold build of the kernels, timed apart (kernel_warmup_s)
     tmp = Path(tempfile.mkdtemp(prefix="quantd-gguf-bench-"))
     src = write_model(tmp / "model-f32.gguf", embd=args.embd, ff=args.ff, layers=args.layers, vocab=args.vocab)
     from quantd.io.gguf_file import GGUFFile
@@ -198,6 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": {"embd": args.embd, "ff": args.ff, "layers": args.layers, "vocab": args.vocab, "params": numel,
                   "bytes": src.stat().st_size, "weights": "Student t (5 dof) / sqrt(fan_in·5/3)"},
         "threads": {"quantd_torch": args.threads, "llama_cpp": [1, args.threads]},
+        "repeats": args.repeats,
         "mixes": [],
     }
     from quantd.engine.kernels import KERNELS
