@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from quantd.errors import MalformedInputError
 from quantd_client import ErrorStats
 
 from . import CHUNK_ELEMENTS, GGMLQuantized, dequantize, map_chunks
@@ -18,8 +19,10 @@ from . import CHUNK_ELEMENTS, GGMLQuantized, dequantize, map_chunks
 OUTLIER_STDS = 3.0
 
 
-def ggml_error_stats(x: torch.Tensor, q: GGMLQuantized, *, in_bits: int) -> ErrorStats:
-    """Statistics of ``dequantize(q)`` against ``x`` (its input), in float64 sums over chunks of rows."""
+def ggml_error_stats(x: torch.Tensor, q: GGMLQuantized, *, in_bits: int, name: str = "tensor") -> ErrorStats:
+    """Statistics of ``dequantize(q)`` against ``x`` (its input), in float64 sums over chunks of rows.
+    MalformedInputError naming the tensor when its values are beyond what the type's float16 scales hold
+    (the decode is not finite: ggml would store an infinite scale)."""
     t = q.ggml_type
     n = x.shape[-1]
     rows = x.numel() // n
@@ -43,6 +46,10 @@ def ggml_error_stats(x: torch.Tensor, q: GGMLQuantized, *, in_bits: int) -> Erro
     parts = torch.stack(map_chunks(moments, starts, x.device))
     sx, sx2, se2, sae, sb2, sab, nclip = parts[:, :7].sum(0).tolist()
     max_err = float(parts[:, 7].max())
+    if not (math.isfinite(se2) and math.isfinite(max_err)):
+        amax = float(x.abs().max())
+        raise MalformedInputError(f"tensor {name!r}: values up to {amax:.4g} are beyond the range of {t.name}'s "
+                                  "float16 scales (they would decode as Inf or NaN)", tensor=name)
     numel = rows * n
     mean = sx / numel
     var = max(sx2 / numel - mean * mean, 0.0)

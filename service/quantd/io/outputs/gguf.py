@@ -162,7 +162,7 @@ def _quantize_one(x: torch.Tensor, scheme: Scheme, name: str, imp: torch.Tensor 
         q = ggml.GGMLQuantized(t, tuple(x.shape), torch.cat(parts))
     else:
         q = ggml.quantize(x, t, importance=None if imp is None else imp[0], name=name)
-    return ggml_error_stats(x, q, in_bits=in_bits), q.data
+    return ggml_error_stats(x, q, in_bits=in_bits, name=name), q.data
 
 
 def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: QuantConfig, *,
