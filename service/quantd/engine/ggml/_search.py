@@ -11,6 +11,10 @@ than another pass over the elements.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
 
 from quantd.engine import kernels
@@ -31,6 +35,18 @@ def _signed_absmax(xt: torch.Tensor) -> torch.Tensor:
     """Per column of ``[n, S]``, the value of largest magnitude, the first on ties (``amax < fabsf(v)``)."""
     idx = xt.abs().argmax(dim=0, keepdim=True)
     return xt.gather(0, idx).squeeze(0)
+
+
+@contextlib.contextmanager
+def _compiled_loop(name: str, fn: Callable[..., Any], key: tuple[Any, ...], args: tuple[Any, ...]
+                   ) -> Iterator[Callable[..., Any] | None]:
+    """A search's candidate step compiled for the loop over its candidates (``KERNELS.bound``), or None:
+    the eager step (CUDA, small tensors, compiling off)."""
+    if not kernels.KERNELS.wants(args[0], small=True):
+        yield None
+        return
+    with kernels.KERNELS.bound(name, fn, key, *args) as step_fn:
+        yield step_fn
 
 
 def _affine_codes_sums(xt: torch.Tensor, wt: torch.Tensor, wx: torch.Tensor, m: torch.Tensor, iscale: torch.Tensor,
@@ -100,14 +116,16 @@ def affine_search(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdel
     best_scale, best_min = 1 / iscale, mn
     best = _affine_error(xt, wt, q, best_scale, best_min, (sum_w, sum_x, sum_x2, *sums), use_mad)
     stats = torch.stack([sum_w, sum_x, sum_x2, mx])
-    step_fn = None
-    for step in range(nstep + 1):
+
+    def args(step: int) -> tuple[Any, ...]:
         factor = torch.tensor(_f32(_f32(rmin + _f32(rdelta * step)) + nmax), device=x.device)
-        args = (xt, wt, wx, stats, best, best_scale, best_min, factor, nmax, use_mad)
-        if step == 0 and kernels.KERNELS.wants(xt, small=True):
-            step_fn = kernels.KERNELS.bind("ggml_affine_step", affine_step, (nmax, use_mad, xt.shape[0]), *args)
-        out = None if step_fn is None else step_fn(*args)
-        best, best_scale, best_min = affine_step(*args) if out is None else out
+        return (xt, wt, wx, stats, best, best_scale, best_min, factor, nmax, use_mad)
+
+    with _compiled_loop("ggml_affine_step", affine_step, (nmax, use_mad, xt.shape[0]), args(0)) as step_fn:
+        for step in range(nstep + 1):
+            a = args(step)
+            out = None if step_fn is None else step_fn(*a)
+            best, best_scale, best_min = affine_step(*a) if out is None else out
     return torch.where(flat, torch.zeros_like(best_scale), best_scale), torch.where(flat, -mn, -best_min)
 
 
@@ -138,16 +156,18 @@ def symmetric_search(x: torch.Tensor, w: torch.Tensor, nmax: int) -> torch.Tenso
     sumlx, suml2 = sum_rows(q * wx), sum_rows(wt * q * q)
     scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
     best = scale * sumlx
-    step_fn = None
-    for step in range(-9, 10):
-        if step == 0:
-            continue
+
+    def args(step: int) -> tuple[Any, ...]:
         factor = torch.tensor(-_f32(nmax + _f32(0.1 * step)), device=x.device)
-        args = (xt, wt, wx, mxv, best, scale, factor, nmax)
-        if step == -9 and kernels.KERNELS.wants(xt, small=True):
-            step_fn = kernels.KERNELS.bind("ggml_symmetric_step", symmetric_step, (nmax, xt.shape[0]), *args)
-        out = None if step_fn is None else step_fn(*args)
-        best, scale = symmetric_step(*args) if out is None else out
+        return (xt, wt, wx, mxv, best, scale, factor, nmax)
+
+    with _compiled_loop("ggml_symmetric_step", symmetric_step, (nmax, xt.shape[0]), args(-9)) as step_fn:
+        for step in range(-9, 10):
+            if step == 0:
+                continue
+            a = args(step)
+            out = None if step_fn is None else step_fn(*a)
+            best, scale = symmetric_step(*a) if out is None else out
     return torch.where(zero, torch.zeros_like(scale), scale)
 
 
