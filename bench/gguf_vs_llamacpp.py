@@ -111,7 +111,10 @@ _INNER_STAGES = [
     ("quantd.engine.ggml.kquants", "_affine_settle", "k-quant codes and super-scale refit"),
     ("quantd.engine.ggml.kquants", "_sym_settle", "k-quant codes and super-scale refit"),
 ]
-# Per-type quantizers: their time less the stages above is the bit packing into ggml's block bytes.
+# A super-block quantizer's time less the stages above: rounding the sub-scales against the super-scale and
+# picking per super-block. A per-type quantizer's time less the super-block quantizer's: the bit packing into
+# ggml's block bytes.
+_BLOCK_FUNCS = ["_quantize_affine", "_quantize_symmetric"]
 _TYPE_FUNCS = ["quantize_q2_k", "quantize_q3_k", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k"]
 
 
@@ -153,6 +156,8 @@ def profiled() -> Iterator[dict[str, float]]:
     wrap(gguf_file.GGUFWriter, "finish", "write")
     for mod, fn, stage in _INNER_STAGES:
         wrap(importlib.import_module(mod), fn, stage)
+    for fn in _BLOCK_FUNCS:
+        wrap(kquants, fn, "k-quant super-blocks (threads)")
     for fn in _TYPE_FUNCS:
         wrap(kquants, fn, f"{fn[9:]} total (threads)")
     for t in ggml.GGML_TYPES.values():  # the quantizers the traits table holds are the unwrapped ones
@@ -173,12 +178,15 @@ def profiled() -> Iterator[dict[str, float]]:
 
 
 def _profile_rows(acc: dict[str, float]) -> dict[str, float]:
-    """The stage seconds, with each k-quant's packing (its total less its search stages) split out."""
+    """The stage seconds, with the k-quants' remainders split out: sub-scale rounding and picks (the super-block
+    quantizers less their stages) and bit packing (the type quantizers less the super-block quantizers)."""
     out = dict(sorted(acc.items()))
-    inner = sum(v for k, v in acc.items() if k.startswith("k-quant"))
-    totals = {k: v for k, v in acc.items() if k.endswith("total (threads)") and "_k" in k}
-    if totals:
-        out["k-quant bit packing (threads)"] = max(sum(totals.values()) - inner, 0.0)
+    blocks = out.pop("k-quant super-blocks (threads)", None)
+    if blocks is not None:
+        inner = sum(v for k, v in acc.items() if k.startswith("k-quant") and "super-blocks" not in k)
+        totals = sum(v for k, v in acc.items() if k.endswith("total (threads)") and "_k" in k)
+        out["k-quant sub-scale rounding and per-block picks"] = max(blocks - inner, 0.0)
+        out["k-quant bit packing"] = max(totals - blocks, 0.0)
     return {k: round(v, 4) for k, v in out.items()}
 
 
