@@ -32,16 +32,19 @@ def ggml_error_stats(x: torch.Tensor, q: GGMLQuantized, *, in_bits: int, name: s
     starts = range(0, rows, step)
 
     def moments(r0: int) -> torch.Tensor:  # Σx, Σx², Σe², Σ|e|, Σx̂², Σxx̂, clipped, max|e|
-        a = x2[r0:r0 + step].double()
-        b = x_hat[r0:r0 + step].double()
-        e = b - a
-        blocks_b = b.reshape(-1, t.block_size)
-        blocks_a = a.reshape(-1, t.block_size)
+        # The clipped count compares the float32 values themselves (exact); the sums run in float64, the
+        # squares and products as dot products (one pass each, no temporaries).
+        blocks_a = x2[r0:r0 + step].reshape(-1, t.block_size)
+        blocks_b = x_hat[r0:r0 + step].reshape(-1, t.block_size)
         lo = blocks_b.amin(1, keepdim=True)
         hi = blocks_b.amax(1, keepdim=True)
         clipped = ((blocks_a < lo) | (blocks_a > hi)).sum()
-        return torch.stack([a.sum(), (a * a).sum(), (e * e).sum(), e.abs().sum(), (b * b).sum(), (a * b).sum(),
-                            clipped.double(), e.abs().max()])
+        a = blocks_a.reshape(-1).double()
+        b = blocks_b.reshape(-1).double()
+        e = b - a
+        abs_e = e.abs()
+        return torch.stack([a.sum(), torch.dot(a, a), torch.dot(e, e), abs_e.sum(), torch.dot(b, b), torch.dot(a, b),
+                            clipped.double(), abs_e.max()])
 
     parts = torch.stack(map_chunks(moments, starts, x.device))
     sx, sx2, se2, sae, sb2, sab, nclip = parts[:, :7].sum(0).tolist()
