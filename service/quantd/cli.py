@@ -184,6 +184,10 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
         data = {**data, "output": args.format}
     if getattr(args, "gguf_mix", None) is not None:  # a llama.cpp mix implies GGUF output
         data = {**data, "gguf_mix": args.gguf_mix, "output": data.get("output", "gguf")}
+    calibration = {k: v for k, v in (("samples", getattr(args, "calibration_samples", None)),
+                                     ("max_seq_len", getattr(args, "calibration_max_seq_len", None))) if v is not None}
+    if calibration:  # model-aware calibration's bounds, over the config file's
+        data = {**data, "calibration": {**(data.get("calibration") or {}), **calibration}}
     try:
         config = QuantConfig.model_validate(data)
         if flags:
@@ -507,7 +511,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", type=Path,
                    help="calibration file: activation samples; for gptq/awq each Linear M's input rows M [N, in] "
                         "or M.hessian + M.hessian_count (quantd_client.calibration.CalibrationRecorder writes "
-                        "it); for GGUF output llama.cpp's importance matrix")
+                        "it); for GGUF output llama.cpp's importance matrix; with a model directory also JSONL "
+                        "lines {\"text\": ...} or {\"input_ids\": [...]} that the model is run on, block by block")
+    p.add_argument("--calibration-samples", type=int, metavar="N",
+                   help="JSONL calibration: lines used (config.calibration.samples, default 128)")
+    p.add_argument("--calibration-max-seq-len", type=int, metavar="L",
+                   help="JSONL calibration: tokens per line at most (config.calibration.max_seq_len, default 512)")
     _scheme_flags(p, many_dtypes=False)
     p.add_argument("--skip", action="append", default=[], metavar="GLOB",
                    help="leave tensors whose name matches GLOB as they are (repeatable; before the config's rules)")

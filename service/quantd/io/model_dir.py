@@ -224,18 +224,18 @@ def _shard_tensors(files: ModelFiles) -> dict[str, list[TensorInfo]]:
     return out
 
 
-def plan_directory(files: ModelFiles, config: QuantConfig, calibration: Mapping[str, Any] | None = None
-                   ) -> tuple[dict[str, list[Any]], ModelStructure]:
+def plan_directory(files: ModelFiles, config: QuantConfig, calibration: Mapping[str, Any] | None = None, *,
+                   folded: frozenset[str] = frozenset()) -> tuple[dict[str, list[Any]], ModelStructure]:
     """Every shard's plan (checked against the index, the output format and ``calibration``, the index of
     the job's calibration file for gptq/awq) before any work: the jobs layer calls this on an upload before
-    accepting it."""
+    accepting it. ``folded``: as :func:`quantd.io.pipeline.plan` takes it."""
     from .pipeline import plan
 
     fmt = get_format(config.output)
     tensors = _shard_tensors(files)
     check_shards(files, {rel: [t.name for t in ts] for rel, ts in tensors.items()})
     structure = model_structure(files.files.get(CONFIG)) if fmt.writes_config else ModelStructure()
-    plans = {rel: plan(ts, config, calibration, structure=structure) for rel, ts in tensors.items()}
+    plans = {rel: plan(ts, config, calibration, structure=structure, folded=folded) for rel, ts in tensors.items()}
     owner: dict[str, str] = {}
     for ps in plans.values():
         for p in ps:
@@ -265,11 +265,18 @@ def quantize_directory(src: str | os.PathLike[str] | ModelFiles, dst: str | os.P
     """Quantize the model directory ``src`` (a path or its files) into the directory ``dst`` and return the
     Report of every tensor of every shard. ``dst`` is written beside itself and renamed into place at the end
     (nothing is left of a failed or cancelled run). ``calibration``: the layers' inputs for gptq/awq
-    (CONTRACT §10), each layer's Hessian built when its weight is quantized."""
+    (CONTRACT §10), each layer's Hessian built when its weight is quantized; or JSONL lines the model is run
+    on, block by block (:mod:`quantd.io.model_calibration`)."""
     from .calibration import MethodCalibration
+    from .text_calibration import is_jsonl
 
     t0 = time.perf_counter()
     files = src if isinstance(src, ModelFiles) else ModelFiles.from_dir(src)
+    if calibration is not None and is_jsonl(calibration):  # text the model runs on (CONTRACT §10)
+        from .model_calibration import quantize_with_text_calibration
+
+        return quantize_with_text_calibration(files, dst, config, device=device, calibration=calibration,
+                                              job_id=job_id, on_progress=on_progress, should_cancel=should_cancel)
     fmt = get_format(config.output)
     dev = torch.device(device)
     stack = contextlib.ExitStack()

@@ -19,7 +19,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,13 +60,14 @@ TensorPlan = PlannedTensor
 
 
 def plan(tensors: list[TensorInfo], config: QuantConfig,
-         calibration: Mapping[str, CalibrationEntry] | None = None, *, structure: ModelStructure | None = None
-         ) -> list[TensorPlan]:
+         calibration: Mapping[str, CalibrationEntry] | None = None, *, structure: ModelStructure | None = None,
+         folded: Collection[str] = frozenset()) -> list[TensorPlan]:
     """The plan of every tensor, in file order, for the output format ``config.output``. Raises
     ConfigError (field + tensor) when a scheme cannot apply to a tensor's shape (its method included:
     arguments, supported schemes, calibration — ``calibration`` is the index of the job's calibration file,
     None without one), when the format cannot hold it, or when an output name would collide with another
-    tensor."""
+    tensor. ``folded``: weights whose AWQ scales model-aware calibration folds into the model (their result
+    has no ``channel_scale``)."""
     if config.output == "gguf":  # the GGUF format plans with llama.cpp's mixes
         from .outputs.gguf import plan_gguf
 
@@ -92,8 +93,9 @@ def plan(tensors: list[TensorInfo], config: QuantConfig,
         else:
             has_calibration = calibration is not None and check_against(dict(calibration), t.name, t.shape)
             check_method(t.shape, scheme, name=t.name, has_calibration=has_calibration)
-            fmt.check(t.name, t.shape, scheme)
-            outputs = tuple(fmt.layout(t.name, t.shape, scheme))
+            stored = scheme.model_copy(update={"method": "rtn", "method_args": {}}) if t.name in folded else scheme
+            fmt.check(t.name, t.shape, stored)
+            outputs = tuple(fmt.layout(t.name, t.shape, stored))
         plans.append(TensorPlan(t, scheme, reason, outputs))
     owner: dict[str, str] = {}
     for p in plans:

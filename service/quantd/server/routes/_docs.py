@@ -50,7 +50,10 @@ JOB_BODY = multipart_body(
      "config": {**_ref(QuantConfig), "description": "QuantConfig as a JSON string"},
      "calibration": {**_FILE, "description": "optional: activation samples (name → [N, ...]); for the gptq "
                                                "and awq methods, per Linear module M its input rows M [N, in] "
-                                               "or M.hessian [in, in] with M.hessian_count"}},
+                                               "or M.hessian [in, in] with M.hessian_count; with a model "
+                                               "directory also JSONL, {\"text\": ...} or {\"input_ids\": "
+                                               "[...]} a line, that the worker runs the model on "
+                                               "(config.calibration); for GGUF output an importance matrix"}},
     ["file", "config"], ["config"], {"file": "(binary)", "config": CONFIG_EXAMPLE})
 # Or, as JSON, a job by reference: the server reads the s3:// source itself (CONTRACT §11).
 JOB_BODY["requestBody"]["content"]["application/json"] = {

@@ -74,6 +74,29 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: Upl
                         tensors=len(tensors))
 
 
+def _check_text_calibration(up: UploadedFile, config: QuantConfig | None) -> Any:
+    """A JSONL calibration part (CONTRACT §10): its lines parsed here; the model it runs on is checked with
+    the directory (:func:`_check_directory`)."""
+    from quantd.io.text_calibration import read_jsonl
+    from quantd.jobs.storage import StoredUpload
+
+    lines = read_jsonl(up.path)
+    return StoredUpload(path=up.path, filename=up.filename, bytes=up.bytes, sha256=up.sha256, format="jsonl",
+                        tensors=len(lines))
+
+
+def _check_calibration(up: UploadedFile, config: QuantConfig) -> Any:
+    """The calibration part by its content: an importance matrix for GGUF output, JSONL lines, or the
+    methods' safetensors file."""
+    from quantd.io.text_calibration import is_jsonl
+
+    if config.output == "gguf":
+        return _check_imatrix(up, config)
+    if is_jsonl(up.path):
+        return _check_text_calibration(up, config)
+    return _check_upload(up, None)
+
+
 def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
                      calibration: UploadedFile | None = None) -> Any:
     """A model directory upload (CONTRACT §8): every path checked (422 naming it), the shards against the
@@ -93,12 +116,19 @@ def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
         by_path[rel] = up
     model = ModelFiles({rel: up.path for rel, up in by_path.items()})
     index = None
-    if calibration is not None:
-        from quantd.io.calibration import MethodCalibration
+    from quantd.io.text_calibration import is_jsonl
 
-        with naming("the calibration file"):
-            index = MethodCalibration.describe(calibration.path)
-    plans, _ = plan_directory(model, config, index)
+    if calibration is not None and is_jsonl(calibration.path):  # the worker runs the model on its lines
+        from quantd.io.model_calibration import plan_text_calibration
+
+        plans = plan_text_calibration(model, config, calibration.path).plans
+    else:
+        if calibration is not None:
+            from quantd.io.calibration import MethodCalibration
+
+            with naming("the calibration file"):
+                index = MethodCalibration.describe(calibration.path)
+        plans, _ = plan_directory(model, config, index)
     manifest = pack_tar(sorted((rel, up.path) for rel, up in by_path.items()), dst)
     digest = hashlib.sha256("".join(f"{f['path']}\0{f['sha256']}\n" for f in manifest).encode()).hexdigest()
     return StoredUpload(path=dst, filename="model", bytes=sum(f["bytes"] for f in manifest), sha256=digest,
@@ -167,8 +197,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             calibration = None
             if calib is not None:  # first: the model's plan checks the methods' calibration against it
                 with naming("the calibration file"):  # not the model's: both are checked the same way
-                    check = _check_imatrix if config.output == "gguf" else _check_upload
-                    calibration = await run_engine(state, check, calib, None)
+                    calibration = await run_engine(state, _check_calibration, calib, config)
             if config.output == "gguf":  # an importance matrix, not the methods' calibration
                 calib = None
             parts = form.file_lists.get("file", [])
@@ -187,6 +216,12 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
                     await anyio.to_thread.run_sync(state.jobs.discard_upload, path)
                 streamed.clear()
             else:
+                if calibration is not None and calibration.format == "jsonl":
+                    from quantd.errors import ConfigError
+
+                    raise ConfigError("a JSONL calibration part runs the model: send a model directory (config.json "
+                                      "and its weights as several file parts), or a safetensors calibration file "
+                                      "with one weights file", field="calibration")
                 upload = await run_engine(state, _check_upload, form.files["file"], config, calib)
             state.metrics.inc("quantd_uploads_total", endpoint="jobs")
             run = runs.pop() if runs else None  # the jobs layer owns it from here

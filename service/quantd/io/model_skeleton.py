@@ -1,0 +1,303 @@
+"""A model directory's architecture without its weights, for model-aware calibration (CONTRACT §10).
+
+The class ``config.json`` names is built by ``transformers`` with its parameters on the ``meta`` device
+(never remote code, never code from the upload; ``auto_map`` is ignored), its repeated blocks found (the
+longest ``nn.ModuleList`` of one class: ``model.layers``, ``encoder.layer``, ...), its parameters matched
+to the checkpoint's tensors, and the places where AWQ's per-input-channel scales fold into the block picked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantd.errors import ConfigError
+from quantd_client import QuantConfig
+
+from .calibration import CalibrationEntry
+
+# Where AWQ's per-input-channel scales fold (block-relative module names): a source whose output reaches
+# exactly these consumers and is linear per channel in it. Pre-norm decoders (Llama, Mistral, Qwen...):
+# the input norm feeds q/k/v, the post-attention norm gate/up; attention is linear in V; the gated MLP is
+# linear in up. BERT-style encoders: attention is linear in V. (Their LayerNorms are the residual stream
+# of a post-norm block: nothing folds into them.) A pattern applies only where every module exists, the
+# shapes match and a norm multiplies by its weight; every fold is checked on the block's output.
+FOLD_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("self_attn.v_proj", ("self_attn.o_proj",)),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.up_proj", ("mlp.down_proj",)),
+    ("attention.self.value", ("attention.output.dense",)),
+)
+
+
+def _bad(msg: str) -> ConfigError:
+    return ConfigError(msg, field="calibration")
+
+
+_BUILDING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules this thread builds inside get their parameters on ``meta`` (no memory, no initialisation)
+    while their buffers (rotary frequencies, position ids) are computed for real. Other threads' modules
+    are left alone; one build at a time patches ``register_parameter``."""
+    with _BUILDING:
+        register = nn.Module.register_parameter
+        builder = threading.get_ident()
+
+        def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            register(self, name, param)
+            if param is not None and param.device.type != "meta" and threading.get_ident() == builder:
+                self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+        nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _implemented_architectures() -> set[str]:
+    from transformers.models.auto import modeling_auto
+
+    names: set[str] = set()
+    for attr in dir(modeling_auto):
+        if attr.startswith("MODEL") and attr.endswith("_MAPPING_NAMES"):
+            for v in getattr(modeling_auto, attr).values():
+                names.update((v,) if isinstance(v, str) else v)
+    return names
+
+
+def architecture(cfg: Mapping[str, Any]) -> tuple[type[nn.Module], Any]:
+    """The transformers class and config of ``config.json`` (ConfigError when transformers does not implement
+    it). ``auto_map`` is ignored: remote code is never used; with no implemented class among
+    ``architectures``, the model type's causal-LM or base class is taken."""
+    try:
+        import transformers
+        from transformers.models.auto import modeling_auto
+    except ImportError:
+        raise _bad("JSONL calibration runs the model with transformers, which this server does not have") from None
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+        raise _bad(f"config.json: model_type {model_type!r} is not an architecture transformers "
+                   f"{transformers.__version__} implements (JSONL calibration runs the model)")
+    conf = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items()
+                                                            if k not in ("model_type", "auto_map")})
+    implemented = _implemented_architectures()
+    archs = [a for a in cfg.get("architectures") or () if isinstance(a, str)]
+    for name in archs:
+        cls = getattr(transformers, name, None) if name in implemented else None
+        if isinstance(cls, type):
+            return cls, conf
+    for table in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES):
+        name = table.get(model_type)
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type):
+            return cls, conf
+    raise _bad(f"config.json: architecture {archs or model_type!r} is not one transformers "
+               f"{transformers.__version__} implements (JSONL calibration runs the model)")
+
+
+def build_model(cfg: Mapping[str, Any], *, real_buffers: bool) -> nn.Module:
+    """The architecture without weights: every parameter on ``meta``; buffers computed on the CPU when
+    ``real_buffers`` (to run it), else on ``meta`` too (to look at its structure)."""
+    with warnings.catch_warnings():  # notices of the modules transformers imports: not the user's concern
+        warnings.simplefilter("ignore")
+        cls, conf = architecture(cfg)
+        try:
+            if real_buffers:
+                with _parameters_on_meta():
+                    model = cls._from_config(conf)  # type: ignore[attr-defined]
+            else:
+                with torch.device("meta"):
+                    model = cls._from_config(conf)  # type: ignore[attr-defined]
+        except Exception as e:
+            raise _bad(f"config.json: transformers cannot build {cls.__name__} from it: {type(e).__name__}: "
+                       f"{str(e)[:300]}") from None
+    if getattr(conf, "is_encoder_decoder", False):
+        raise _bad(f"{cls.__name__} is an encoder-decoder model: JSONL calibration runs models with one stack of "
+                   "blocks (decoders, encoders)")
+    if "input_ids" not in inspect.signature(model.forward).parameters:
+        raise _bad(f"{cls.__name__} does not take token ids (input_ids): JSONL calibration runs text models")
+    model.eval()
+    return model
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's repeated blocks: the longest ``nn.ModuleList`` whose modules are all of one class."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, mod in model.named_modules():
+        repeated = isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(m) for m in mod}) == 1
+        if repeated and (best is None or len(mod) > len(best[1])):
+            best = (name, mod)
+    if best is None:
+        raise _bad(f"{type(model).__name__} has no list of repeated blocks to calibrate one at a time")
+    return best
+
+
+def _norm_scales_by_weight(norm: nn.Module, width: int) -> bool:
+    """Whether ``norm(x)`` is ``n(x) · weight (+ bias)`` per channel, tried on a CPU copy: the condition for
+    folding scales into its weight."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.shape != (width,) or any(True for _ in norm.children()):
+        return False
+    try:
+        probe = copy.deepcopy(norm).to_empty(device="cpu").float()
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(3, width, generator=gen)
+        w = torch.rand(width, generator=gen) + 0.5
+        bias = getattr(probe, "bias", None)
+        with torch.no_grad():
+            probe.weight.fill_(1.0)
+            if isinstance(bias, torch.Tensor):
+                bias.zero_()
+            base = probe(x)
+            probe.weight.copy_(w)
+            if isinstance(bias, torch.Tensor):
+                bias.fill_(0.25)
+            got = probe(x)
+        want = base * w + (0.25 if isinstance(bias, torch.Tensor) else 0.0)
+        return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5))
+    except Exception:  # a norm that cannot run on its own: no fold
+        return False
+
+
+@dataclass(frozen=True)
+class Fold:
+    """AWQ scales folded from ``consumers`` (Linear modules) into ``source`` (a norm or a Linear), names
+    relative to the block."""
+
+    source: str
+    consumers: tuple[str, ...]
+
+
+def block_folds(block: nn.Module) -> list[Fold]:
+    """The :data:`FOLD_PATTERNS` that apply to ``block``."""
+    mods = dict(block.named_modules())
+    out = []
+    for src, consumers in FOLD_PATTERNS:
+        if src not in mods or not all(isinstance(mods.get(c), nn.Linear) for c in consumers):
+            continue
+        width = {mods[c].in_features for c in consumers}
+        if len(width) != 1:
+            continue
+        source = mods[src]
+        if isinstance(source, nn.Linear):
+            ok = source.out_features in width
+        else:
+            ok = _norm_scales_by_weight(source, width.pop())
+        if ok:
+            out.append(Fold(src, consumers))
+    return out
+
+
+def apply_fold(block: nn.Module, fold: Fold, s: torch.Tensor) -> None:
+    """Divide ``fold.source``'s output channels by ``s`` and multiply the consumers' input columns by ``s``
+    (in place): the block computes the same function, its consumers' weights are ``W·s``."""
+    source = block.get_submodule(fold.source)
+    weight = source.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{fold.source} has no weight")
+    weight.div_(s.unsqueeze(1) if isinstance(source, nn.Linear) else s)
+    bias = getattr(source, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        bias.div_(s)
+    for c in fold.consumers:
+        consumer = block.get_submodule(c)
+        if not isinstance(consumer.weight, torch.Tensor):
+            raise TypeError(f"{c} has no weight")
+        consumer.weight.mul_(s.unsqueeze(0))
+
+
+@dataclass
+class ModelPlan:
+    """The model side of a calibration run: the skeleton, its blocks, checkpoint names, folds."""
+
+    model: nn.Module
+    blocks_name: str
+    blocks: nn.ModuleList
+    tensor_of: dict[str, str]  # the model's parameter name → the checkpoint's tensor name
+    linears: dict[str, str]  # Linear module name → its weight's checkpoint tensor name
+    folds: dict[int, list[Fold]]  # per block: the folds whose consumers are all quantized with awq
+    folded: frozenset[str]  # checkpoint weight names whose AWQ scales fold
+    vocab_size: int | None
+
+    def block_prefix(self, i: int) -> str:
+        return f"{self.blocks_name}.{i}" if self.blocks_name else str(i)
+
+
+def plan_model(model: nn.Module, config: QuantConfig, tensor_names: Mapping[str, tuple[int, ...]]) -> ModelPlan:
+    """Match the skeleton to the checkpoint's tensors (ConfigError when a parameter is missing) and pick
+    the folds AWQ can use."""
+    blocks_name, blocks = find_blocks(model)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def resolve(n: str) -> str | None:
+        for cand in (n, f"{prefix}.{n}" if prefix else n, n.removeprefix(f"{prefix}.") if prefix else n):
+            if cand in tensor_names:
+                return cand
+        return None
+
+    tensor_of: dict[str, str] = {}
+    for n, _ in model.named_parameters(remove_duplicate=False):
+        t = resolve(n)
+        if t is not None:
+            tensor_of[n] = t
+    for n, _ in model.named_parameters():  # tied aliases share one: each group needs one in the checkpoint
+        if n not in tensor_of and not _has_alias(model, n, tensor_of):
+            raise _bad(f"the architecture's parameter {n!r} is in no weight file of the model directory "
+                       f"({type(model).__name__} from config.json)")
+    linears = {m: tensor_of[f"{m}.weight"] for m, mod in model.named_modules()
+               if isinstance(mod, nn.Linear) and f"{m}.weight" in tensor_of}
+    folds: dict[int, list[Fold]] = {}
+    folded: set[str] = set()
+    candidates = block_folds(blocks[0]) if len(blocks) else []
+    for i in range(len(blocks)):
+        prefix_i = f"{blocks_name}.{i}"
+        use = []
+        for fold in candidates:
+            names = [linears.get(f"{prefix_i}.{c}") for c in fold.consumers]
+            if any(n is None for n in names):
+                continue
+            schemes = [config.scheme_for(n, tensor_names[n])[0] for n in names if n is not None]
+            source = blocks[i].get_submodule(fold.source)
+            kept = isinstance(source, nn.Linear) or all(  # a norm with the scales in it is written in float
+                config.scheme_for(tensor_of[f"{prefix_i}.{fold.source}.{leaf}"], tuple(p.shape))[0] is None
+                for leaf, p in source.named_parameters() if f"{prefix_i}.{fold.source}.{leaf}" in tensor_of)
+            if kept and all(s is not None and s.method == "awq" for s in schemes) and \
+                    all(s == schemes[0] for s in schemes):
+                use.append(fold)
+                folded.update(n for n in names if n is not None)
+        folds[i] = use
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    return ModelPlan(model, blocks_name, blocks, tensor_of, linears, folds, frozenset(folded),
+                     vocab if isinstance(vocab, int) else None)
+
+
+def _has_alias(model: nn.Module, name: str, tensor_of: Mapping[str, str]) -> bool:
+    param = model.get_parameter(name)
+    return any(p is param and n in tensor_of for n, p in model.named_parameters(remove_duplicate=False))
+
+
+def calibration_index(plan: ModelPlan, tensors: Mapping[str, tuple[int, ...]]) -> dict[str, CalibrationEntry]:
+    """Every Linear of the model as the calibration file's index would name it: the plan then knows which
+    weights will have calibration."""
+    out = {}
+    for weight in plan.linears.values():
+        module = weight.removesuffix(".weight")
+        out[module] = CalibrationEntry(module, tensors[weight][1] if len(tensors[weight]) == 2 else -1)
+    return out
+
+
