@@ -18,6 +18,7 @@ chunk threads and are summed over them (thread-seconds).
 from __future__ import annotations
 
 import argparse
+import os
 import contextlib
 import sys
 import tempfile
@@ -217,6 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         quantize_file(src, dst, QuantConfig(output="gguf", gguf_mix=mix), device="cpu")  # type: ignore[arg-type]
         return time.perf_counter() - t0
 
+    os.environ.setdefault("QUANTD_COMPILE", "1")  # the k-quant searches compile only when asked to
     compiled = KERNELS.available()
     result["compiled_kernels"] = compiled
     if compiled:  # build every k-quant's kernels once: Q2_K and Q3_K_M use all five types and Q8_0's

@@ -82,6 +82,8 @@ def test_kquant_error_is_no_worse_than_llama_cpp(name: str, kind: str, path: str
     """The whole tensor's mse (and, with an importance matrix, its importance-weighted mse) at most
     llama.cpp's on the same tensor, through the eager ops and through the compiled search kernels."""
     request.getfixturevalue(path)
+    if path == "compiled":  # the k-quant searches compile only when QUANTD_COMPILE=1 asks for them
+        request.getfixturevalue("monkeypatch").setenv("QUANTD_COMPILE", "1")
     if ggml_library() is None:
         pytest.skip("llama-cpp-python (ggml's library) is not installed: no llama.cpp quantizer to compare with")
     x = _data(kind, (64, 1024), seed=3)

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from quantd.engine import kernels
+
 # ggml's GROUP_MAX_EPS: a block whose largest magnitude is below this is all zero.
 GROUP_MAX_EPS = 1e-15
+
+
+def wants_kernels(x: torch.Tensor) -> bool:
+    """Whether the k-quant searches take the compiled kernels for ``x``: only when ``QUANTD_COMPILE=1`` asks
+    for them. Their kernels take minutes to build on a cold cache and gain less than 2× over the eager ops
+    (``bench/gguf_vs_llamacpp.py``), so under the default setting no GGUF job waits on a compile."""
+    return kernels.compile_setting() == "on" and kernels.KERNELS.wants(x, small=True)
 
 
 def f16_bytes(v: torch.Tensor) -> torch.Tensor:

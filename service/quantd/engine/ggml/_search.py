@@ -19,7 +19,7 @@ import torch
 
 from quantd.engine import kernels
 
-from ._common import GROUP_MAX_EPS, nearest_int, sum_rows
+from ._common import GROUP_MAX_EPS, nearest_int, sum_rows, wants_kernels
 
 
 def _f32(v: float) -> float:
@@ -42,7 +42,7 @@ def _compiled_loop(name: str, fn: Callable[..., Any], key: tuple[Any, ...], args
                    ) -> Iterator[Callable[..., Any] | None]:
     """A search's candidate step compiled for the loop over its candidates (``KERNELS.bound``), or None:
     the eager step (CUDA, small tensors, compiling off)."""
-    if not kernels.KERNELS.wants(args[0], small=True):
+    if not wants_kernels(args[0]):
         yield None
         return
     with kernels.KERNELS.bound(name, fn, key, *args) as step_fn:
@@ -213,7 +213,7 @@ def _coordinate_descent(xt: torch.Tensor, wt: torch.Tensor, q: torch.Tensor, lo:
     for _ in range(sweeps):
         args = (x_a, w_a, wx_a, q_a, slx_a, sl2_a, lo, hi, need_sl2)
         out = None
-        if kernels.KERNELS.wants(x_a, small=True):
+        if wants_kernels(x_a):
             for t in args[:4]:
                 torch._dynamo.mark_static(t, 0)  # the positions' loop unrolled in the graph
             out = kernels.KERNELS.call("ggml_descent_sweep", descent_sweep, (lo, hi, need_sl2, x_a.shape[0]), *args)

@@ -20,7 +20,16 @@ import torch
 
 from quantd.engine import kernels
 
-from ._common import GROUP_MAX_EPS, argmax_abs_value, blend, f16_bytes, f16_from, nearest_int, sum_last
+from ._common import (
+    GROUP_MAX_EPS,
+    argmax_abs_value,
+    blend,
+    f16_bytes,
+    f16_from,
+    nearest_int,
+    sum_last,
+    wants_kernels,
+)
 from ._search import affine_search, q3_search, qp_search, symmetric_search
 
 QK_K = 256
@@ -168,7 +177,7 @@ def _codes_error(x: torch.Tensor, step: torch.Tensor, off: torch.Tensor | None, 
     x3 = x.view(nb, step.shape[1], -1)
     args = (x3, step, off, None if weight is None else weight.view(x3.shape), lo, hi)
     out = None
-    if kernels.KERNELS.wants(x, small=True):
+    if wants_kernels(x):
         _static_blocks(x3, step, off, args[3])
         out = kernels.KERNELS.call("ggml_codes_error", codes_error,
                                    (lo, hi, x3.shape[2], off is None, weight is None), *args)
@@ -193,7 +202,7 @@ def refit_sums(x3: torch.Tensor, q3: torch.Tensor, w3: torch.Tensor | None) -> t
 
 def _refit_sums(x3: torch.Tensor, q3: torch.Tensor, w3: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     out = None
-    if kernels.KERNELS.wants(x3, small=True):
+    if wants_kernels(x3):
         _static_blocks(x3, q3, w3)
         out = kernels.KERNELS.call("ggml_refit_sums", refit_sums, (x3.shape[2], w3 is None), x3, q3, w3)
     return refit_sums(x3, q3, w3) if out is None else out
