@@ -723,6 +723,8 @@ def gguf_section(data: dict[str, Any]) -> list[str]:
         "mse ratio = quantd's mse / llama.cpp's on the same tensor (below 1: quantd closer to the input).",
         "",
     ]
+    if "quantd_eager_s" in data["mixes"][0]:
+        return lines + _gguf_paths_table(data)
     rows = []
     for r in data["mixes"]:
         n = th["llama_cpp"][-1]
@@ -734,6 +736,35 @@ def gguf_section(data: dict[str, Any]) -> list[str]:
     lines.append(table(["mix", "quantd s", "llama.cpp 1t s", f"llama.cpp {n}t s", "speed vs 1t", f"speed vs {n}t",
                         "tensors no worse", "worst mse ratio", "total mse ratio"], rows))
     return lines
+
+
+def _gguf_paths_table(data: dict[str, Any]) -> list[str]:
+    """gguf.json with quantd timed on its compiled kernels and on eager torch, and a stage profile per mix."""
+    n = data["threads"]["llama_cpp"][-1]
+    rows = [[r["mix"], fmt(r["quantd_s"], ".2f"), fmt(r["quantd_eager_s"], ".2f"), fmt(r["llama_cpp_1t_s"], ".2f"),
+             fmt(r[f"llama_cpp_{n}t_s"], ".2f"), fmt(r["speedup_vs_llama_1t"], ".2f"),
+             fmt(r[f"speedup_vs_llama_{n}t"], ".2f"), fmt(r["eager_speedup_vs_llama_1t"], ".2f"),
+             f"{r['tensors_no_worse']}/{r['tensors_total']}", fmt(r["worst_ratio"], ".4f"),
+             fmt(r["eager_worst_ratio"], ".4f"), fmt(r["numel_weighted_mse_ratio"], ".4f")]
+            for r in data["mixes"]]
+    warm = data.get("kernel_warmup_s")
+    out = [f"quantd s: with the compiled CPU kernels (built before the timed runs: the three runs that built "
+           f"them took {fmt(warm, '.1f')} s); eager s: `QUANTD_COMPILE=0`. Each the fastest of "
+           f"{data.get('repeats', 2)} runs. *speed vs*: llama.cpp's seconds over quantd's (above 1: quantd faster). "
+           "Error ratios are of the compiled path's output; *eager worst*: the eager path's worst tensor.", "",
+           table(["mix", "quantd s", "eager s", "llama.cpp 1t s", f"llama.cpp {n}t s", "speed vs 1t",
+                  f"speed vs {n}t", "eager vs 1t", "tensors no worse", "worst mse ratio", "eager worst",
+                  "total mse ratio"], rows)]
+    stages = sorted({k for r in data["mixes"] for k in r.get("profile", {})})
+    if stages:
+        prow = [[k] + [fmt(r["profile"].get(k), ".3f") if k in r["profile"] else "" for r in data["mixes"]]
+                for k in stages]
+        prow.append(["(whole instrumented run)"] + [fmt(r["profile_run_s"], ".3f") for r in data["mixes"]])
+        out += ["", "Where quantd's time goes (seconds, one instrumented run per mix with the compiled kernels; "
+                "the stages inside the quantizer run on the chunk threads and are summed over them; *wall*: "
+                "the main thread's wait for the quantizer):", "",
+                table(["stage"] + [r["mix"] for r in data["mixes"]], prow)]
+    return out
 
 
 # (heading, results file, section function): one entry per results file, in page order.
