@@ -18,8 +18,8 @@ chunk threads and are summed over them (thread-seconds).
 from __future__ import annotations
 
 import argparse
-import os
 import contextlib
+import os
 import sys
 import tempfile
 import threading
