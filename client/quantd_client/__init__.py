@@ -1,8 +1,8 @@
 """quantd_client: the Python SDK of quantd. Needs httpx, pydantic and numpy only."""
 
+from typing import TYPE_CHECKING, Any
+
 from ._artifact import ArtifactError, ArtifactFile, read_artifact
-from ._async import AsyncClient
-from ._client import Client
 from ._dtypes import DTYPES, NF4_CODEBOOK, DTypeInfo, dtype_info
 from ._exceptions import (
     APIConnectionError,
@@ -22,7 +22,6 @@ from ._exceptions import (
     UnsupportedMedia,
     ValidationError,
 )
-from ._job import AsyncJobHandle, JobHandle
 from ._results import Artifact
 from ._schemas import (
     AnalyzeResponse,
@@ -57,7 +56,26 @@ from ._schemas import (
     TensorReport,
 )
 
+if TYPE_CHECKING:
+    from ._async import AsyncClient
+    from ._client import Client
+    from ._job import AsyncJobHandle, JobHandle
+
 __version__ = "0.1.0"
+
+# The clients and job handles load httpx: imported on first use, so that the schemas alone (the CLI's
+# in-process runs, the server) load without it.
+_LAZY = {"AsyncClient": "._async", "Client": "._client", "AsyncJobHandle": "._job", "JobHandle": "._job"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "DTYPES",

@@ -9,9 +9,10 @@ from __future__ import annotations
 import email.utils
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:  # imported where used: the CLI's in-process runs and the server never load httpx
+    import httpx
 
 REQUEST_ID_HEADERS = ("x-request-id", "request-id")
 
@@ -182,5 +183,7 @@ def error_from_response(response: httpx.Response) -> APIStatusError:
 
 
 def error_from_transport(exc: httpx.TransportError) -> APIConnectionError:
+    import httpx
+
     cls = APITimeoutError if isinstance(exc, httpx.TimeoutException) else APIConnectionError
     return cls(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)

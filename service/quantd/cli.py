@@ -28,6 +28,7 @@ from quantd_client._schemas import (
     QuantConfig,
     Report,
     Scheme,
+    SchemeOverride,
     Summary,
 )
 
@@ -245,6 +246,8 @@ def make_client(args: argparse.Namespace) -> Any:
 def resolve_device(device: str) -> str:
     """``auto`` → ``cuda`` when there is a GPU, else ``cpu``; a CUDA device that is not there is a usage error
     (one line, not a traceback from deep in torch)."""
+    if device == "cpu":  # nothing to check: no CUDA probe, no job layer imported
+        return device
     from quantd.errors import ConfigError
     from quantd.jobs.config import check_device
 
@@ -281,10 +284,23 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
         raise UsageError(f"settings: {e}") from None
 
 
-def _prepare_in_process(model: Path) -> None:
+def _chunk_work_only(schemes: Sequence[Scheme | SchemeOverride], *, output: str = "safetensors",
+                     calibration: object = None) -> bool:
+    """Whether a one-shot run's work is the engine's eager chunk loops: round to nearest, no calibration, no
+    ggml block types (engine/ggml sizes its own chunk pool by the calling thread's thread count). The
+    methods and calibration multiply large matrices, where OpenMP's threads pay off."""
+    from quantd_client import DTYPES
+
+    return (calibration is None and output != "gguf"
+            and all((s.method or "rtn") == "rtn" and (s.dtype is None or DTYPES[s.dtype].kind != "ggml")
+                    for s in schemes))
+
+
+def _prepare_in_process(model: Path, *, chunk_work_only: bool = True) -> None:
     """Before the CLI's in-process engine runs (and imports torch): glibc's malloc as
-    ``QUANTD_KEEP_FREED_MEMORY`` says, Inductor's kernel cache per kind of CPU in its default dir, and
-    whether compiled kernels can pay off in this one run over ``model``."""
+    ``QUANTD_KEEP_FREED_MEMORY`` says, Inductor's kernel cache per kind of CPU in its default dir,
+    whether compiled kernels can pay off in this one run over ``model``, and the threads of an eager run
+    whose work is the chunk loops (:func:`_chunk_work_only`): its main thread's own ops single-threaded."""
     from quantd.runtime import keep_freed_memory_as_configured, keep_kernel_cache_in, use_kernels_for
 
     try:
@@ -292,7 +308,10 @@ def _prepare_in_process(model: Path) -> None:
     except ValueError as e:
         raise UsageError(f"settings: {e}") from None
     keep_kernel_cache_in(None)
-    use_kernels_for(model)
+    if not use_kernels_for(model) and chunk_work_only:  # parallel over chunks, no OpenMP join per op
+        from quantd.engine.parallel import single_threaded_caller
+
+        single_threaded_caller()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -344,7 +363,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             job.download(args.output, progress=progress)
             report = job.report()
     else:
-        _prepare_in_process(Path(args.input))
+        schemes = [config.scheme, *(r.scheme for r in config.rules if r.scheme is not None)]
+        _prepare_in_process(Path(args.input), chunk_work_only=_chunk_work_only(
+            schemes, output=config.output, calibration=args.calibration))
         report = _quantize_in_process(args, config)
     if args.json:
         _print_json(report.model_dump(mode="json"))
@@ -394,7 +415,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         with make_client(args) as c:
             resp = c.analyze(args.input, schemes, analyses=args.analyses)
     else:
-        _prepare_in_process(Path(args.input))
+        _prepare_in_process(Path(args.input), chunk_work_only=_chunk_work_only(schemes))
         from quantd.io.pipeline import analyze_file
 
         resp = analyze_file(args.input, schemes, device=resolve_device(args.device), analyses=args.analyses)

@@ -121,28 +121,63 @@ def keep_freed_memory_as_configured() -> bool:
     return keep_freed_memory(enabled)
 
 
-# Input bytes from which a one-shot run (the CLI's in-process quantize/analyze) uses the compiled kernels
-# under QUANTD_COMPILE=auto. Below it, importing the compiler stack and tracing each kernel cost the run more
-# than the kernels save over the eager path (bench/oneshot.py measures both on a 91 MB and an 800 MB model).
-ONESHOT_COMPILE_MIN_BYTES = 512 << 20
-
-
-def input_bytes(path: Path) -> int:
-    """The bytes of a model file, or of every file under a model directory."""
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    return path.stat().st_size if path.exists() else 0
-
-
 def use_kernels_for(path: Path) -> bool:
-    """Decide, for a one-shot run over the model at ``path``, whether the compiled kernels may run: with
-    ``QUANTD_COMPILE=auto`` only for inputs of at least :data:`ONESHOT_COMPILE_MIN_BYTES`; otherwise the
-    run stays eager and never imports the compiler stack. True when they may."""
+    """Decide, for a one-shot run over the model at ``path``, whether the compiled kernels may run: only with
+    ``QUANTD_COMPILE=1``. Under ``auto`` (the default) a one-shot run stays eager and never imports the
+    compiler stack: importing Dynamo and Inductor and loading the cached kernels costs seconds, more than the
+    kernels save over the eager chunk loops on the models ``bench/oneshot.py`` measures (91 MB and 800 MB).
+    True when they may."""
     from quantd.engine.kernels import KERNELS, compile_setting
 
-    if compile_setting() == "auto" and input_bytes(path) < ONESHOT_COMPILE_MIN_BYTES:
+    if compile_setting() == "auto":
         KERNELS.reset(available=False)
     return KERNELS.available()
+
+
+# The warm-up builds the kernels once no request has been in flight for this long (the first requests to a new
+# server are answered without it competing for the cores and the interpreter), or at the latest this long after
+# it was started, busy or not.
+WARM_UP_QUIET_S = 1.0
+WARM_UP_MAX_WAIT_S = 60.0
+# The warm-up thread's niceness (Linux, per thread; Inductor's compiler processes inherit it).
+WARM_UP_NICE = 10
+
+
+class RequestActivity:
+    """Requests in flight, counted by the server's middleware, so that the warm-up builds the kernels in a
+    quiet moment."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._since = time.monotonic()
+
+    def enter(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._since = time.monotonic()
+
+    def quiet_for(self) -> float:
+        """Seconds since the last request ended with none in flight since (0 while one is)."""
+        with self._lock:
+            return 0.0 if self._in_flight else time.monotonic() - self._since
+
+
+def _lower_this_thread_priority() -> None:
+    """Raise the calling thread's niceness to :data:`WARM_UP_NICE` where the OS has per-thread priorities
+    (Linux); elsewhere, or when refused, nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), WARM_UP_NICE))
+    except (AttributeError, OSError):
+        pass
 
 
 @dataclass
@@ -156,10 +191,12 @@ class WarmUp:
     thread: threading.Thread | None = None
 
 
-def start_warm_up() -> WarmUp:
-    """Build the engine's compiled CPU kernels for the common schemes in a background thread. Until it
-    ends, the kernels are held by it (``KERNELS.hold``): requests and jobs meanwhile run on the eager path
-    instead of waiting for a compile. Logs when it starts and when it ends."""
+def start_warm_up(activity: RequestActivity | None = None) -> WarmUp:
+    """Build the engine's compiled CPU kernels for the common schemes in a background thread at a lower OS
+    priority; with ``activity`` (a server's requests), once no request has been in flight for
+    :data:`WARM_UP_QUIET_S` (at the latest :data:`WARM_UP_MAX_WAIT_S` after this call). Until it ends, the
+    kernels are held by it (``KERNELS.hold``): requests and jobs meanwhile run on the eager path instead of
+    waiting for a compile. Logs when it starts, when it begins building, and when it ends."""
     from quantd.engine.kernels import KERNELS
 
     state = WarmUp()
@@ -167,6 +204,12 @@ def start_warm_up() -> WarmUp:
     def run() -> None:
         from quantd.io.pipeline import warm_up
 
+        deadline = time.monotonic() + WARM_UP_MAX_WAIT_S
+        while activity is not None and activity.quiet_for() < WARM_UP_QUIET_S and time.monotonic() < deadline:
+            time.sleep(0.05)  # poll step: requests come first
+        _lower_this_thread_priority()
+        if KERNELS.available():
+            log.info("kernel warm-up building the compiled kernels")
         start = time.perf_counter()
         try:
             took = warm_up()
@@ -186,7 +229,8 @@ def start_warm_up() -> WarmUp:
     state.thread = threading.Thread(target=run, name="quantd-warmup", daemon=True)
     if KERNELS.available():
         KERNELS.hold(state.thread)  # before any request can arrive
-        log.info("kernel warm-up started: requests run eager until it ends")
+        log.info("kernel warm-up started: it builds the kernels once no request has been in flight for %g s; "
+                 "requests run eager until it ends", WARM_UP_QUIET_S if activity is not None else 0)
     state.thread.start()
     return state
 

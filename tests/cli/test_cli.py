@@ -344,21 +344,16 @@ def test_a_small_one_shot_run_never_imports_the_compiler_stack(model: Path, tmp_
     assert out.stdout.splitlines()[-1].split() == ["0"], out.stdout + out.stderr[-2000:]
 
 
-def test_one_shot_runs_compile_only_inputs_large_enough(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_shot_runs_compile_only_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from quantd import runtime
     from quantd.engine.kernels import KERNELS
 
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "a.bin").write_bytes(b"x" * 300)
-    (tmp_path / "d" / "b.bin").write_bytes(b"x" * 200)
-    assert runtime.input_bytes(tmp_path / "d") == 500
-    monkeypatch.setattr(runtime, "ONESHOT_COMPILE_MIN_BYTES", 500)
-    for setting, size, compiled in (("auto", 500, True), ("auto", 499, False), ("1", 10, True), ("0", 10**6, False)):
+    for setting, compiled in (("auto", False), ("1", True), ("0", False)):
         monkeypatch.setenv("QUANTD_COMPILE", setting)
         KERNELS.reset(available=None)
-        monkeypatch.setattr(runtime, "input_bytes", lambda path, size=size: size)
-        assert runtime.use_kernels_for(tmp_path / "d") == (compiled and KERNELS.available()), (setting, size)
-        assert KERNELS.available() == (compiled and bool(__import__("shutil").which("c++"))), (setting, size)
+        assert runtime.use_kernels_for(tmp_path) == (compiled and KERNELS.available()), setting
+        assert KERNELS.available() == (compiled and bool(__import__("shutil").which("c++"))), setting
+    KERNELS.reset(available=None)
 
 
 def test_int8_defaults_to_per_channel_and_embeddings_stay_in_full_precision(
@@ -413,3 +408,16 @@ def test_a_closed_pipe_ends_quietly(where: str, model: Path, tmp_path: Path, req
     done = _closed_reader(cmd)
     assert done.returncode == 141, done.stderr  # 128 + SIGPIPE, as `head` leaves any other tool
     assert "Broken pipe" not in done.stderr and "Traceback" not in done.stderr and "Exception" not in done.stderr
+
+
+def test_one_shot_runs_single_thread_their_own_ops_only_for_chunk_work() -> None:
+    # Round to nearest is the engine's chunk loops (spread over engine.parallel's pool); the methods and
+    # calibration multiply large matrices, which keep OpenMP's threads.
+    from quantd.cli import _chunk_work_only
+    from quantd_client import Scheme, SchemeOverride
+
+    assert _chunk_work_only([Scheme(dtype="int4"), SchemeOverride(dtype="int8")])
+    assert not _chunk_work_only([Scheme(dtype="int4", method="gptq")])
+    assert not _chunk_work_only([Scheme(dtype="int4"), SchemeOverride(method="hqq")])
+    assert not _chunk_work_only([Scheme(dtype="int4")], calibration="calibration.safetensors")
+    assert not _chunk_work_only([Scheme(dtype="int4")], output="gguf")

@@ -74,11 +74,16 @@ def test_ggml_decoder_matches_ggml_on_its_own_bytes() -> None:
         assert np.array_equal(mine, gguf.quants.dequantize(raw, GGMLQuantizationType(t.type_id))), name
 
 
+@pytest.mark.parametrize("path", ["eager", "compiled"])
 @pytest.mark.parametrize("kind", ["gaussian", "heavy", "uniform"])
 @pytest.mark.parametrize("name", KQUANTS)
-def test_kquant_error_is_no_worse_than_llama_cpp(name: str, kind: str) -> None:
+def test_kquant_error_is_no_worse_than_llama_cpp(name: str, kind: str, path: str, request: pytest.FixtureRequest
+                                                 ) -> None:
     """The whole tensor's mse (and, with an importance matrix, its importance-weighted mse) at most
-    llama.cpp's on the same tensor."""
+    llama.cpp's on the same tensor, through the eager ops and through the compiled search kernels."""
+    request.getfixturevalue(path)
+    if path == "compiled":  # the k-quant searches compile only when QUANTD_COMPILE=1 asks for them
+        request.getfixturevalue("monkeypatch").setenv("QUANTD_COMPILE", "1")
     if ggml_library() is None:
         pytest.skip("llama-cpp-python (ggml's library) is not installed: no llama.cpp quantizer to compare with")
     x = _data(kind, (64, 1024), seed=3)
@@ -136,3 +141,72 @@ def test_cuda_gives_the_cpu_bytes_for_legacy_types(name: str) -> None:
         e_cpu = ((ggml.dequantize(ggml.GGMLQuantized(t, x.shape, cpu)) - x) ** 2).mean()
         e_gpu = ((ggml.dequantize(ggml.GGMLQuantized(t, x.shape, gpu)) - x) ** 2).mean()
         assert e_gpu <= e_cpu * 1.01
+
+
+def _make_q3_quants_reference(x: np.ndarray, nmax: int) -> float:
+    """ggml's ``make_q3_quants(n, nmax, x, L, do_rmse=true)`` for one sub-block, as written in ggml-quants.c
+    (float32 throughout): the scale it returns."""
+    f = np.float32
+    amax_i = int(np.argmax(np.abs(x)))
+    if abs(x[amax_i]) < 1e-15:
+        return 0.0
+    iscale = f(-nmax) / x[amax_i]
+    q = np.clip(np.round(x * iscale), -nmax, nmax - 1).astype(np.float32)
+    w = x * x
+    sumlx = f(np.sum(w * x * q, dtype=np.float32))
+    suml2 = f(np.sum(w * q * q, dtype=np.float32))
+    for _ in range(5):
+        changed = 0
+        for i in range(len(x)):
+            slx = f(sumlx - w[i] * x[i] * q[i])
+            if slx > 0:
+                sl2 = f(suml2 - w[i] * q[i] * q[i])
+                new_l = float(np.clip(np.round(x[i] * sl2 / slx), -nmax, nmax - 1))
+                if new_l != q[i]:
+                    slx = f(slx + w[i] * x[i] * f(new_l))
+                    sl2 = f(sl2 + w[i] * f(new_l) * f(new_l))
+                    if sl2 > 0 and slx * slx * suml2 > sumlx * sumlx * sl2:
+                        q[i], sumlx, suml2 = new_l, slx, sl2
+                        changed += 1
+        if not changed:
+            break
+    return float(sumlx / suml2) if suml2 > 0 else 0.0
+
+
+def test_q3_coordinate_descent_matches_ggml_loop_per_sub_block() -> None:
+    """The vectorised make_q3_quants (later sweeps only on the sub-blocks still moving) gives each sub-block
+    the scale of ggml's own loop, which stops each sub-block at its first sweep without a change."""
+    from quantd.engine.ggml._search import q3_search
+
+    x = _data("heavy", (300, 16), seed=7)
+    ours = q3_search(torch.from_numpy(x), 4).numpy()
+    ref = np.array([_make_q3_quants_reference(row, 4) for row in x], dtype=np.float32)
+    close = np.isclose(ours, ref, rtol=1e-5, atol=0)
+    assert close.mean() > 0.99, f"{(~close).sum()} of {len(ref)} sub-blocks differ"
+
+
+def _double_plus(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 2 * x + y
+
+
+def test_bound_kernel_runs_compiled_in_a_loop_and_falls_back_to_eager(compiled: None) -> None:
+    """KERNELS.bound (the k-quant searches' candidate loops) yields a direct caller of the compiled function
+    with the eager result; a failing call gives None (the caller runs eager) and switches the kernels off."""
+    from quantd.engine import kernels
+
+    x, y = torch.arange(4096.0), torch.ones(4096)
+    with kernels.KERNELS.bound("test_double_plus", _double_plus, (), x, y) as run:
+        assert run is not None
+        for k in range(3):
+            out = run(x + k, y)
+            assert out is not None and torch.equal(out, _double_plus(x + k, y))
+        assert run(x, torch.ones(3)) is None  # a shape the function cannot take: it fails, eager from here on
+    assert kernels.KERNELS._broken is not None
+    kernels.KERNELS.reset(available=True)  # the fixture checks that nothing else broke
+
+
+def test_bound_kernel_is_none_when_compiling_is_off(eager: None) -> None:
+    from quantd.engine import kernels
+
+    with kernels.KERNELS.bound("test_double_plus", _double_plus, (), torch.zeros(4096), torch.zeros(4096)) as run:
+        assert run is None

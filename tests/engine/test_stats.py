@@ -346,3 +346,76 @@ def test_nf4_and_fp8_count_as_clipped_only_beyond_half_a_step(dtype: str) -> Non
     assert st.clipped_fraction == pytest.approx(1 / 5)  # only the one 0.6 steps beyond
     e = (x.double() - dequantize(qt, dtype=torch.float64)).abs()[0]
     assert float(e[1]) <= st.theoretical_max_error < float(e[2])  # type: ignore[operator]
+
+
+def _adversarial(case: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(48, 96, generator=g, dtype=torch.float64)
+    if case == "large offset":
+        return (x + 1e4).float()
+    if case == "huge dynamic range":  # rows from 1e-30 to 1e30
+        return (x * 10.0 ** torch.linspace(-30, 30, 48, dtype=torch.float64).reshape(-1, 1)).float()
+    if case == "zeros":
+        x[::3] = 0.0
+        x[:, ::5] = 0.0
+        return x.float()
+    if case == "extremes":  # finite values at float32's ends, and its smallest subnormals
+        x[1, :4] = torch.tensor([3.4e38, -3.4e38, 1e-45, -1e-45], dtype=torch.float64)
+        x[7] = 3.0e38
+        return x.float()
+    if case == "bfloat16":
+        return (x * 3 + 0.5).to(torch.bfloat16)
+    return (x * 3 + 0.5).to(torch.float16)
+
+
+@pytest.mark.parametrize("case", ["large offset", "huge dynamic range", "zeros", "extremes", "bfloat16", "float16"])
+@pytest.mark.parametrize("scheme", [
+    _scheme(dtype="int8", granularity="channel", scale_dtype="float32"),
+    _scheme(dtype="int4", granularity="group", group_size=32, scale_dtype="float32"),
+    _scheme(dtype="nf4", granularity="group", group_size=32, scale_dtype="float32"),
+    _scheme(dtype="int4", granularity="group", group_size=32, symmetric=True, scale_dtype="bfloat16"),
+    _scheme(dtype="fp8_e4m3", granularity="channel", scale_dtype="float32"),
+], ids=lambda s: f"{s.dtype}-{s.granularity}-{s.scale_dtype}")
+def test_eager_chunked_statistics_equal_a_float64_reference(eager: None, case: str, scheme: Scheme,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager statistics, chunk by chunk over the chunk pool (engine.parallel), against NumPy float64 on the
+    exact ``x̂`` on adversarial data: sums to 1e-12 relative, max error, counts and fractions exactly."""
+    from quantd.engine import parallel
+
+    monkeypatch.setattr(parallel, "_workers", max(2, parallel.workers()))
+    monkeypatch.setattr(stats, "_CHUNK", 160)  # many chunks, each cutting across block rows
+    x = _adversarial(case)
+    qt = quantize(x, scheme)
+    st = stats.quantized_error_stats(x, qt)
+    a = x.double().numpy().ravel()
+    b = dequantize(qt, dtype=torch.float64).numpy().ravel()
+    e = a - b
+    assert st.mse == pytest.approx(float(np.mean(e**2)), rel=1e-12, abs=0.0)
+    assert st.mae == pytest.approx(float(np.mean(np.abs(e))), rel=1e-12, abs=0.0)
+    assert st.max_abs_error == float(np.max(np.abs(e)))
+    power = float(np.mean(a**2))
+    if st.sqnr_db is not None:
+        assert st.sqnr_db == pytest.approx(10 * math.log10(power / float(np.mean(e**2))), rel=1e-12)
+    cos = float(np.dot(a, b) / math.sqrt(float(np.dot(a, a)) * float(np.dot(b, b))))
+    assert st.cosine == pytest.approx(min(1.0, cos), rel=1e-12)
+    mean, std = float(np.mean(a)), float(np.sqrt(np.mean((a - np.mean(a)) ** 2)))
+    assert st.outlier_threshold == pytest.approx(3 * std, rel=1e-10)
+    assert st.outlier_rate == float(np.mean(np.abs(a - mean) > st.outlier_threshold))
+    assert st.clipped_fraction == 0.0  # min-max ranges
+    assert st.theoretical_max_error is not None and st.max_abs_error <= st.theoretical_max_error
+
+
+@pytest.mark.parametrize("chunk", [96, 100, 5000])  # whole block rows per chunk: ranges taken on the way
+def test_eager_clipped_count_from_the_chunk_loops_ranges(eager: None, chunk: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stats, "_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(24, 96, generator=gen)
+    x[3, 7], x[20, 1] = 40.0, -35.0
+    qt = quantize(x, _scheme(dtype="int4", group_size=32, observer="percentile", observer_args={"percentile": 99.0}))
+    m = stats._moments_from_codes(x, qt)
+    assert m is not None and m.block_ranges is not None
+    blocks = x.reshape(-1, 32)
+    assert torch.equal(m.block_ranges[0], blocks.amin(dim=1)) and torch.equal(m.block_ranges[1], blocks.amax(dim=1))
+    st = stats.quantized_error_stats(x, qt)
+    assert st.clipped_fraction == stats.clipped_count(x, qt) / x.numel() > 0

@@ -336,3 +336,40 @@ def _odd_model(d: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _one_tensor_gguf(path: Path, values: np.ndarray) -> Path:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("blk.0.attn_q.weight", values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path: Path, bad: float) -> None:
+    from quantd.errors import NonFiniteError
+
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    x[2, 17] = bad
+    src = _one_tensor_gguf(tmp_path / "bad.gguf", x)
+    with pytest.raises(NonFiniteError, match=r"blk\.0\.attn_q\.weight.*1 of 1024"):
+        _run(src, tmp_path / "out.gguf", scheme={"dtype": "q8_0"})
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_weights_beyond_the_float16_scales_are_refused_naming_the_tensor(tmp_path: Path) -> None:
+    """Finite values too large for a type's float16 scales (ggml would store an infinite scale) are a 4xx
+    naming the tensor, not a crash; their float32 sum overflows, which the finite check counts again
+    rather than refusing as NaN/Inf. Values within the range quantize."""
+    x = np.full((4, 256), 3e38, np.float32)
+    x[1] = -1.0
+    src = _one_tensor_gguf(tmp_path / "big.gguf", x)
+    with pytest.raises(MalformedInputError, match=r"blk\.0\.attn_q\.weight.*beyond the range of q8_0"):
+        _run(src, tmp_path / "out.gguf", scheme={"dtype": "q8_0"})
+    x[:] = 1e6  # within q8_0's range (scale 1e6 / 127 < 65504)
+    report = _run(_one_tensor_gguf(tmp_path / "ok.gguf", x), tmp_path / "out.gguf", scheme={"dtype": "q8_0"})
+    assert report.summary.tensors_quantized == 1  # type: ignore[attr-defined]

@@ -375,3 +375,35 @@ def test_a_cancelled_run_stops_between_blocks_and_leaves_no_output(llama_dir: Pa
         quantize_directory(llama_dir, tmp_path / "out", QuantConfig.model_validate(GPTQ), device="cpu",
                            calibration=write_jsonl(tmp_path / "c.jsonl", id_rows(4)), should_cancel=cancel_at_block_2)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.parametrize("static_groups", [None, False])
+def test_act_order_gptq_to_compressed_tensors_loads_in_transformers(llama_dir: Path, tmp_path: Path,
+                                                                     static_groups: bool | None) -> None:
+    """Act-order GPTQ written as compressed-tensors keeps its groups contiguous unless the config asks for a
+    column order: the library (0.20 and later) loads no ``weight_g_idx``, so by default the checkpoint has
+    none and declares ``actorder: weight``; asked for, ``weight_g_idx`` is written with ``actorder: group``."""
+    from safetensors.torch import load_file
+
+    args: dict[str, Any] = {"act_order": True}
+    if static_groups is not None:
+        args["static_groups"] = static_groups
+    config = QuantConfig.model_validate({"output": "compressed-tensors", "calibration": {"samples": 16},
+                                         "scheme": {"dtype": "int4", "group_size": 32, "symmetric": True,
+                                                    "method": "gptq", "method_args": args}})
+    out = tmp_path / "out"
+    quantize_directory(llama_dir, out, config, device="cpu",
+                       calibration=write_jsonl(tmp_path / "c.jsonl", id_rows(16)))
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    orders = {g["weights"]["actorder"] for g in qc["config_groups"].values()}
+    g_idx = [k for k in load_file(str(out / "model.safetensors")) if k.endswith("weight_g_idx")]
+    if static_groups is False:
+        assert orders == {"group"} and len(g_idx) == 3 * 7
+        return
+    assert orders == {"weight"} and not g_idx
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    ref = AutoModelForCausalLM.from_pretrained(str(llama_dir))
+    ids = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9

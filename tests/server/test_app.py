@@ -208,7 +208,7 @@ async def test_kernel_warm_up_starts_with_the_app_when_enabled(make_server, monk
     from quantd import runtime
 
     started: list[int] = []
-    monkeypatch.setattr(runtime, "start_warm_up", lambda: started.append(1))
+    monkeypatch.setattr(runtime, "start_warm_up", lambda activity=None: started.append(1))
     async with make_server(warmup=warmup) as server:
         assert (await server.client.get("/healthz")).status_code == 200
     assert started == ([1] if warmup else [])
@@ -264,3 +264,47 @@ async def test_requests_run_eager_while_the_warm_up_builds_the_kernels(make_serv
         KERNELS.reset()
     messages = [rec.getMessage() for rec in caplog.records if rec.name == "quantd.runtime"]
     assert messages[0].startswith("kernel warm-up started") and "compiled CPU kernels ready" in messages
+
+
+async def test_the_warm_up_builds_once_no_api_request_is_in_flight(make_server, monkeypatch):
+    """The first requests to a new server do not compete with the warm-up: it begins building once no API
+    request has been in flight for a quiet moment; probes (/readyz) do not count as requests."""
+    import threading
+
+    import anyio
+
+    import quantd.io.pipeline
+    from quantd import runtime
+    from quantd.engine.kernels import KERNELS
+
+    began = threading.Event()
+    activities: list[runtime.RequestActivity] = []
+    real_start = runtime.start_warm_up
+
+    def start(activity: runtime.RequestActivity | None = None) -> runtime.WarmUp:
+        assert activity is not None
+        activity.enter()  # stands for a request in flight from the start
+        activities.append(activity)
+        return real_start(activity)
+
+    monkeypatch.setattr(runtime, "WARM_UP_QUIET_S", 0.3)
+    monkeypatch.setattr(runtime, "start_warm_up", start)
+    monkeypatch.setattr(quantd.io.pipeline, "warm_up", lambda: began.set() or 0.0)
+    KERNELS.reset(available=True)
+    try:
+        async with make_server(warmup=True) as server:
+            (activity,) = activities
+            await anyio.sleep(1.0)
+            assert not began.is_set() and activity.quiet_for() == 0.0  # waits while a request is in flight
+            activity.leave()
+            assert (await server.client.get("/v1/info")).status_code == 200  # an API request: counted
+            assert activity.quiet_for() < 0.3
+            deadline = time.monotonic() + 30
+            while not began.is_set() and time.monotonic() < deadline:
+                quiet = activity.quiet_for()
+                assert (await server.client.get("/readyz")).status_code == 200
+                assert activity.quiet_for() >= quiet  # a probe is not a request in flight
+                await anyio.sleep(0.05)
+            assert began.is_set()
+    finally:
+        KERNELS.reset()

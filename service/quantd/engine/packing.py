@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 import torch
 
+from quantd.engine.parallel import map_chunks
 from quantd.errors import ConfigError, MalformedInputError
 
-_CHUNK = 1 << 16  # offsets per chunk: a multiple of 8
+_CHUNK = 1 << 18  # offsets per chunk: a multiple of 8
 
 PackFn = Callable[[torch.Tensor, int], torch.Tensor]
 UnpackFn = Callable[[torch.Tensor, int, int], torch.Tensor]
@@ -117,11 +118,14 @@ def pack(offsets: torch.Tensor, bits: int, *, name: str = "tensor") -> torch.Ten
     if flat.numel() <= _CHUNK:
         return pack_fn(flat, bits)
     out = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
-    # Chunks of a multiple of 8 offsets start on a byte boundary and stay in cache.
-    for start in range(0, flat.numel(), _CHUNK):
-        part = flat[start:start + _CHUNK]
-        b0 = start * bits // 8
+    starts = range(0, flat.numel(), _CHUNK)
+
+    def one(i: int) -> None:  # chunks of a multiple of 8 offsets start on a byte boundary and stay in cache
+        part = flat[starts[i]:starts[i] + _CHUNK]
+        b0 = starts[i] * bits // 8
         out[b0:b0 + packed_nbytes(part.numel(), bits)] = pack_fn(part, bits)
+
+    map_chunks(one, len(starts), flat.device)
     return out
 
 

@@ -37,7 +37,8 @@ from quantd.engine.granularity import (
 )
 from quantd.engine.kernels import quantize as compiled
 from quantd.engine.observers import observe_range
-from quantd.engine.qparams import choose_qparams, code_dtype, exact_scale, scale_torch_dtype
+from quantd.engine.parallel import map_chunks
+from quantd.engine.qparams import choose_qparams, code_dtype, exact_scale, scale_torch_dtype, zero_point_dtype
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError, NonFiniteError
 from quantd_client import Scheme
@@ -73,27 +74,21 @@ def _chunks(rows: int, cols: int) -> Iterator[tuple[slice, slice]]:
 
 
 class _Encoder:
-    """Encodes chunks of blocks into preallocated codes, reusing one float32 buffer."""
+    """Encodes chunks of blocks into preallocated codes, each chunk through a float32 buffer of its own (chunks
+    may be encoded by several threads at once, :func:`quantd.engine.parallel.map_chunks`)."""
 
     def __init__(self, info: DTypeInfo, blocks: torch.Tensor, codes_dtype: torch.dtype) -> None:
         self.info = info
         self.blocks = blocks
         self.codes = torch.empty(blocks.shape, dtype=codes_dtype, device=blocks.device)
-        n = min(blocks.numel(), CHUNK_ELEMENTS)  # no chunk of _chunks() is larger
-        self.buf = torch.empty(n, dtype=torch.float32, device=blocks.device)
         self.mids = NF4_MIDPOINTS
-        self.bbuf = torch.empty(n if info.kind == "nf4" else 0, dtype=torch.bool, device=blocks.device)
         self.magic = torch.full((1, 1), _ROUND_MAGIC, dtype=torch.float32, device=blocks.device)
         self.always_clamp = blocks.device.type != "cpu"  # a host sync per chunk costs more there
 
     def load(self, rs: slice, cs: slice) -> torch.Tensor:
-        """The chunk as float32: a view of the input, or converted into the buffer."""
+        """The chunk as float32: a view of the input, or converted into a buffer."""
         src = self.blocks[rs, cs]
-        if src.dtype == torch.float32:
-            return src
-        buf = self.buf[: src.numel()].view(src.shape)
-        buf.copy_(src)
-        return buf
+        return src if src.dtype == torch.float32 else src.float()
 
     def encode(self, src: torch.Tensor, rs: slice, cs: slice, scale: torch.Tensor,
                zero_point: torch.Tensor | None, extremes: Range | None = None) -> None:
@@ -102,7 +97,8 @@ class _Encoder:
         ``extremes``: the rows' exact min/max of ``src`` when known; then the integer clamp runs only
         if one of them falls outside ``[qmin, qmax]``."""
         info, out = self.info, self.codes[rs, cs]
-        buf = self.buf[: src.numel()].view(src.shape)
+        # a chunk converted by load() is overwritten in place; a view of the input is not
+        buf = torch.empty_like(src) if self.blocks.dtype == torch.float32 else src
         if info.kind == "int":
             torch.div(src, scale, out=buf)
             buf.add_(self.magic)  # rounds half to even (see the module docstring)
@@ -117,12 +113,14 @@ class _Encoder:
         torch.div(src, scale, out=buf)
         if info.kind == "nf4":
             # index = #{midpoints < v}: a value exactly between two levels goes to the lower one.
-            # 15 compare-and-add passes in cache beat torch.bucketize's per-element search on CPU.
-            above = self.bbuf[: src.numel()].view(src.shape)
-            out.zero_()
-            for mid in self.mids:
-                torch.gt(buf, mid, out=above)
-                out.add_(above)
+            # 15 compare-and-add passes in cache beat torch.bucketize's per-element search on CPU; counted
+            # in float32 (exact: at most 15), where comparisons and adds vectorise better than bool and uint8.
+            count = torch.gt(buf, self.mids[0])
+            count = count.float() if count.dtype != torch.float32 else count
+            above = torch.empty_like(count)
+            for mid in self.mids[1:]:
+                count.add_(torch.gt(buf, mid, out=above))
+            out.copy_(count)
         else:
             buf.clamp_(-info.max_finite, info.max_finite)
             out.copy_(buf)
@@ -167,8 +165,13 @@ def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str
     scale = torch.empty(rows, dtype=scale_torch_dtype(scheme.scale_dtype), device=dev)
     lo_all = torch.empty(rows, dtype=torch.float32, device=dev)
     hi_all = torch.empty(rows, dtype=torch.float32, device=dev)
-    zp: torch.Tensor | None = None
-    for rs, cs in _chunks(rows, cols):
+    info = dtype_info(scheme.dtype)
+    zp = (torch.empty(rows, dtype=zero_point_dtype(scheme.dtype), device=dev)
+          if info.kind == "int" and not scheme.symmetric else None)
+    chunks = list(_chunks(rows, cols))
+
+    def one(i: int) -> None:
+        rs, cs = chunks[i]
         src = enc.load(rs, cs)
         # The minmax observer inlined (amin/amax of the chunk's rows); its NaN/Inf check is done once
         # for all rows after the loop, not per chunk: no host sync inside the loop.
@@ -176,12 +179,12 @@ def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str
         s, z = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
                               scale_dtype=scheme.scale_dtype)
         scale[rs] = s
-        if z is not None:
-            if zp is None:
-                zp = torch.empty(rows, dtype=z.dtype, device=dev)
+        if zp is not None and z is not None:
             zp[rs] = z
         enc.encode(src, rs, cs, s.float().unsqueeze(1), None if z is None else z.float().unsqueeze(1),
                    extremes=(lo, hi))
+
+    map_chunks(one, len(chunks), dev)
     if not bool(torch.isfinite(lo_all).all() & torch.isfinite(hi_all).all()):
         raise NonFiniteError(f"tensor {name!r} has NaN or Inf values; cannot observe a range", tensor=name)
     return enc.codes, scale, zp
@@ -200,8 +203,13 @@ def _quantize_two_pass(enc: _Encoder, scheme: Scheme, rng: Range | None, *, name
                                scale_dtype=scheme.scale_dtype)
     s_col = scale.float().unsqueeze(1)
     z_col = None if zp is None else zp.float().unsqueeze(1)
-    for rs, cs in _chunks(rows, cols):
+    chunks = list(_chunks(rows, cols))
+
+    def one(i: int) -> None:
+        rs, cs = chunks[i]
         enc.encode(enc.load(rs, cs), rs, cs, s_col[rs], None if z_col is None else z_col[rs])
+
+    map_chunks(one, len(chunks), enc.blocks.device)
     return enc.codes, scale, zp
 
 

@@ -7,7 +7,9 @@ float64 buffer that stays in cache; sums stay on the device until one sync at th
 (Chan et al.) rather than taken as ``E[x²] − E[x]²``, which cancels badly when the mean is large; each
 chunk's ``Σ (x − mean_c)²`` is centred on its mean (eager) or shifted by its first value (the compiled
 kernels, in one pass: :func:`quantd.engine.kernels.stats._moments`).
-The clipped count reads only the per-block extremes unless a block actually clips.
+The clipped count reads only the per-block extremes unless a block actually clips (the eager sums take them
+from the chunks they already hold). On CPU the eager chunks are spread over :mod:`quantd.engine.parallel`'s
+pool, each chunk's ops single-threaded.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from quantd.engine import kernels
 from quantd.engine.granularity import block_view, granularity_of, is_row_major
 from quantd.engine.kernels import quantize as compiled_quantize
 from quantd.engine.kernels import stats as compiled
+from quantd.engine.parallel import map_chunks
 from quantd.engine.primitives import FLOAT_TORCH_DTYPES, NF4_CODEBOOK_F32, dequantize
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError
@@ -120,7 +123,8 @@ def _block_bounds(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.full((rows, 1), lo_v, device=dev), torch.full((rows, 1), hi_v, device=dev)
 
 
-def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
+def clipped_count(x: torch.Tensor, qt: QuantizedTensor, ranges: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> int:
     """Elements of ``x`` outside the range ``qt`` represents (the clamp moved them by more than
     half a step): integer ``x/scale + zp ∉ [qmin − ½, qmax + ½]``; nf4 ``x/scale`` beyond its end levels
     ±1 by more than half the gap next to them; fp8 ``|x/scale| > max_finite + top step/2``; float casts
@@ -129,7 +133,9 @@ def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
 
     Division by a positive scale is monotone (also after float32 rounding), so a block whose own
     ``min/scale`` and ``max/scale`` are inside the bounds has no clipped element: only the blocks that
-    fail this check are counted element by element (none, for min-max ranges).
+    fail this check are counted element by element (none, for min-max ranges). ``ranges``: each block's
+    min and max of ``x`` in float32 when already known (the statistics' chunk loop takes them on the way),
+    else they are computed here.
     """
     info = DTYPES[qt.dtype]
     if info.kind == "float":
@@ -138,7 +144,9 @@ def clipped_count(x: torch.Tensor, qt: QuantizedTensor) -> int:
     blocks, _ = block_view(x, granularity_of(qt), name="x")
     lo_b, hi_b = _block_bounds(qt)
     scale = qt.scale.reshape(-1, 1).float()  # type: ignore[union-attr]  # _block_bounds checked it
-    rng = compiled_quantize.row_range(blocks) if kernels.KERNELS.wants(blocks) else None
+    rng = ranges
+    if rng is None and kernels.KERNELS.wants(blocks):
+        rng = compiled_quantize.row_range(blocks)
     lo_r, hi_r = rng if rng is not None else (blocks.amin(dim=1), blocks.amax(dim=1))
     lo_x = lo_r.unsqueeze(1).float() / scale
     hi_x = hi_r.unsqueeze(1).float() / scale
@@ -172,25 +180,32 @@ class _Moments:
     sum_abs_e: float
     max_abs_e: float
     max_abs_x: float | None  # None from the compiled codes path (only float casts use it)
+    block_ranges: tuple[torch.Tensor, torch.Tensor] | None = None  # each block's float32 min and max of x
 
 
-def _chunk_sums(xc: torch.Tensor, hc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The per-chunk sums of float ``xc``/``hc``, through the float64 buffers ``a``/``b`` (overwritten).
+def _chunk_sums(xc: torch.Tensor, hc: torch.Tensor) -> torch.Tensor:
+    """The per-chunk sums of float ``xc``/``hc``, through float64 buffers of the chunk's size.
 
     One conversion of each input, then in-cache float64 passes; results stay on the device (no sync).
     """
+    a = torch.empty(xc.numel(), dtype=torch.float64, device=xc.device)
+    b = torch.empty_like(a)
     a.copy_(xc)
     b.copy_(hc)
     return _buffer_sums(a, b)
 
 
-def _buffer_sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The sums of :func:`_chunk_sums` of the float64 chunks ``a`` (x) and ``b`` (x̂), both overwritten."""
+def _buffer_sums(a: torch.Tensor, b: torch.Tensor, *, abs_x: bool = True) -> torch.Tensor:
+    """The sums of :func:`_chunk_sums` of the float64 chunks ``a`` (x) and ``b`` (x̂), both overwritten.
+    ``abs_x=False`` leaves out max ``|x|`` (NaN in its column): only float casts' statistics use it."""
     n_c = a.numel()
     sum_x = a.sum()
     sum_x2, sum_h2, sum_xh = torch.dot(a, a), torch.dot(b, b), torch.dot(a, b)
-    max_abs_x = torch.maximum(a.amax(), a.amin().neg())  # (vector_norm(inf) is many times slower on CPU)
-    err = torch.sub(a, b, out=b).abs_()
+    if abs_x:  # (vector_norm(inf) is many times slower on CPU)
+        max_abs_x = torch.maximum(a.amax(), a.amin().neg())
+    else:
+        max_abs_x = torch.full((), math.nan, dtype=torch.float64, device=a.device)
+    err = b.sub_(a).abs_()  # |x − x̂|
     sum_e2 = torch.dot(err, err)
     sum_abs_e = err.sum()
     max_abs_e = err.amax()
@@ -217,11 +232,10 @@ def _moments(x: torch.Tensor, x_hat: torch.Tensor) -> _Moments:
             rows.append(fused)
             start = whole
     if start < fx.numel():
-        a = torch.empty(step, dtype=torch.float64, device=x.device)
-        b = torch.empty(step, dtype=torch.float64, device=x.device)
-        rows.extend(_chunk_sums(fx[i:i + step], fh[i:i + step], a[: min(step, fx.numel() - i)],
-                                b[: min(step, fx.numel() - i)]).unsqueeze(0)
-                    for i in range(start, fx.numel(), step))
+        starts = range(start, fx.numel(), step)
+        rows.append(torch.stack(map_chunks(lambda i: _chunk_sums(fx[starts[i]:starts[i] + step],
+                                                                 fh[starts[i]:starts[i] + step]),
+                                           len(starts), x.device)))
     return _merge(torch.cat(rows))
 
 
@@ -247,25 +261,26 @@ def _outlier_count(x: torch.Tensor, mean: float, threshold: float) -> int:
         if fused is not None:
             return int(fused)
     step = min(_CHUNK, flat.numel())
+    starts = range(0, flat.numel(), step)
     bounds = (compiled._float32_interval(mean, threshold)
               if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else None)
     if bounds is not None:
         lo, hi = bounds
-        outside = torch.zeros((), dtype=torch.int64, device=x.device)
-        for i in range(0, flat.numel(), step):
-            part = flat[i:i + step].float()
-            outside += (part < lo).sum(dtype=torch.int32) + (part > hi).sum(dtype=torch.int32)
-        return int(outside)
-    buf = torch.empty(step, dtype=torch.float64, device=x.device)
-    flags = torch.empty(step, dtype=torch.bool, device=x.device)
-    count = torch.zeros((), dtype=torch.int64, device=x.device)
-    for i in range(0, flat.numel(), step):
-        part = flat[i:i + step]
-        d = buf[: part.numel()]
-        d.copy_(part)
-        above = torch.gt(d.sub_(mean).abs_(), threshold, out=flags[: part.numel()])
-        count += above.sum(dtype=torch.int32)  # a chunk has < 2**31 elements
-    return int(count)
+
+        def outside(i: int) -> torch.Tensor:
+            # Comparisons into float32 0/1 and their float32 sum: exact (a chunk's count is below 2²⁴), and
+            # several times faster on CPU than a bool result and its integer sum.
+            part = flat[starts[i]:starts[i] + step].float()
+            flags = torch.empty_like(part)
+            return (torch.lt(part, lo, out=flags).sum() + torch.gt(part, hi, out=flags).sum()).to(torch.int64)
+
+        return int(torch.stack(map_chunks(outside, len(starts), x.device)).sum())
+
+    def above(i: int) -> torch.Tensor:
+        d = flat[starts[i]:starts[i] + step].to(torch.float64, copy=True)
+        return (d.sub_(mean).abs_() > threshold).sum(dtype=torch.int32)  # a chunk has < 2**31 elements
+
+    return int(torch.stack(map_chunks(above, len(starts), x.device)).sum())
 
 
 def _cosine(m: _Moments) -> float:
@@ -328,23 +343,34 @@ def _moments_from_codes_eager(x: torch.Tensor, qt: QuantizedTensor) -> _Moments:
     n_blocks, width = blocks.shape
     rows = max(1, min(n_blocks, _CHUNK // max(1, width)))
     cols = min(width, _CHUNK)
-    a_buf = torch.empty(rows * cols, dtype=torch.float64, device=x.device)
-    b_buf = torch.empty_like(a_buf)
-    parts: list[torch.Tensor] = []
-    for r in range(0, n_blocks, rows):
-        for c in range(0, width, cols):
-            xb, cb = blocks[r:r + rows, c:c + cols], codes[r:r + rows, c:c + cols]
-            a, b = a_buf[: xb.numel()].view(xb.shape), b_buf[: xb.numel()].view(xb.shape)
-            a.copy_(xb)
-            if codebook is not None:
-                torch.index_select(codebook, 0, cb.reshape(-1).long(), out=b.view(-1))
-            else:
-                b.copy_(cb)
-                if zp is not None:
-                    b.sub_(zp[r:r + rows])
-            b.mul_(scale[r:r + rows])
-            parts.append(_buffer_sums(a.view(-1), b.view(-1)).unsqueeze(0))
-    return _merge(torch.cat(parts))
+    pieces = [(r, c) for r in range(0, n_blocks, rows) for c in range(0, width, cols)]
+    # Chunks of whole block rows also give each block's extremes, from the chunk in cache: the clipped count
+    # then needs no pass of its own over x.
+    lo_all = hi_all = None
+    if cols == width:
+        lo_all = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
+        hi_all = torch.empty_like(lo_all)
+
+    def sums(i: int) -> torch.Tensor:
+        r, c = pieces[i]
+        xb, cb = blocks[r:r + rows, c:c + cols], codes[r:r + rows, c:c + cols]
+        a = torch.empty(xb.shape, dtype=torch.float64, device=x.device)
+        b = torch.empty_like(a)
+        a.copy_(xb)
+        if lo_all is not None and hi_all is not None:  # exact: x in float64, its extremes back in float32
+            lo_all[r:r + rows] = a.amin(dim=1)
+            hi_all[r:r + rows] = a.amax(dim=1)
+        if codebook is not None:
+            torch.index_select(codebook, 0, cb.reshape(-1).long(), out=b.view(-1))
+        else:
+            b.copy_(cb)
+            if zp is not None:
+                b.sub_(zp[r:r + rows])
+        b.mul_(scale[r:r + rows])
+        return _buffer_sums(a.view(-1), b.view(-1), abs_x=False)
+
+    m = _merge(torch.stack(map_chunks(sums, len(pieces), x.device)))
+    return m if lo_all is None or hi_all is None else replace(m, block_ranges=(lo_all, hi_all))
 
 
 def quantized_error_stats(x: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
@@ -413,7 +439,7 @@ def _stats(x: torch.Tensor, qt: QuantizedTensor, m: _Moments) -> ErrorStats:
         cosine=_cosine(m),
         outlier_rate=outliers / numel,
         outlier_threshold=threshold,
-        clipped_fraction=clipped_count(*_in_code_order(x, qt)) / numel,
+        clipped_fraction=clipped_count(*_in_code_order(x, qt), ranges=m.block_ranges) / numel,
         theoretical_max_error=theoretical_max_error(qt, m.max_abs_x),
         bits_per_weight=bpw,
         compression_ratio=torch.finfo(qt.orig_dtype).bits / bpw,

@@ -109,6 +109,10 @@ def _packed_codes(codes: torch.Tensor, qmin: int, bits: int) -> torch.Tensor:
         fused = pack_codes(flat, qmin, bits)
         if fused is not None:
             return fused
+    if codes.dtype == torch.uint8 and qmin == 0:  # the codes are the offsets
+        return pack(flat, bits)
+    if codes.dtype == torch.int8 and bits < 8:  # code − qmin ≤ 2**bits − 1 ≤ 127: no wrap-around in int8
+        return pack((flat - qmin).view(torch.uint8), bits)
     return pack((flat.to(torch.int16) - qmin).to(torch.uint8), bits)
 
 

@@ -140,7 +140,7 @@ def _ggml_stats(x: torch.Tensor, scheme: Scheme, name: str) -> ErrorStats:
     from quantd.engine.ggml.stats import ggml_error_stats
 
     return ggml_error_stats(x, ggml.quantize(x, ggml.GGML_TYPES[scheme.dtype], name=name),
-                            in_bits=x.element_size() * 8)
+                            in_bits=x.element_size() * 8, name=name)
 
 
 def _process(reader: ModelReader, writer: Sink, fmt: OutputFormat, p: TensorPlan, device: torch.device,

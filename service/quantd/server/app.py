@@ -104,6 +104,7 @@ def _register_gauges(metrics: Metrics, state: AppState) -> None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
+    activity = runtime.RequestActivity()  # the warm-up waits for a quiet moment
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -124,7 +125,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         _register_gauges(metrics, state)
         app.state.quantd = state
         if settings.warmup:
-            runtime.start_warm_up()
+            runtime.start_warm_up(activity)
         log.info("quantd started", extra={"data_dir": str(settings.data_dir), "auth": bool(keys),
                                           "embedded_workers": embedded_worker_count(settings),
                                           "sync_device": device})
@@ -141,7 +142,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, info, sync, jobs):
         app.include_router(module.router)
     docs_ui.install(app)
-    app.add_middleware(RequestMiddleware, metrics=metrics)
+    app.add_middleware(RequestMiddleware, metrics=metrics, activity=activity)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

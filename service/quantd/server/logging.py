@@ -11,11 +11,17 @@ import time
 import traceback
 import uuid
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from quantd.runtime import RequestActivity
+
+# Probes and scrapes: not API work, not counted as requests in flight (RequestActivity).
+OPS_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 access_log = logging.getLogger("quantd.access")
 log = logging.getLogger("quantd.server")
@@ -54,9 +60,10 @@ def configure_logging(level: str = "INFO") -> None:
 class RequestMiddleware:
     """Request id (``X-Request-ID`` in and out), one access-log line, metrics, bytes in/out, 500s."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, activity: RequestActivity | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.activity = activity  # API requests in flight (not the probes and scrapes of OPS_PATHS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -89,6 +96,9 @@ class RequestMiddleware:
                 bytes_out += len(msg.get("body", b""))
             await send(msg)
 
+        activity = self.activity if scope.get("path", "") not in OPS_PATHS else None
+        if activity is not None:
+            activity.enter()
         try:
             await self.app(scope, receive_counted, send_tagged)
         except Exception as exc:
@@ -102,6 +112,8 @@ class RequestMiddleware:
                     (b"content-type", b"application/problem+json"), (b"content-length", str(len(body)).encode())]})
                 await send_tagged({"type": "http.response.body", "body": body})
         finally:
+            if activity is not None:
+                activity.leave()
             elapsed = time.perf_counter() - start
             route = scope.get("route")
             route_path = getattr(route, "path", None) or "<unmatched>"

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from quantd.engine import kernels
+
 # ggml's GROUP_MAX_EPS: a block whose largest magnitude is below this is all zero.
 GROUP_MAX_EPS = 1e-15
+
+
+def wants_kernels(x: torch.Tensor) -> bool:
+    """Whether the k-quant searches take the compiled kernels for ``x``: only when ``QUANTD_COMPILE=1`` asks
+    for them. Their kernels take minutes to build on a cold cache and gain less than 2× over the eager ops
+    (``bench/gguf_vs_llamacpp.py``), so under the default setting no GGUF job waits on a compile."""
+    return kernels.compile_setting() == "on" and kernels.KERNELS.wants(x, small=True)
 
 
 def f16_bytes(v: torch.Tensor) -> torch.Tensor:
@@ -65,12 +74,17 @@ def argmax_abs_value(x: torch.Tensor) -> torch.Tensor:
 
 def sum_rows(t: torch.Tensor) -> torch.Tensor:
     """Σ over the first dim of a 2-D ``[n, S]`` tensor, as a ``[1, n] @ [n, S]`` product: ATen's reduction
-    kernels run such short sums an order of magnitude slower than a matrix product on CPU."""
+    kernels run such short sums an order of magnitude slower than a matrix product on CPU. In a compiled graph
+    a plain sum, which Inductor fuses with the ops that make ``t``."""
+    if torch.compiler.is_compiling():
+        return t.sum(0)
     return (torch.ones(1, t.shape[0], dtype=t.dtype, device=t.device) @ t).squeeze(0)
 
 
 def sum_last(t: torch.Tensor) -> torch.Tensor:
     """Σ over the last dim (any leading shape), as a product with a ones vector (see :func:`sum_rows`)."""
+    if torch.compiler.is_compiling():
+        return t.sum(-1)
     n = t.shape[-1]
     flat = t.reshape(-1, n) @ torch.ones(n, 1, dtype=t.dtype, device=t.device)
     return flat.reshape(t.shape[:-1])

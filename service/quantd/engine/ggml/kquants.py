@@ -18,7 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import GROUP_MAX_EPS, argmax_abs_value, blend, f16_bytes, f16_from, nearest_int, sum_last
+from quantd.engine import kernels
+
+from ._common import (
+    GROUP_MAX_EPS,
+    argmax_abs_value,
+    blend,
+    f16_bytes,
+    f16_from,
+    nearest_int,
+    sum_last,
+    wants_kernels,
+)
 from ._search import affine_search, q3_search, qp_search, symmetric_search
 
 QK_K = 256
@@ -136,23 +147,65 @@ def _affine_weights(t: _Affine, x: torch.Tensor, importance: torch.Tensor | None
     return (av + sub.abs()).reshape(x.shape)
 
 
-def _affine_codes(t: _Affine, x: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, ls: torch.Tensor,
-                  lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes of every element for float super-scales ``d``/``dmin`` ``[NB]`` and integer sub-scales
-    ``[NB, nsub]`` (ggml's final ``nearest_int((x + dm) / d)``), and ``x̂``; both ``[NB, 256]``."""
+def _static_blocks(*tensors: torch.Tensor | None) -> None:
+    """Compile the kernels on ``[NB, nsub, sub]`` views for their (few) sub-block layouts as constants: with a
+    symbolic sub-block length Inductor's loops over a sub-block do not vectorise."""
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.mark_static(t, 1)
+            torch._dynamo.mark_static(t, 2)
+
+
+def codes_error(x3: torch.Tensor, step: torch.Tensor, off: torch.Tensor | None, w3: torch.Tensor | None, lo: int,
+                hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of ``x3`` ``[NB, nsub, sub]`` for each sub-block's step and offset (``[NB, nsub, 1]``; ``x̂ =
+    step·q − off``: ggml's final ``nearest_int((x + off) / step)``, 0 where the step is 0) and each
+    super-block's (``w3``-weighted) squared error ``[NB]``."""
+    q = nearest_int((x3 if off is None else x3 + off) / _safe(step)).clamp(lo, hi)
+    q = q * (step != 0).to(q.dtype)
+    x_hat = step * q if off is None else step * q - off
+    diff = x_hat - x3
+    e = diff * diff
+    return q, sum_last((e if w3 is None else e * w3).reshape(x3.shape[0], -1))
+
+
+def _codes_error(x: torch.Tensor, step: torch.Tensor, off: torch.Tensor | None, weight: torch.Tensor | None,
+                 lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`codes_error` of ``x`` ``[NB, 256]`` (codes as ``[NB, 256]``): one compiled pass where the
+    kernels run."""
     nb = x.shape[0]
-    x3 = x.view(nb, -1, t.sub)
+    x3 = x.view(nb, step.shape[1], -1)
+    args = (x3, step, off, None if weight is None else weight.view(x3.shape), lo, hi)
+    out = None
+    if wants_kernels(x):
+        _static_blocks(x3, step, off, args[3])
+        out = kernels.KERNELS.call("ggml_codes_error", codes_error,
+                                   (lo, hi, x3.shape[2], off is None, weight is None), *args)
+    q, err = codes_error(*args) if out is None else out
+    return q.reshape(nb, -1), err
+
+
+def _affine_codes(t: _Affine, x: torch.Tensor, ew: torch.Tensor | None, d: torch.Tensor, dmin: torch.Tensor,
+                  ls: torch.Tensor, lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[NB, 256]`` and error ``[NB]`` for float super-scales ``d``/``dmin`` ``[NB]`` and integer
+    sub-scales ``[NB, nsub]``."""
     step = (d.unsqueeze(1) * ls).unsqueeze(2)
     off = (dmin.unsqueeze(1) * lm).unsqueeze(2)
-    q = nearest_int((x3 + off) / _safe(step)).clamp_(0, t.nmax)
-    q = q.mul_((step != 0).to(q.dtype))
-    return q.reshape(nb, -1), (step * q - off).reshape(nb, -1)
+    return _codes_error(x, step, off, ew, 0, t.nmax)
 
 
-def _block_error(x: torch.Tensor, x_hat: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-    diff = x_hat - x
-    e = diff * diff
-    return sum_last(e if weight is None else e * weight)
+def refit_sums(x3: torch.Tensor, q3: torch.Tensor, w3: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """``(Σwq, Σwq², Σwqx)`` per sub-block of ``[NB, nsub, sub]``."""
+    wq = q3 if w3 is None else w3 * q3
+    return sum_last(wq), sum_last(wq * q3), sum_last(wq * x3)
+
+
+def _refit_sums(x3: torch.Tensor, q3: torch.Tensor, w3: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    out = None
+    if wants_kernels(x3):
+        _static_blocks(x3, q3, w3)
+        out = kernels.KERNELS.call("ggml_refit_sums", refit_sums, (x3.shape[2], w3 is None), x3, q3, w3)
+    return refit_sums(x3, q3, w3) if out is None else out
 
 
 def _affine_refit(t: _Affine, x: torch.Tensor, weight: torch.Tensor | None, q: torch.Tensor, d: torch.Tensor,
@@ -162,10 +215,9 @@ def _affine_refit(t: _Affine, x: torch.Tensor, weight: torch.Tensor | None, q: t
     nb = x.shape[0]
     x3 = x.view(nb, -1, t.sub)
     q3 = q.view(nb, -1, t.sub)
-    wq = q3 if weight is None else weight.view(nb, -1, t.sub) * q3
     s_w = torch.full_like(ls, float(t.sub)) if weight is None else sum_last(weight.view(nb, -1, t.sub))
     s_wx = sum_last(x3) if weight is None else sum_last(weight.view(nb, -1, t.sub) * x3)
-    s_wq, s_wq2, s_wqx = sum_last(wq), sum_last(wq * q3), sum_last(wq * x3)
+    s_wq, s_wq2, s_wqx = _refit_sums(x3, q3, None if weight is None else weight.view(nb, -1, t.sub))
     saa = sum_last(ls * ls * s_wq2)
     sab = sum_last(ls * lm * s_wq)
     sbb = sum_last(lm * lm * s_w)
@@ -187,13 +239,11 @@ def _affine_settle(t: _Affine, x: torch.Tensor, ew: torch.Tensor | None, d: torc
                    ls: torch.Tensor, lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes for one choice of super- and sub-scales, then the least-squares refit of ``d``/``dmin``, kept
     per super-block where it lowers the error. Returns ``d``, ``dmin``, codes, error ``[NB]``."""
-    q, x_hat = _affine_codes(t, x, d, dmin, ls, lm)
-    best = _block_error(x, x_hat, ew)
+    q, best = _affine_codes(t, x, ew, d, dmin, ls, lm)
     cq, cd, cm = q, d, dmin
     for _ in range(_REFIT_ROUNDS):
         cd, cm = _affine_refit(t, x, ew, cq, cd, cm, ls, lm)
-        cq, cx = _affine_codes(t, x, cd, cm, ls, lm)
-        err = _block_error(x, cx, ew)
+        cq, err = _affine_codes(t, x, ew, cd, cm, ls, lm)
         take = err < best
         best = torch.where(take, err, best)
         d = torch.where(take, cd, d)
@@ -256,31 +306,24 @@ def _sym_refit(x: torch.Tensor, weight: torch.Tensor | None, sub: int, d: torch.
                q: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
     x3 = x.view(nb, -1, sub)
-    q3 = q.view(nb, -1, sub)
-    wq = q3 if weight is None else weight.view(nb, -1, sub) * q3
-    saa = sum_last(sc * sc * sum_last(wq * q3))
-    sax = sum_last(sc * sum_last(wq * x3))
+    _, s_wq2, s_wqx = _refit_sums(x3, q.view(nb, -1, sub), None if weight is None else weight.view(nb, -1, sub))
+    saa = sum_last(sc * sc * s_wq2)
+    sax = sum_last(sc * s_wqx)
     return torch.where(saa > 0, _f16_round(sax / _safe(saa)), d)
 
 
-def _sym_codes(x: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, sub: int, nmax: int
+def _sym_codes(x: torch.Tensor, ew: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor, nmax: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    nb = x.shape[0]
-    step = (d.unsqueeze(1) * sc).unsqueeze(2)
-    q = nearest_int(x.view(nb, -1, sub) / _safe(step)).clamp_(-nmax, nmax - 1)
-    q = q.mul_((step != 0).to(q.dtype))
-    return q.reshape(nb, -1), (step * q).reshape(nb, -1)
+    return _codes_error(x, (d.unsqueeze(1) * sc).unsqueeze(2), None, ew, -nmax, nmax - 1)
 
 
 def _sym_settle(x: torch.Tensor, ew: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor, nmax: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, x_hat = _sym_codes(x, d, sc, 16, nmax)
-    best = _block_error(x, x_hat, ew)
+    q, best = _sym_codes(x, ew, d, sc, nmax)
     cq, cd = q, d
     for _ in range(_REFIT_ROUNDS):
         cd = _sym_refit(x, ew, 16, cd, sc, cq)
-        cq, cx = _sym_codes(x, cd, sc, 16, nmax)
-        err = _block_error(x, cx, ew)
+        cq, err = _sym_codes(x, ew, cd, sc, nmax)
         take = err < best
         best = torch.where(take, err, best)
         d = torch.where(take, cd, d)

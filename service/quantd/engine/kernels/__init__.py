@@ -20,12 +20,13 @@ process to the eager path for good, with one warning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -53,8 +54,8 @@ INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.dynam
 
 def compile_setting() -> str:
     """``QUANTD_COMPILE``: ``off`` (``0``/``false``/``no``), ``on`` (``1``/``true``/``yes``: compile whenever
-    a kernel applies) or ``auto`` (the default: long-lived processes compile, a one-shot run only when its
-    input is large enough for compiling to pay off, ``quantd.runtime.use_kernels_for``)."""
+    a kernel applies) or ``auto`` (the default: long-lived processes compile, one-shot runs stay eager,
+    ``quantd.runtime.use_kernels_for``)."""
     setting = os.environ.get("QUANTD_COMPILE", "auto").strip().lower()
     if setting in ("0", "false", "off", "no"):
         return "off"
@@ -133,6 +134,32 @@ class _Compiled:
             self._broken = f"{type(e).__name__}: {e}"
             log.warning("compiled kernels disabled, using eager torch: %s", self._broken.splitlines()[0][:300])
             return None
+
+    @contextlib.contextmanager
+    def bound(self, name: str, fn: Callable[..., T], key: tuple[Any, ...], *args: Any,
+              options: dict[str, Any] | None = None) -> Iterator[Callable[..., T | None] | None]:
+        """For a loop that calls one kernel many times on tensors of the same layout (a search's candidates):
+        :meth:`call` once with ``args`` (compiling it if need be), then, for the ``with`` block, a callable
+        that runs the compiled ``fn`` directly, without :meth:`call`'s per-call set-up (the recompile limit is
+        raised once for the block), and returns None (the caller runs eager) if it fails. None when the
+        kernel is not available."""
+        if self.call(name, fn, key, *args, options=options) is None:
+            yield None
+            return
+        compiled = self._fns[name]
+
+        def run(*a: Any) -> T | None:
+            if self._broken is not None:
+                return None
+            try:
+                return compiled(*a)  # type: ignore[no-any-return]
+            except Exception as e:  # as in call(): fall back to eager, never fail the job
+                self._broken = f"{type(e).__name__}: {e}"
+                log.warning("compiled kernels disabled, using eager torch: %s", self._broken.splitlines()[0][:300])
+                return None
+
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            yield run
 
     def reset(self, *, available: bool | None = None) -> None:
         """Forget the failure state (and optionally force availability): for tests."""

@@ -99,6 +99,11 @@ class CompressedTensors(OutputFormat):
                 return None, "not a Linear weight of the model's architecture (compressed-tensors quantizes Linear weights)"
         elif len(info.shape) != 2 or not info.name.endswith(_SUFFIX):
             return None, "not a 2-D *.weight (compressed-tensors quantizes Linear weights)"
+        if scheme.method == "gptq" and "static_groups" not in scheme.method_args:
+            # compressed-tensors 0.20 and later load no ``weight_g_idx`` (its ``actorder: group`` is gone), so
+            # act-order GPTQ keeps its groups contiguous here unless the config asks otherwise: the columns
+            # are still visited by decreasing Hessian diagonal, and the checkpoint loads everywhere.
+            scheme = scheme.model_copy(update={"method_args": {**scheme.method_args, "static_groups": True}})
         return scheme, reason
 
     def check(self, name: str, shape: tuple[int, ...], scheme: Scheme) -> None:
@@ -208,7 +213,8 @@ class CompressedTensors(OutputFormat):
             if p.scheme is None:
                 continue
             m = _module(p.info.name)
-            args = _weight_args(p.scheme, actorder=f"{m}.weight_g_idx" in written)
+            args = _weight_args(p.scheme, actorder=_actorder(p.scheme, g_idx=f"{m}.weight_g_idx" in written,
+                                                           name=p.info.name))
             key = repr(sorted(args.items()))
             groups.setdefault(key, (args, []))[1].append(m)
         quantized = {m for _, mods in groups.values() for m in mods}
@@ -236,14 +242,29 @@ class CompressedTensors(OutputFormat):
         }
 
 
-def _weight_args(scheme: Scheme, *, actorder: bool) -> dict[str, Any]:
+def _actorder(scheme: Scheme, *, g_idx: bool, name: str) -> str | None:
+    """The library's ``actorder`` of a weight: ``group`` when it carries ``weight_g_idx`` (readers that still
+    know it: compressed-tensors before 0.20, vLLM), ``weight`` when act-order only set the order in which
+    GPTQ visited the columns (contiguous groups), else None."""
+    if g_idx:
+        return "group"
+    if scheme.method == "gptq":
+        from quantd.engine.methods import get_method
+
+        args = get_method("gptq", tensor=name).resolve_args(scheme, tensor=name)
+        if args.get("act_order") and scheme.granularity == "group":
+            return "weight"
+    return None
+
+
+def _weight_args(scheme: Scheme, *, actorder: str | None) -> dict[str, Any]:
     """The library's ``QuantizationArgs`` of a scheme (as it serialises them), plus its format."""
     info = DTYPES[scheme.dtype]
     asym = info.kind == "int" and not scheme.symmetric
     return {
         "num_bits": info.bits, "type": "float" if info.kind == "fp8" else "int", "symmetric": not asym,
         "strategy": scheme.granularity, "group_size": scheme.group_size if scheme.granularity == "group" else None,
-        "block_structure": None, "dynamic": False, "actorder": "group" if actorder else None,
+        "block_structure": None, "dynamic": False, "actorder": actorder,
         "observer": None, "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": "torch.int8" if asym else None,
         "_format": _storage(scheme),
     }

@@ -135,6 +135,16 @@ def _importance(table: Mapping[str, torch.Tensor] | None, name: str, shape: tupl
     return imp
 
 
+def _check_finite(x: torch.Tensor, name: str) -> None:
+    """NonFiniteError naming the tensor when it holds NaN or Inf: a NaN or an infinity makes the float32 sum
+    of the tensor NaN or infinite, so one vectorised reduction clears every finite tensor; only a non-finite
+    sum (bad values, or finite ones whose sum overflows) takes the counting check."""
+    from ..pipeline import check_finite
+
+    if not bool(torch.isfinite(x.sum(dtype=torch.float32))):
+        check_finite(x, name)
+
+
 def _quantize_one(x: torch.Tensor, scheme: Scheme, name: str, imp: torch.Tensor | None, in_bits: int
                   ) -> tuple[Any, torch.Tensor]:
     from quantd.engine import ggml
@@ -146,12 +156,13 @@ def _quantize_one(x: torch.Tensor, scheme: Scheme, name: str, imp: torch.Tensor 
         stats, qt = _measure(x, scheme, name)
         return stats, qt.codes
     t = ggml.GGML_TYPES[scheme.dtype]
+    x = x.float()  # float16/bfloat16 inputs converted once, for the search and the statistics
     if imp is not None and imp.shape[0] > 1:  # stacked experts: each with its own importance
         parts = [ggml.quantize(x[e], t, importance=imp[e], name=name).data for e in range(x.shape[0])]
         q = ggml.GGMLQuantized(t, tuple(x.shape), torch.cat(parts))
     else:
         q = ggml.quantize(x, t, importance=None if imp is None else imp[0], name=name)
-    return ggml_error_stats(x, q, in_bits=in_bits), q.data
+    return ggml_error_stats(x, q, in_bits=in_bits, name=name), q.data
 
 
 def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: QuantConfig, *,
@@ -160,7 +171,7 @@ def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: Quan
                   should_cancel: Callable[[], bool] | None = None, started: float | None = None,
                   importance: Mapping[str, torch.Tensor] | None = None) -> Report:
     """Quantize the GGUF model of ``reader`` into the GGUF file ``dst`` and return the Report."""
-    from ..pipeline import check_finite, summarize
+    from ..pipeline import summarize
 
     t0 = time.perf_counter() if started is None else started
     if not isinstance(reader, GGUFReader):
@@ -190,7 +201,7 @@ def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: Quan
                                             skipped=True, reason=p.reason))
             else:
                 x = reader.load(name, device)
-                check_finite(x, name)
+                _check_finite(x, name)
                 e = reader.entry(name)
                 in_bits = FLOAT_TYPES[e.type_id].itemsize * 8
                 stats, data = _quantize_one(x, p.scheme, name, _importance(importance, name, p.info.shape), in_bits)
