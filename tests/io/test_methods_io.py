@@ -137,7 +137,8 @@ def test_gptq_act_order_into_compressed_tensors_writes_g_idx(tmp_path: Path) -> 
     src, cal, _ = _model(tmp_path)
     files = ModelFiles({"model.safetensors": src})
     config = QuantConfig.model_validate({"output": "compressed-tensors", "scheme": {
-        "dtype": "int4", "group_size": 32, "method": "gptq", "method_args": {"act_order": True}}})
+        "dtype": "int4", "group_size": 32, "method": "gptq",
+        "method_args": {"act_order": True, "static_groups": False}}})  # the column order asked for
     report = quantize_directory(files, tmp_path / "out", config, device="cpu", calibration=cal)
     out = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert out["enc.q.weight_g_idx"].dtype == torch.int32 and out["enc.q.weight_g_idx"].shape == (128,)
