@@ -270,6 +270,47 @@ def test_gptq_with_awq_scales_and_clip_search() -> None:
     assert _rel(w, dequantize(scaled), x) < _rel(w, dequantize(plain), x)
 
 
+def _awq_scales_loop(w: torch.Tensor, h: torch.Tensor, count: int, scheme: Scheme, grid: int) -> torch.Tensor:
+    """AWQ's scale search written plainly: one ``α`` at a time, ``tr(ΔW H ΔWᵀ)`` from ``H`` itself."""
+    gs = scheme.group_size if scheme.granularity == "group" else w.shape[1]
+    x_rms = (torch.diagonal(h).clamp_min(0) / count).sqrt()
+    wn = w.abs().reshape(w.shape[0], -1, gs)
+    w_mean = (wn / wn.amax(dim=2, keepdim=True).clamp_min(1e-12)).reshape(w.shape).mean(dim=0)
+    rtn = scheme.model_copy(update={"method": "rtn"})
+    best, best_err = torch.ones_like(x_rms), float("inf")
+    for k in range(grid):
+        alpha = k / grid
+        s = (x_rms.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp_min(1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        dw = dequantize(quantize(w * s, rtn)) / s - w
+        err = float(((dw.double() @ h.double()) * dw.double()).sum())
+        if err < best_err:
+            best, best_err = s, err
+    return best
+
+
+@pytest.mark.parametrize(("rows", "cols", "granularity", "symmetric", "dead", "stack"), [
+    (48, 128, "group", False, False, 1 << 24), (96, 256, "group", True, False, 1 << 24),
+    (64, 192, "channel", False, False, 1 << 24), (32, 128, "group", False, True, 1 << 24),
+    (40, 128, "group", False, False, 3 * 40 * 128)])
+def test_awq_scale_search_picks_what_the_per_candidate_loop_picks(
+        rows: int, cols: int, granularity: str, symmetric: bool, dead: bool, stack: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stacked search (Cholesky-factored error, candidates in stacks) against the plain loop, on random
+    layers: positive definite H, H with a dead input (no Cholesky factor), and stacks smaller than the grid."""
+    from quantd.engine.methods import awq
+
+    monkeypatch.setattr(awq, "STACK_ELEMENTS", stack)
+    scheme = Scheme(dtype="int4", granularity=granularity, group_size=64, symmetric=symmetric, method="awq")
+    for seed in range(3):
+        w, x = _layer(rows=rows, cols=cols, n=2048, seed=seed)
+        if dead:
+            x[:, 7] = 0.0
+        h = x.T @ x
+        got = awq.awq_scales(w, h, x.shape[0], scheme, grid=20, duo_scaling=True, name="w")
+        torch.testing.assert_close(got, _awq_scales_loop(w, h, x.shape[0], scheme, 20), rtol=1e-5, atol=0.0)
+
+
 def _loud_inputs(cols: int, seed: int, correlation: float) -> tuple[torch.Tensor, Callable[[int], torch.Tensor]]:
     """A weight ``[64, cols]`` and a sampler of inputs with log-normal channel scales and a few loud channels."""
     g = torch.Generator().manual_seed(seed)

@@ -8,7 +8,9 @@ normalised per group, per column), normalised to ``√(max s · min s) = 1``, fo
 ``grid`` points in ``[0, 1)``; ``W·s`` is quantized and ``Ŵ = Q(W·s) / s``. Then each group's range is
 shrunk by the ratio (1 down to ``1 − max_shrink``) whose output error through the group's own block of ``H``
 is least. Without a graph to fold ``s`` into the preceding layer, ``s`` is stored as ``channel_scale``
-(dequantization divides column ``j`` by ``s_j``). Every candidate is evaluated for the whole matrix at once.
+(dequantization divides column ``j`` by ``s_j``). Every candidate is evaluated for the whole matrix at once;
+the scale candidates together, in stacks, their errors as ``‖ΔW L‖²`` through the Cholesky factor ``H = L Lᵀ``
+(half the multiply-adds of ``ΔW H``, the zero half of ``L`` skipped by column blocks).
 """
 
 from __future__ import annotations
@@ -48,25 +50,72 @@ def _rtn(w: torch.Tensor, scheme: Scheme, name: str, ratio: torch.Tensor | None 
     return quantize(w, rtn, name=name, observer_range=(lo * ratio, hi * ratio))
 
 
+# The α candidates evaluated in one stack ``[k, out, in]`` hold at most this many float32 elements (16 MiB) unless
+# one candidate alone is larger: the search's memory stays a few times the weight's, and a stack's passes
+# reuse the same (cached) memory instead of touching new pages for every candidate.
+STACK_ELEMENTS = 1 << 22
+
+
+def error_factor(h: torch.Tensor) -> torch.Tensor | None:
+    """The lower Cholesky factor ``L`` of ``H = L Lᵀ``, so that ``tr(ΔW H ΔWᵀ) = ‖ΔW L‖²``; None when ``H`` is
+    not positive definite in float32 (dead inputs, no damping)."""
+    chol: torch.Tensor
+    chol, info = torch.linalg.cholesky_ex(h)
+    if int(info) != 0 or not bool(torch.isfinite(chol).all()):
+        return None
+    return chol
+
+
+def _row_errors(dw: torch.Tensor, h: torch.Tensor, chol: torch.Tensor | None, k: int) -> torch.Tensor:
+    """``tr(ΔW_i H ΔW_iᵀ)`` (float64 ``[k]``) for ``dw`` the ``k`` stacked ``ΔW_i`` ``[k·out, in]``.
+
+    With ``L`` the product ``ΔW L`` is taken by column blocks of ``L``, each against the rows of ``L`` from
+    the block's first on (the rest are zero): about ``(b + 1) / 2b`` of a full ``ΔW H`` for ``b`` blocks."""
+    if chol is None:
+        return ((dw @ h) * dw).reshape(k, -1).sum(dim=1, dtype=torch.float64)
+    cols = dw.shape[1]
+    width = max(128, -(-cols // 8))
+    err = torch.zeros(k, dtype=torch.float64, device=dw.device)
+    for c0 in range(0, cols, width):  # at most 8 column blocks, each one matmul over every candidate
+        c1 = min(c0 + width, cols)
+        y = dw[:, c0:] @ chol[c0:, c0:c1]
+        err += y.square_().sum(dim=1).reshape(k, -1).sum(dim=1, dtype=torch.float64)
+    return err
+
+
 def awq_scales(w: torch.Tensor, h: torch.Tensor, count: int, scheme: Scheme, *, grid: int, duo_scaling: bool,
                name: str) -> torch.Tensor:
-    """The per-input-channel scales ``s[in]`` (float32) of least output error over the ``α`` grid."""
+    """The per-input-channel scales ``s[in]`` (float32) of least output error over the ``α`` grid.
+
+    Every candidate's ``s`` is formed at once (``[grid, in]``); the candidates are quantized and their errors
+    measured in stacks of rows (per channel and per group the blocks lie within a row, so a stack
+    quantizes each candidate as it would alone), through ``H``'s Cholesky factor when it has one. The first
+    candidate of least error wins, as in a loop over ``α``."""
     gs = group_columns(w.shape[1], scheme)
     x_rms = (torch.diagonal(h).clamp_min(0) / max(count, 1)).sqrt()
     wn = w.abs().reshape(w.shape[0], -1, gs)
     wn = (wn / wn.amax(dim=2, keepdim=True).clamp_min(1e-12)).reshape(w.shape)
     w_mean = wn.mean(dim=0)
-    best, best_err = torch.ones_like(x_rms), float("inf")
-    for k in range(grid):  # a handful of candidates, each evaluated on the whole matrix
-        alpha = k / grid
-        s = x_rms.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4) if duo_scaling else x_rms.pow(alpha)
-        s = s.clamp_min(1e-4)
-        s = s / (s.max() * s.min()).sqrt()
-        w_hat = dequantize(_rtn(w * s, scheme, name)) / s
-        err = float(output_error(w_hat - w, h))
-        if err < best_err:
-            best, best_err = s, err
-    return best
+    alpha = (torch.arange(grid, device=w.device, dtype=torch.float32) / grid).unsqueeze(1)
+    s_all = x_rms.pow(alpha)
+    if duo_scaling:
+        s_all = s_all / (w_mean.pow(1 - alpha) + 1e-4)
+    s_all = s_all.clamp_min(1e-4)
+    s_all = s_all / (s_all.amax(dim=1, keepdim=True) * s_all.amin(dim=1, keepdim=True)).sqrt()
+    chol = error_factor(h)
+    per_stack = max(1, STACK_ELEMENTS // w.numel()) if scheme.granularity in ("channel", "group") else 1
+    errs = []
+    for k0 in range(0, grid, per_stack):  # one stack when memory allows
+        s = s_all[k0:k0 + per_stack].unsqueeze(1)
+        ws = (w * s).reshape(-1, w.shape[1])
+        dw = dequantize(_rtn(ws, scheme, name))
+        dw.view(s.shape[0], *w.shape).div_(s).sub_(w)
+        errs.append(_row_errors(dw, h, chol, s.shape[0]))
+    err = torch.cat(errs).nan_to_num(nan=float("inf"))
+    best = int(torch.argmin(err))
+    if not bool(torch.isfinite(err[best])):
+        return torch.ones_like(x_rms)
+    return s_all[best].contiguous()
 
 
 def awq_clip(ws: torch.Tensor, s: torch.Tensor, h: torch.Tensor, scheme: Scheme, *, grid: int, max_shrink: float,
