@@ -895,7 +895,30 @@ def methods_section(data: dict[str, Any]) -> list[str]:
                         + (f" ({r['scope']})" if r.get("scope") and r["library"] == "quantd" else ""),
                         fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r.get("seconds"), ".2f"),
                         fmt(r.get("speedup_vs_hqq"), ".2f")] for r in hqq])]
-    return out
+    return out + _methods_best_vs_llmc(data)
+
+
+def _methods_best_vs_llmc(data: dict[str, Any]) -> list[str]:
+    """Per scheme, quantd's most accurate job on the recorded calibration file against each llm-compressor
+    row of the same scheme and run: cosine and seconds, llm-compressor's seconds over quantd's."""
+    ours = [r for r in data.get("agnostic") or [] if isinstance(r, dict) and r.get("embedding_cos_mean")]
+    theirs = [r for r in data.get("llmcompressor") or [] if isinstance(r, dict) and r.get("seconds")
+              and "unavailable" not in r]
+    rows: list[list[str]] = []
+    for scheme in sorted({r["scheme"] for r in theirs}):
+        best = max((r for r in ours if r["scheme"] == scheme), key=lambda r: r["embedding_cos_mean"], default=None)
+        if best is None:
+            continue
+        for r in (r for r in theirs if r["scheme"] == scheme):
+            label = r["method"] + (f" (act-order {r['actorder']})" if r.get("actorder") else "")
+            rows.append([scheme, best["method"], fmt(best["embedding_cos_mean"], ".4f"), fmt(best["seconds"], ".2f"),
+                         label, fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r["seconds"], ".2f"),
+                         fmt(r["seconds"] / best["seconds"], ".2f")])
+    if not rows:
+        return []
+    return ["", "quantd's most accurate setting as a job (recorded calibration file) against llm-compressor in the "
+                "same run (*speed-up*: llm-compressor's seconds over quantd's; above 1: quantd faster):", "",
+            table(["scheme", "quantd", "cos", "seconds", "llm-compressor", "cos", "seconds", "speed-up"], rows)]
 
 
 def methods_model_aware_section(data: dict[str, Any]) -> list[str]:
