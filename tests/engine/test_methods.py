@@ -311,6 +311,42 @@ def test_awq_scale_search_picks_what_the_per_candidate_loop_picks(
         torch.testing.assert_close(got, _awq_scales_loop(w, h, x.shape[0], scheme, 20), rtol=1e-5, atol=0.0)
 
 
+def _awq_clip_loop(ws: torch.Tensor, s: torch.Tensor, h: torch.Tensor, scheme: Scheme, grid: int,
+                   max_shrink: float) -> torch.Tensor:
+    """AWQ's clipping search written plainly: one ratio at a time, each block's error through its block of H."""
+    gs = scheme.group_size
+    g = ws.shape[1] // gs
+    hs = h / s.unsqueeze(0) / s.unsqueeze(1)
+    rtn = scheme.model_copy(update={"method": "rtn"})
+    best = torch.ones(ws.shape[0], g)
+    best_err = torch.full((ws.shape[0], g), float("inf"))
+    for k in range(int(max_shrink * grid)):
+        r = 1.0 - k / grid
+        lo, hi = ws.reshape(-1, gs).amin(dim=1), ws.reshape(-1, gs).amax(dim=1)
+        d = (dequantize(quantize(ws, rtn, observer_range=(lo * r, hi * r))) - ws).reshape(ws.shape[0], g, gs)
+        err = torch.stack([torch.einsum("ri,ij,rj->r", d[:, j], hs[j * gs:(j + 1) * gs, j * gs:(j + 1) * gs],
+                                        d[:, j]) for j in range(g)], dim=1)
+        best = torch.where(err < best_err, r, best)
+        best_err = torch.minimum(err, best_err)
+    return best.reshape(-1)
+
+
+@pytest.mark.parametrize("stack", [1 << 24, 3 * 40 * 128])
+def test_awq_clip_search_picks_what_the_per_ratio_loop_picks(stack: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantd.engine.methods import awq
+
+    monkeypatch.setattr(awq, "STACK_ELEMENTS", stack)
+    scheme = Scheme(dtype="int4", group_size=32, method="awq")
+    for seed in range(3):
+        w, x = _layer(rows=40, cols=128, n=2048, seed=seed)
+        h = x.T @ x
+        s = awq.awq_scales(w, h, x.shape[0], scheme, grid=20, duo_scaling=True, name="w")
+        got = awq.awq_clip(w * s, s, h, scheme, grid=20, max_shrink=0.5, name="w")
+        want = _awq_clip_loop(w * s, s, h, scheme, 20, 0.5)
+        assert bool((want < 1.0).any())  # the search moves some blocks
+        assert float((got != want).float().mean()) < 0.01  # a rare block within rounding of a tie
+
+
 def _loud_inputs(cols: int, seed: int, correlation: float) -> tuple[torch.Tensor, Callable[[int], torch.Tensor]]:
     """A weight ``[64, cols]`` and a sampler of inputs with log-normal channel scales and a few loud channels."""
     g = torch.Generator().manual_seed(seed)

@@ -127,16 +127,19 @@ def awq_clip(ws: torch.Tensor, s: torch.Tensor, h: torch.Tensor, scheme: Scheme,
     hs = h / s.unsqueeze(0) / s.unsqueeze(1)
     idx = torch.arange(n_groups, device=ws.device)
     h_blocks = hs.reshape(n_groups, gs, n_groups, gs)[idx, :, idx, :]
-    best_ratio = torch.ones(ws.shape[0], n_groups, device=ws.device)
-    best_err = torch.full_like(best_ratio, float("inf"))
-    for k in range(max(1, int(max_shrink * grid))):
-        r = 1.0 - k / grid
-        ratio = torch.full((ws.shape[0] * n_groups,), r, device=ws.device)
-        err = _group_error(dequantize(_rtn(ws, scheme, name, ratio)) - ws, h_blocks, gs)
-        better = err < best_err
-        best_ratio = torch.where(better, r, best_ratio)
-        best_err = torch.where(better, err, best_err)
-    return best_ratio.reshape(-1)
+    # every ratio at once, in stacks of candidates like awq_scales' (the blocks lie within rows)
+    ratios = (1.0 - torch.arange(max(1, int(max_shrink * grid)), dtype=torch.float64, device=ws.device) / grid).float()
+    per_stack = max(1, STACK_ELEMENTS // ws.numel())
+    errs = []
+    for k0 in range(0, ratios.numel(), per_stack):
+        r = ratios[k0:k0 + per_stack]
+        stack = ws.unsqueeze(0).expand(r.numel(), -1, -1).reshape(-1, ws.shape[1])
+        ratio = r.repeat_interleave(ws.shape[0] * n_groups)
+        dq = dequantize(_rtn(stack, scheme, name, ratio)).sub_(stack)
+        errs.append(_group_error(dq, h_blocks, gs).reshape(r.numel(), ws.shape[0], n_groups))
+    # the first ratio of least error per block; ratio 1 (the first) where every error is NaN or infinite
+    best = torch.argmin(torch.cat(errs).nan_to_num(nan=float("inf")), dim=0)
+    return ratios[best].reshape(-1)
 
 
 def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool], calibration: LayerHessian | None,
