@@ -74,9 +74,9 @@ def _row_errors(dw: torch.Tensor, h: torch.Tensor, chol: torch.Tensor | None, k:
     if chol is None:
         return ((dw @ h) * dw).reshape(k, -1).sum(dim=1, dtype=torch.float64)
     cols = dw.shape[1]
-    width = max(128, -(-cols // 8))
+    width = max(64, -(-cols // 16))  # narrower blocks skip more of L's zero half, wider ones multiply faster
     err = torch.zeros(k, dtype=torch.float64, device=dw.device)
-    for c0 in range(0, cols, width):  # at most 8 column blocks, each one matmul over every candidate
+    for c0 in range(0, cols, width):  # at most 16 column blocks, each one matmul over every candidate
         c1 = min(c0 + width, cols)
         y = dw[:, c0:] @ chol[c0:, c0:c1]
         err += y.square_().sum(dim=1).reshape(k, -1).sum(dim=1, dtype=torch.float64)
