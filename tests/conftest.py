@@ -31,6 +31,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def hf_offline() -> Iterator[None]:
+    """transformers and the Hugging Face hub offline for a module (``pytestmark = usefixtures``): its models
+    come from the tests' own files, and nothing is ever downloaded."""
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    before = {k: os.environ.get(k) for k in keys}
+    os.environ.update(dict.fromkeys(keys, "1"))
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture
 def compiled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every tensor through the fused compiled kernels, whatever its size."""

@@ -5,9 +5,7 @@ and ``quantd dequantize`` to a plain safetensors file that transformers loads it
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +27,7 @@ slow = pytest.mark.slow
 
 
 
-@pytest.fixture(scope="module", autouse=True)
-def offline() -> Iterator[None]:
-    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    before = {k: os.environ.get(k) for k in keys}
-    os.environ.update(dict.fromkeys(keys, "1"))
-    yield
-    for k, v in before.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+pytestmark = pytest.mark.usefixtures("hf_offline")
 
 
 @pytest.fixture(scope="module")

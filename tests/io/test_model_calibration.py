@@ -6,8 +6,6 @@ Tiny models are built here with ``from_config`` and ``save_pretrained`` (a word-
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +36,7 @@ from _tiny_models import (
     write_jsonl,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def offline() -> Iterator[None]:
-    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    before = {k: os.environ.get(k) for k in keys}
-    os.environ.update(dict.fromkeys(keys, "1"))
-    yield
-    for k, v in before.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+pytestmark = pytest.mark.usefixtures("hf_offline")
 
 
 GPTQ = {"scheme": {"dtype": "int4", "group_size": 32, "method": "gptq"}, "calibration": {"samples": 16}}
@@ -198,6 +185,17 @@ def test_a_config_with_auto_map_runs_transformers_own_class(tmp_path: Path) -> N
     assert type(checked.model.model).__name__ == "LlamaForCausalLM"
 
 
+def _transformers_logits_cosine(out: Path, original: Path) -> float:
+    """The cosine of the logits of ``out`` loaded by transformers (compressed-tensors) against the original
+    model's, on one sequence."""
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    ref = AutoModelForCausalLM.from_pretrained(str(original))
+    ids = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+
+
 # --- the run ------------------------------------------------------------------------------------------------
 
 
@@ -286,12 +284,7 @@ def test_awq_folds_into_norms_and_projections_and_compressed_tensors_holds_it(ll
     norm = "model.layers.0.input_layernorm.weight"
     assert written[norm].dtype == original[norm].dtype and not torch.equal(written[norm], original[norm])
     assert torch.equal(written["model.norm.weight"], original["model.norm.weight"])  # outside the blocks
-    model = AutoModelForCausalLM.from_pretrained(str(out))
-    ref = AutoModelForCausalLM.from_pretrained(str(llama_dir))
-    ids = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9]])
-    with torch.no_grad():
-        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
-    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9
+    assert _transformers_logits_cosine(out, llama_dir) > 0.9
 
 
 def test_unfoldable_awq_weights_keep_channel_scale_and_compressed_tensors_refuses_them(tmp_path: Path) -> None:
@@ -401,9 +394,4 @@ def test_act_order_gptq_to_compressed_tensors_loads_in_transformers(llama_dir: P
         assert orders == {"group"} and len(g_idx) == 3 * 7
         return
     assert orders == {"weight"} and not g_idx
-    model = AutoModelForCausalLM.from_pretrained(str(out))
-    ref = AutoModelForCausalLM.from_pretrained(str(llama_dir))
-    ids = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9]])
-    with torch.no_grad():
-        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
-    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9
+    assert _transformers_logits_cosine(out, llama_dir) > 0.9

@@ -53,7 +53,7 @@ from .model_dir import (
     _open_shard,
     _read_json,
     _shard_tensors,
-    _write_other_files,
+    finish_stage,
     fmt_optional,
     output_relpath,
     plan_directory,
@@ -553,8 +553,6 @@ def quantize_with_text_calibration(files: ModelFiles, dst: str | os.PathLike[str
     calibrated methods' inputs captured by running the model on the JSONL ``calibration`` lines."""
     from quantd_client._schemas import CalibrationSpec
 
-    from .pipeline import summarize
-
     t0 = time.perf_counter()
     dev = torch.device(device)
     fmt = get_format(config.output)
@@ -602,14 +600,8 @@ def quantize_with_text_calibration(files: ModelFiles, dst: str | os.PathLike[str
             log.info("model-aware calibration: %d tensors quantized, at most %d parameters loaded at once",
                      len(run.reports), run.weights.peak)
             reports, written, weight_map = _write_rest(files, plans, sinks, fmt, dev, run, tick)
-        _write_other_files(files, stage, fmt.quantization_config(everything, checked.structure, written=written),
-                           weight_map, writes_config=fmt.writes_config)
-        summary = summarize(everything, reports, files.total_bytes,
-                            sum(p.stat().st_size for p in stage.rglob("*") if p.is_file()),
-                            time.perf_counter() - t0, dev)
-        if dst_path.exists():
-            dst_path.rmdir()
-        os.replace(stage, dst_path)
+        summary = finish_stage(files, stage, dst_path, fmt, everything, checked.structure, reports, written,
+                               weight_map, t0=t0, dev=dev)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

@@ -21,7 +21,7 @@ import shutil
 import time
 import unicodedata
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from quantd.errors import ConfigError, JobCancelled, MalformedInputError
-from quantd_client import Progress, QuantConfig, Report, TensorReport
+from quantd_client import Progress, QuantConfig, Report, Summary, TensorReport
 
 from .outputs import ModelStructure, OutputFormat, PlannedTensor, get_format
 from .readers import ModelReader, TensorInfo, open_model
@@ -292,7 +292,7 @@ def _quantize_planned(files: ModelFiles, dst: str | os.PathLike[str], config: Qu
                       job_id: str | None, on_progress: ProgressCallback | None,
                       should_cancel: Callable[[], bool] | None, calibration: Any) -> Report:
     """:func:`quantize_directory` once every shard is planned."""
-    from .pipeline import _process, summarize
+    from .pipeline import _process
 
     dst_path = Path(dst)
     stage = _fresh_dir(dst_path)
@@ -326,18 +326,29 @@ def _quantize_planned(files: ModelFiles, dst: str | os.PathLike[str], config: Qu
                 written.update(names)
                 weight_map.update(dict.fromkeys(names, out_rel))
                 sink.finish(None)
-        _write_other_files(files, stage, fmt.quantization_config(everything, structure, written=written),
-                           weight_map, writes_config=fmt.writes_config)
-        in_bytes = files.total_bytes
-        out_bytes = sum(p.stat().st_size for p in stage.rglob("*") if p.is_file())
-        summary = summarize(everything, reports, in_bytes, out_bytes, time.perf_counter() - t0, dev)
-        if dst_path.exists():
-            dst_path.rmdir()
-        os.replace(stage, dst_path)
+        summary = finish_stage(files, stage, dst_path, fmt, everything, structure, reports, written, weight_map,
+                               t0=t0, dev=dev)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return Report(job_id=job_id, config=config, summary=summary, tensors=reports)
+
+
+def finish_stage(files: ModelFiles, stage: Path, dst_path: Path, fmt: OutputFormat, everything: Sequence[PlannedTensor],
+                 structure: ModelStructure, reports: list[TensorReport], written: Collection[str],
+                 weight_map: Mapping[str, str], *, t0: float, dev: torch.device) -> Summary:
+    """The end of a directory job whose shards are written into ``stage``: the directory's other files and
+    the format's quantization config beside them, the run's summary, and ``stage`` moved to ``dst_path``."""
+    from .pipeline import summarize
+
+    _write_other_files(files, stage, fmt.quantization_config(everything, structure, written=written),
+                       weight_map, writes_config=fmt.writes_config)
+    out_bytes = sum(p.stat().st_size for p in stage.rglob("*") if p.is_file())
+    summary = summarize(everything, reports, files.total_bytes, out_bytes, time.perf_counter() - t0, dev)
+    if dst_path.exists():
+        dst_path.rmdir()
+    os.replace(stage, dst_path)
+    return summary
 
 
 def fmt_optional(fmt: OutputFormat, plans: Sequence[PlannedTensor]) -> list[str]:
