@@ -143,10 +143,10 @@ def _hqq_objective(w: torch.Tensor, qt: QuantizedTensor, p: float = 0.7) -> torc
 
 
 @pytest.mark.parametrize("dtype", ["int2", "int3", "int4", "uint8"])
-def test_hqq_improves_on_its_min_max_start_and_stores_float_zero_points(dtype: str) -> None:
+def test_hqq_improves_on_its_fitted_start_and_stores_float_zero_points(dtype: str) -> None:
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(32, 256, generator=g) * torch.rand(32, 1, generator=g)
-    w[0, :3] = 6.0  # outliers: what the non-convex norm lets go
+    w = torch.randn(32, 256, generator=g) * torch.rand(32, 1, generator=g) * 0.05
+    w[0, :3] = 0.3  # outliers: what the non-convex norm lets go
     scheme = Scheme(dtype=dtype, group_size=64, method="hqq")
     qt = quantize_tensor(w, scheme, name="w")
     start = quantize_tensor(w, scheme.model_copy(update={"method_args": {"iters": 1}}), name="w")
@@ -154,8 +154,7 @@ def test_hqq_improves_on_its_min_max_start_and_stores_float_zero_points(dtype: s
     assert qt.zero_point.dtype == torch.float16 and not torch.equal(qt.zero_point, qt.zero_point.round())
     l1 = (w - dequantize(qt)).abs().reshape(-1, 64).mean(1)
     l1_start = (w - dequantize(start)).abs().reshape(-1, 64).mean(1)
-    tol = 1e-2 if dtype == "uint8" else 1e-3  # a float16 zero point near 255 is stored to 1/8 of a code
-    assert torch.all(l1 <= l1_start * (1 + tol))  # each block keeps its best zero point (fp16 rounding aside)
+    assert torch.all(l1 <= l1_start * (1 + 1e-5))  # each block keeps its best stored zero point
     assert float(l1.mean()) < float(l1_start.mean())
     assert float(_hqq_objective(w, qt).mean()) < float(_hqq_objective(w, start).mean())
     rtn = quantize(w, scheme.model_copy(update={"method": "rtn"}))
@@ -179,52 +178,93 @@ def test_hqq_zero_point_update_is_the_half_quadratic_step() -> None:
     torch.testing.assert_close(got, torch.where(err(z1) < err(z0), z1, z0))
 
 
-def test_hqq_range_search_starts_from_a_lower_squared_error() -> None:
-    """The start range is each block's shrink ratio of least squared rounding error, min-max included, and the
-    result beats the min-max start (max_shrink 0, the reference's) in squared error too."""
-    from quantd.engine.methods.hqq import _pick_range, shrink_ratios
+def test_hqq_start_search_and_refits_lower_the_squared_error() -> None:
+    """The least-squares range search beats the min-max range (ratio 1 alone, no refit), and each refit keeps
+    or lowers every block's squared error."""
+    from quantd.engine.methods.hqq import _start, shrink_ratios
 
     g = torch.Generator().manual_seed(4)
     w = torch.randn(512, 64, generator=g) * torch.rand(512, 1, generator=g)
     lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-    lv = torch.tensor(15.0)
+    y = (w - (lo + hi) / 2) / (hi - lo)
 
-    def sq_err(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return ((torch.round(w / s + z).clamp(0, 15) - z) * s - w).square().sum(1)
+    def sq_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return ((torch.round((y - b) / a).clamp(0, 15) * a + b) - y).square().sum(1)
 
-    searched = sq_err(*_pick_range(w, lo, hi, shrink_ratios(0.2, 10, w.device), lv, torch.float16, 2.0**-24))
-    minmax = sq_err(*_pick_range(w, lo, hi, shrink_ratios(0.0, 10, w.device), lv, torch.float16, 2.0**-24))
-    assert bool((searched <= minmax).all()) and float(searched.sum()) < 0.95 * float(minmax.sum())
+    minmax = sq_err(*_start(y, (1.0,), 0, 15.0))
+    searched = [sq_err(*_start(y, shrink_ratios(0.15, 3), refits, 15.0)) for refits in range(3)]
+    assert float(searched[0].sum()) < 0.95 * float(minmax.sum())
+    for before, after in zip(searched, searched[1:], strict=False):
+        assert bool((after <= before * (1 + 1e-5)).all()) and float(after.sum()) < float(before.sum())
     scheme = Scheme(dtype="int4", group_size=64, method="hqq")
     x = w.reshape(64, 512)
     new = quantize_tensor(x, scheme, name="w")
-    ref = quantize_tensor(x, scheme.model_copy(update={"method_args": {"max_shrink": 0.0}}), name="w")
+    ref = quantize_tensor(x, scheme.model_copy(update={"method_args": {"max_shrink": 0.0, "refits": 0}}), name="w")
     assert float((dequantize(new) - x).square().sum()) < float((dequantize(ref) - x).square().sum())
 
 
-@pytest.mark.parametrize("dtype", ["int4", "uint8", "int3"])
-def test_hqq_compiled_equals_eager(compiled: None, dtype: str) -> None:
-    """The compiled chunk (range search, iterations, codes) computes what the eager ops compute."""
-    from quantd.engine import kernels
+def _heavy_tailed(rows: int, cols: int, seed: int, df: int = 3) -> torch.Tensor:
+    """Student-t weights (``df`` degrees of freedom, scale 0.02): a few large values in every block."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.randn(rows, cols, generator=g)
+    chi2 = torch.randn(df, rows, cols, generator=g).square().sum(0)
+    return 0.02 * n / (chi2 / df).sqrt()
+
+
+def _reference_hqq(w: torch.Tensor, bits: int, group_size: int, iters: int = 20) -> torch.Tensor:
+    """``x̂`` of hqq's ``Quantizer`` (``optimize_weights_proximal_legacy``, its default parameters): min-max
+    start, the half-quadratic steps until the mean error stops falling; float16 scale and zero point."""
+    levels, beta = 2**bits - 1, 10.0
+    x = w.reshape(-1, group_size)
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    inv = (levels / (hi - lo)).clamp(max=2e4)
+    zero, best = -lo * inv, float("inf")
+    for _ in range(iters):
+        wq = torch.round(x * inv + zero).clamp(0, levels)
+        wr = (wq - zero) / inv
+        e = x - wr
+        we = torch.sign(e) * torch.relu(e.abs() - e.abs().pow(-0.3) / beta)
+        zero, beta = (wq - (x - we) * inv).mean(1, keepdim=True), beta * 1.01
+        err = float((x - wr).abs().mean())
+        if err >= best:
+            break
+        best = err
+    s, z = (1 / inv).half().float(), zero.half().float()
+    return ((torch.round(x / s + z).clamp(0, levels) - z) * s).reshape(w.shape)
+
+
+@pytest.mark.parametrize("dtype", ["int2", "int3", "int4"])
+def test_hqq_beats_rtn_and_the_reference_on_heavy_tailed_weights(dtype: str) -> None:
+    """On Student-t weights, squared, absolute and p = 0.7 errors all below RTN min-max's and below those of
+    the reference's iteration, each by at least 2 %."""
+    w = _heavy_tailed(256, 512, seed=0)
+    scheme = Scheme(dtype=dtype, group_size=64, method="hqq")
+    ours = dequantize(quantize_tensor(w, scheme, name="w"))
+    rtn = dequantize(quantize(w, scheme.model_copy(update={"method": "rtn"})))
+    ref = _reference_hqq(w, int(dtype[-1]), 64)
+
+    def errors(x: torch.Tensor) -> torch.Tensor:
+        e = (x - w).abs()
+        return torch.stack([e.square().mean(), e.mean(), e.pow(0.7).mean()])
+
+    assert bool((errors(ours) < 0.98 * errors(rtn)).all())
+    assert bool((errors(ours) < 0.98 * errors(ref)).all())
+
+
+def test_hqq_chunking_does_not_change_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks are independent: chunks of 7 block rows (spread over the threads) give the one-chunk result."""
+    from quantd.engine.methods import hqq
 
     g = torch.Generator().manual_seed(6)
     w = torch.randn(96, 256, generator=g) * torch.rand(96, 1, generator=g)
-    scheme = Scheme(dtype=dtype, group_size=64, method="hqq")
-    got = quantize_tensor(w, scheme, name="w")
-    kernels.KERNELS.reset(available=False)
-    want = quantize_tensor(w, scheme, name="w")
-    kernels.KERNELS.reset(available=True)
-    assert got.scale is not None and want.scale is not None and got.zero_point is not None
-    assert want.zero_point is not None
-    assert torch.equal(got.scale, want.scale)
-    # pow's vectorised and scalar forms may differ in the last bit, and the rounding inside the iterations
-    # carries that on: some zero points differ, the error they reach hardly does
-    assert float((got.zero_point != want.zero_point).float().mean()) < 0.1
-    err = [float((dequantize(qt) - w).abs().mean()) for qt in (got, want)]
-    assert err[0] == pytest.approx(err[1], rel=1e-2)
-    same = (got.zero_point == want.zero_point).reshape(-1)  # blocks with the same parameters: the same codes,
-    a, b = got.codes.reshape(-1, 64)[same], want.codes.reshape(-1, 64)[same]  # but for a rare tie at .5
-    assert float((a != b).float().mean()) < 1e-3
+    scheme = Scheme(dtype="int4", group_size=64, method="hqq")
+    whole = quantize_tensor(w, scheme, name="w")
+    monkeypatch.setattr(hqq, "_CHUNK_ELEMENTS", 7 * 64)
+    chunked = quantize_tensor(w, scheme, name="w")
+    assert whole.scale is not None and chunked.scale is not None
+    assert whole.zero_point is not None and chunked.zero_point is not None
+    assert torch.equal(whole.codes, chunked.codes) and torch.equal(whole.scale, chunked.scale)
+    assert torch.equal(whole.zero_point, chunked.zero_point)
 
 
 def test_awq_beats_rtn_on_loud_channels_and_stores_channel_scale() -> None:

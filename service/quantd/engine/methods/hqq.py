@@ -8,26 +8,42 @@ norm that lets a few large errors be) over the zero point ``z`` by alternating:
 - ``z = mean(W_q − (W − W_e) / s)`` over the block, ``β ← κ β``.
 
 The reference (``hqq.core.quantize.Quantizer`` with ``optimize_weights_proximal_legacy``) starts from the
-block's min-max range and stops the whole tensor at the first iteration whose mean error grows. Here the
-range is first shrunk, per block, by the ratio in ``[1 − max_shrink, 1]`` (``grid`` candidates) of least
-squared rounding error, and the iterations then run a fixed ``iters`` times with each block keeping the zero
-point of its own lowest mean absolute error: a better start, and no block stopped by the others. Every
-block of the tensor is updated at once (chunks of block rows that stay in cache; the loops are over
-candidates and iterations, never blocks), and on CPU the whole search of a chunk is one compiled graph
-when the compiled kernels are on (the same arithmetic as eager). The zero point stays a float
-(``zero_point_domain = "float"``, stored in ``scale_dtype``); codes are computed from the stored scale and
-zero point, so ``x̂ = (code − zero_point) · scale`` is what was optimised.
+block's min-max range and runs up to 20 iterations. Here the start is close enough to the optimum that a
+step or two do:
+
+1. *range search*: the min-max range shrunk about its midpoint by each of ``grid + 1`` ratios in
+   ``[1 − max_shrink, 1]``; for each, the codes it gives and the closed-form least-squares scale and offset
+   for those codes (``a, b = argmin Σ (y − a·q − b)²``, as llama.cpp's ``make_qkx2_quants``); each block keeps
+   the candidate of least squared error, computed from the sums ``Σq, Σq², Σqy`` without another pass;
+2. ``refits`` rounds of new codes from that fit and its least-squares refit (neither raises the squared error);
+3. the scale is rounded to ``scale_dtype`` and fixed; from the fitted zero point, ``iters − 1``
+   half-quadratic steps, each block keeping, of the ``iters`` zero points, the one of least mean absolute
+   error (no block stopped by the others).
+
+The step is computed in code units: with ``d = W/s + z − W_q`` and ``e = s·d``,
+``z − mean(d − W_e/s) = z − mean(d · min(1, |e|^(p−2)/β))``: one power per element, no sign or threshold
+pass. ``β`` is in the weights' units, as in the reference: errors above ``β^(−1/(2−p))`` are the ones the
+norm lets be. The default ``β = 1000`` puts that threshold at 0.005, among the rounding errors of int4
+weights of typical magnitude (|w| ≲ 0.1); the reference's 10 puts it at 0.17, where the step is the plain
+least-squares one.
+
+The fit works on ``y = (W − mid)/(max − min)`` per block (the sums stay well conditioned for any offset or
+magnitude). Every block of a chunk is updated at once (the loops are over candidates and steps, never
+blocks), the chunks spread over the CPU threads (:mod:`quantd.engine.parallel`). The cost is a few dozen
+elementwise passes over the weights (each candidate and refit: codes and three sums; each step: one power);
+there is no compiled variant, so a one-shot run pays no compile. The zero point stays a float
+(``zero_point_domain = "float"``, stored in ``scale_dtype``); codes are computed from the stored scale and zero
+point, so ``x̂ = (code − zero_point) · scale`` is what was optimised.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 
-from quantd.engine import kernels
 from quantd.engine.granularity import block_view, check_applicable, granularity_of, unblock
+from quantd.engine.parallel import map_chunks, workers
 from quantd.engine.qparams import round_up_to, scale_torch_dtype, smallest_positive
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError, NonFiniteError
@@ -37,80 +53,112 @@ from quantd_client._dtypes import dtype_info
 from ._common import check_integer_scheme
 from .base import Arg, LayerHessian, Method, register
 
-# Block rows per chunk: a chunk's candidates and iterations run while it stays in cache.
+# Elements per chunk: a chunk's candidates and iterations run while its few working tensors stay in cache.
 _CHUNK_ELEMENTS = 1 << 18
 
-HqqBlocksFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                       tuple[torch.Tensor, torch.Tensor]]
+
+def _sums(y: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``[Σq, Σq², Σqy]`` of each row of ``y[B, K]`` and its codes ``q``: ``[3, B]``."""
+    return torch.stack((q.sum(dim=1), torch.linalg.vecdot(q, q), torch.linalg.vecdot(q, y)))
 
 
-def _step(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, beta: torch.Tensor, levels: torch.Tensor,
-          p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One half-quadratic iteration: the mean absolute error of ``zero`` and the next zero point, per row."""
-    wq = torch.minimum(torch.round(w / scale + zero).clamp_min(0.0), levels)
-    diff = w - (wq - zero) * scale
-    a = diff.abs()
-    we = torch.sign(diff) * torch.relu(a - a.clamp_min(1e-30).pow(p - 1.0) / beta)
-    return a.mean(dim=1, keepdim=True), (wq - (w - we) / scale).mean(dim=1, keepdim=True)
+def _fit(sums: torch.Tensor, sy: torch.Tensor, vy: torch.Tensor, a0: torch.Tensor, k: int
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the code sums ``[…, 3, B]`` (:func:`_sums`) of rows of ``y``: the least-squares ``a, b`` of
+    ``y ≈ a·q + b`` and the squared error ``Σ(y − a·q − b)²`` (``[…, B]`` each), from the centred sums. Rows
+    whose codes are all equal, or whose fit is not increasing, take slope ``a0`` (with its least-squares
+    offset). ``sy = Σy`` and ``vy = Σy² − (Σy)²/K`` per row."""
+    sq, sqq, sqy = sums.unbind(-2)
+    vq = sqq - sq * sq / k
+    cqy = sqy - sq * sy / k
+    a = cqy / vq
+    a = torch.where((vq > 0) & (a > 0), a, a0)  # NaN (0/0) fails the test too
+    return a, (sy - a * sq) / k, vy - 2.0 * a * cqy + a * a * vq
 
 
-def _iterate(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, betas: torch.Tensor, levels: torch.Tensor,
-             p: torch.Tensor, iters: int) -> torch.Tensor:
-    """The zero point of least mean absolute error, per row, among the ``iters`` iterates from ``zero``."""
+def _start(y: torch.Tensor, ratios: tuple[float, ...], refits: int, levels: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range search and refits on ``y[B, K]`` (each row's range ``[−½, ½]`` at most): slope and offset of
+    ``y ≈ a·(q − c0) + b`` per row, ``[B, 1]`` each, ``q ∈ [0, levels]``, ``c0 = ⌊levels/2⌋`` (codes near 0
+    keep the sums small). The candidates' fits are computed together, from their stacked sums."""
+    k = y.shape[1]
+    c0 = float(int(levels) // 2)
+    sy = y.sum(dim=1)
+    vy = torch.linalg.vecdot(y, y) - sy * sy / k
+    offset = y.new_tensor(levels / 2 - c0)
+    sums = torch.stack([_sums(y, torch.add(offset, y, alpha=levels / r).round_().clamp_(-c0, levels - c0))
+                        for r in ratios])  # the candidates: [−r/2, r/2] onto [0, levels]; [C, 3, B]
+    slopes = torch.tensor(ratios, dtype=y.dtype, device=y.device).unsqueeze(1) / levels
+    a, b, err = _fit(sums, sy, vy, slopes, k)
+    pick = err.argmin(dim=0, keepdim=True)
+    a, b = a.gather(0, pick).squeeze(0), b.gather(0, pick).squeeze(0)
+    for _ in range(refits):  # codes nearest to the fit, then the fit of those codes
+        q = ((y - b.unsqueeze(1)) / a.unsqueeze(1)).round_().clamp_(-c0, levels - c0)
+        a, b, _ = _fit(_sums(y, q), sy, vy, a, k)
+    return a.unsqueeze(1), (b - a * c0).unsqueeze(1)
+
+
+def _iterate(v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, betas: tuple[float, ...], levels: float,
+             p: float, stored: tuple[torch.dtype, float] | None = None) -> torch.Tensor:
+    """The zero point of least mean absolute error, per row of ``v = W / scale``, among the ``len(betas)``
+    half-quadratic iterates from ``zero`` (one ``β`` per step; the last iterate's error is measured, no step
+    is taken from it). With ``stored = (dtype, qmin)`` each iterate is first rounded to what storing it in the
+    code domain keeps (``(z + qmin)`` in ``dtype``), so that the zero point chosen is the one stored."""
+    k = v.shape[1]
     best, best_err = zero, torch.full_like(zero, float("inf"))
-    for t in range(iters):
-        err, nxt = _step(w, scale, zero, betas[t], levels, p)
+    for t, beta in enumerate(betas):
+        if stored is not None:
+            zero = (zero + stored[1]).to(stored[0]).float() - stored[1]
+        d = v + zero
+        q = torch.round(d).clamp_(0.0, levels)
+        d = d.sub_(q)  # W/s + z − W_q: the error in code units
+        a = d.abs()
+        err = a.sum(dim=1, keepdim=True)
         better = err < best_err
         best = torch.where(better, zero, best)
         best_err = torch.where(better, err, best_err)
-        zero = nxt
+        if t + 1 < len(betas):
+            # d − W_e/s = d · min(1, |e|^(p−2)/β) with e = s·d; |e| = 0 gives inf, clamped: d·1 = 0
+            w = a.mul_(scale).pow_(p - 2.0).clamp_max_(beta)
+            zero = zero - torch.linalg.vecdot(d, w).unsqueeze(1) / (beta * k)
     return best
 
 
-def _pick_range(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ratios: torch.Tensor, levels: torch.Tensor,
-                scale_dtype: torch.dtype, smallest: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``w[B, K]``, the scale (rounded up to ``scale_dtype``, as float32) and offset-domain zero
-    point of the range ``[lo, hi]·r`` (``r`` in ``ratios[C]``) of least squared rounding error: ``[B, 1]`` each."""
-    r = ratios.view(-1, 1, 1)
-    scales = round_up_to((hi - lo) * r / levels, scale_dtype).float().clamp_min(smallest)  # [C, B, 1]
-    zeros = -lo * r / scales
-    wq = torch.minimum(torch.round(w / scales + zeros).clamp_min(0.0), levels)
-    err = ((wq - zeros) * scales - w).square().sum(dim=2)  # [C, B]
-    idx = err.argmin(dim=0).view(1, -1, 1)
-    return scales.gather(0, idx).squeeze(0), zeros.gather(0, idx).squeeze(0)
-
-
-@functools.cache
-def _blocks_fn(iters: int, scale_dtype: torch.dtype) -> HqqBlocksFn:
-    """The search of a chunk of blocks (one function per iteration count and scale dtype, so that a compiled
-    graph unrolls a fixed loop): the range search and the iterations. Returns the scale (float32 values of
-    ``scale_dtype``) and the offset-domain zero point (float32, before its rounding to ``scale_dtype``, which
-    the caller does eagerly: a fused kernel may keep a cast's float32 value)."""
-    smallest = smallest_positive(scale_dtype)
-
-    def hqq_blocks(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ratios: torch.Tensor, betas: torch.Tensor,
-                   consts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        levels, p = consts[0], consts[1]
-        scale, zero = _pick_range(w, lo, hi, ratios, levels, scale_dtype, smallest)
-        return scale, _iterate(w, scale, zero, betas, levels, p, iters)
-
-    return hqq_blocks
+def _search(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, levels: float, ratios: tuple[float, ...],
+            refits: int, betas: tuple[float, ...], p: float, scale_dtype: torch.dtype, qmin: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The search of a chunk of blocks ``w[B, K]`` with min ``lo`` and max ``hi`` ``[B, 1]``: the scale
+    (float32 values of ``scale_dtype``), the offset-domain zero point (float32, before its rounding to
+    ``scale_dtype``) and ``w / scale``."""
+    flat = hi <= lo  # a constant block: its range is widened to 0, so that its value is a code's
+    lo, hi = torch.where(flat, lo.clamp(max=0.0), lo), torch.where(flat, hi.clamp(min=0.0), hi)
+    width = hi - lo
+    width = torch.where(width > 0, width, 1.0)  # all zeros: any positive width
+    mid = (lo + hi) * 0.5
+    a, b = _start((w - mid).div_(width), ratios, refits, levels)
+    scale = round_up_to(a * width, scale_dtype).float().clamp_min(smallest_positive(scale_dtype))
+    zero = -(mid + b * width) / scale
+    zero = torch.where(flat, zero.round(), zero)  # exact codes for constant blocks (x̂ = their value)
+    v = w / scale
+    return scale, _iterate(v, scale, zero, betas, levels, p, (scale_dtype, qmin)), v
 
 
 def optimize_zero_point(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *, levels: int, iters: int,
                         lp_norm: float, beta: float, kappa: float) -> torch.Tensor:
     """The optimised float zero point (offset domain: ``W_q ∈ [0, levels]``) of each row of ``w[B, K]``,
     given float32 ``scale[B, 1]`` and the initial ``zero[B, 1]``: the best of ``iters`` iterates, per row."""
-    dev = w.device
-    betas = beta * kappa ** torch.arange(iters, device=dev, dtype=torch.float64)
-    return _iterate(w, scale, zero, betas.float(), torch.tensor(float(levels), device=dev),
-                    torch.tensor(float(lp_norm), device=dev), iters)
+    return _iterate(w / scale, scale, zero, _betas(beta, kappa, iters), float(levels), float(lp_norm))
 
 
-def shrink_ratios(max_shrink: float, grid: int, device: torch.device) -> torch.Tensor:
+def _betas(beta: float, kappa: float, iters: int) -> tuple[float, ...]:
+    return tuple(beta * kappa ** t for t in range(iters))
+
+
+def shrink_ratios(max_shrink: float, grid: int) -> tuple[float, ...]:
     """The range ratios searched: ``grid + 1`` from 1 down to ``1 − max_shrink`` (1 alone when either is 0)."""
-    n = grid + 1 if max_shrink > 0 and grid > 0 else 1
-    return torch.linspace(1.0, 1.0 - max_shrink, n, device=device)
+    if max_shrink <= 0 or grid <= 0:
+        return (1.0,)
+    return tuple(1.0 - max_shrink * i / grid for i in range(grid + 1))
 
 
 def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool], calibration: LayerHessian | None,
@@ -123,26 +171,27 @@ def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool],
     if not bool(torch.isfinite(lo).all()) or not bool(torch.isfinite(hi).all()):  # min and max carry NaN and Inf
         raise NonFiniteError(f"tensor {name!r} has NaN or Inf values", tensor=name)
     sdt = scale_torch_dtype(scheme.scale_dtype)
-    iters = int(args["iters"])
-    dev = blocks.device
-    ratios = shrink_ratios(float(args["max_shrink"]), int(args["grid"]), dev)
-    betas = (float(args["beta"]) * float(args["kappa"]) ** torch.arange(iters, dtype=torch.float64)).float().to(dev)
-    consts = torch.tensor([float(info.qmax - info.qmin), float(args["lp_norm"])], device=dev)
+    levels = float(info.qmax - info.qmin)
+    ratios = shrink_ratios(float(args["max_shrink"]), int(args["grid"]))
+    betas = _betas(float(args["beta"]), float(args["kappa"]), int(args["iters"]))
     code_dtype = torch.int8 if info.signed else torch.uint8
-    fn = _blocks_fn(iters, sdt)
-    codes = torch.empty(blocks.shape, dtype=code_dtype, device=dev)
+    codes = torch.empty(blocks.shape, dtype=code_dtype, device=blocks.device)
     scale, zp = torch.empty_like(lo), torch.empty_like(lo)
     step = max(1, _CHUNK_ELEMENTS // blocks.shape[1])
-    for r in range(0, blocks.shape[0], step):  # chunks of block rows, each all its candidates and iterations in cache
-        w = blocks[r:r + step]
-        chunk = (w, lo[r:r + step], hi[r:r + step], ratios, betas, consts)
-        out = None
-        if kernels.KERNELS.wants(w, small=True):  # one compiled function per closure: cached by name
-            out = kernels.KERNELS.call(f"hqq_blocks_{iters}_{sdt}", fn, (w.dtype,), *chunk)
-        s, z = out if out is not None else fn(*chunk)
+    if blocks.device.type == "cpu":  # at least one chunk per thread
+        step = min(step, -(-blocks.shape[0] // workers()))
+    starts = range(0, blocks.shape[0], step)
+
+    def one(i: int) -> None:  # a chunk of block rows: all its candidates and iterations while it is in cache
+        rows = slice(starts[i], starts[i] + step)
+        s, z, v = _search(blocks[rows], lo[rows], hi[rows], levels=levels, ratios=ratios,
+                          refits=int(args["refits"]), betas=betas, p=float(args["lp_norm"]), scale_dtype=sdt,
+                          qmin=float(info.qmin))
         z = (z + info.qmin).to(sdt).float()  # the code domain, as stored
-        scale[r:r + step], zp[r:r + step] = s, z
-        codes[r:r + step] = torch.round(w / s + z).clamp_(info.qmin, info.qmax).to(code_dtype)
+        scale[rows], zp[rows] = s, z
+        codes[rows] = v.add_(z).round_().clamp_(info.qmin, info.qmax).to(code_dtype)
+
+    map_chunks(one, len(starts), blocks.device)  # chunks write disjoint rows
 
     return QuantizedTensor(
         codes=unblock(codes, tuple(x.shape), gran), scale=scale.to(sdt).reshape(sshape),
@@ -164,12 +213,14 @@ HQQ = register(Method(
     description="half-quadratic optimisation of each block's float zero point (data-free; integer affine, "
                 "per channel or group)",
     args=(
-        Arg("iters", "int", 10, "iterations; each block keeps the zero point of its least mean absolute error",
+        Arg("iters", "int", 2, "iterations; each block keeps the zero point of its least mean absolute error",
             1, 1000),
         Arg("lp_norm", "float", 0.7, "p of the ‖W − Ŵ‖_p the zero points minimise", 0.1, 1.0),
-        Arg("beta", "float", 10.0, "initial weight of the quadratic coupling term", 1e-3, 1e6),
+        Arg("beta", "float", 1000.0, "initial weight of the quadratic coupling term", 1e-3, 1e6),
         Arg("kappa", "float", 1.01, "growth of beta per iteration", 1.0, 2.0),
-        Arg("max_shrink", "float", 0.2, "the most each block's min-max range is shrunk by the start search "
+        Arg("max_shrink", "float", 0.15, "the most each block's min-max range is shrunk by the start search "
                                         "(0: the min-max range, as the reference)", 0.0, 0.9),
-        Arg("grid", "int", 10, "shrink ratios searched between 1 and 1 − max_shrink", 1, 200),
+        Arg("grid", "int", 3, "shrink ratios searched between 1 and 1 − max_shrink", 1, 200),
+        Arg("refits", "int", 2, "least-squares refits of scale and offset after the range search (0: none)",
+            0, 100),
     )))
