@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import get_args
 
@@ -194,7 +195,7 @@ def test_hqq_start_search_and_refits_lower_the_squared_error() -> None:
     minmax = sq_err(*_start(y, (1.0,), 0, 15.0))
     searched = [sq_err(*_start(y, shrink_ratios(0.15, 3), refits, 15.0)) for refits in range(3)]
     assert float(searched[0].sum()) < 0.95 * float(minmax.sum())
-    for before, after in zip(searched, searched[1:], strict=False):
+    for before, after in itertools.pairwise(searched):
         assert bool((after <= before * (1 + 1e-5)).all()) and float(after.sum()) < float(before.sum())
     scheme = Scheme(dtype="int4", group_size=64, method="hqq")
     x = w.reshape(64, 512)
