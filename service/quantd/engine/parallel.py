@@ -11,8 +11,9 @@ CUDA tensors, single chunks and calls from inside a chunk run in the calling thr
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -66,3 +67,20 @@ def single_threaded_caller() -> int:
     n = workers()
     torch.set_num_threads(1)
     return n
+
+
+@contextlib.contextmanager
+def caller_single_threaded() -> Iterator[None]:
+    """For the ``with`` block, this thread's own torch ops run single-threaded (the pool's size is fixed
+    first, :func:`workers`); the thread count is restored after. For work of many small ops per chunk, where
+    an OpenMP join per op, or its threads spinning beside the chunk pool, costs more than the op."""
+    workers()
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -29,7 +29,7 @@ least-squares one.
 
 The fit works on ``y = (W − mid)/(max − min)`` per block (the sums stay well conditioned for any offset or
 magnitude). Every block of a chunk is updated at once (the loops are over candidates and steps, never
-blocks), the chunks spread over the CPU threads (:mod:`quantd.engine.parallel`). The cost is a few dozen
+blocks), one chunk after the other in the calling thread, its ops single-threaded on CPU. The cost is a few dozen
 elementwise passes over the weights (each candidate and refit: codes and three sums; each step: one power);
 there is no compiled variant, so a one-shot run pays no compile. The zero point stays a float
 (``zero_point_domain = "float"``, stored in ``scale_dtype``); codes are computed from the stored scale and zero
@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import torch
 
 from quantd.engine.granularity import block_view, check_applicable, granularity_of, unblock
-from quantd.engine.parallel import map_chunks, workers
+from quantd.engine.parallel import caller_single_threaded
 from quantd.engine.qparams import round_up_to, scale_torch_dtype, smallest_positive
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError, NonFiniteError
@@ -178,8 +178,6 @@ def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool],
     codes = torch.empty(blocks.shape, dtype=code_dtype, device=blocks.device)
     scale, zp = torch.empty_like(lo), torch.empty_like(lo)
     step = max(1, _CHUNK_ELEMENTS // blocks.shape[1])
-    if blocks.device.type == "cpu":  # at least one chunk per thread
-        step = min(step, -(-blocks.shape[0] // workers()))
     starts = range(0, blocks.shape[0], step)
 
     def one(i: int) -> None:  # a chunk of block rows: all its candidates and iterations while it is in cache
@@ -191,7 +189,11 @@ def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool],
         scale[rows], zp[rows] = s, z
         codes[rows] = v.add_(z).round_().clamp_(info.qmin, info.qmax).to(code_dtype)
 
-    map_chunks(one, len(starts), blocks.device)  # chunks write disjoint rows
+    # Dozens of small ops per chunk, each a few tens of microseconds on CPU: one thread, no OpenMP join per op.
+    # Spread over the chunk pool they ran about twice as slow (the threads take turns at the interpreter).
+    with caller_single_threaded():
+        for i in range(len(starts)):
+            one(i)
 
     return QuantizedTensor(
         codes=unblock(codes, tuple(x.shape), gran), scale=scale.to(sdt).reshape(sshape),
