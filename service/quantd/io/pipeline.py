@@ -278,6 +278,8 @@ WARMUP_SCHEMES = (
     Scheme(dtype="int4", symmetric=True, granularity="group", group_size=128),
     # QLoRA's default, so that the first nf4 tensor does not wait for its kernels to compile.
     Scheme(dtype="nf4", granularity="group", group_size=64),
+    # hqq's search is one compiled kernel per dtype and setting: its defaults at int4 (any group size).
+    Scheme(dtype="int4", symmetric=False, granularity="group", group_size=64, method="hqq"),
 )
 
 

@@ -29,19 +29,23 @@ least-squares one.
 
 The fit works on ``y = (W − mid)/(max − min)`` per block (the sums stay well conditioned for any offset or
 magnitude). Every block of a chunk is updated at once (the loops are over candidates and steps, never
-blocks), one chunk after the other in the calling thread, its ops single-threaded on CPU. The cost is a few dozen
-elementwise passes over the weights (each candidate and refit: codes and three sums; each step: one power);
-there is no compiled variant, so a one-shot run pays no compile. The zero point stays a float
+blocks). Eager, that is a few dozen elementwise passes over the chunk (each candidate and refit: codes and
+three sums; each step: one power), run in the calling thread, single-threaded. With the compiled CPU kernels
+on (long-lived processes, ``QUANTD_COMPILE``), a chunk's search is one compiled kernel, one fused pass per
+candidate, refit and step (the same arithmetic, but that the steps' zero points are compared before their
+rounding to ``scale_dtype``); one-shot runs stay eager and pay no compile. The zero point stays a float
 (``zero_point_domain = "float"``, stored in ``scale_dtype``); codes are computed from the stored scale and zero
 point, so ``x̂ = (code − zero_point) · scale`` is what was optimised.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 
 import torch
 
+from quantd.engine import kernels
 from quantd.engine.granularity import block_view, check_applicable, granularity_of, unblock
 from quantd.engine.parallel import caller_single_threaded
 from quantd.engine.qparams import round_up_to, scale_torch_dtype, smallest_positive
@@ -143,6 +147,28 @@ def _search(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, levels: floa
     return scale, _iterate(v, scale, zero, betas, levels, p, (scale_dtype, qmin)), v
 
 
+@functools.cache
+def _search_fn(levels: float, ratios: tuple[float, ...], refits: int, betas: tuple[float, ...], p: float,
+               scale_dtype: torch.dtype, qmin: float) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_search` of one setting as a function of the chunk alone (what the compiled kernel fuses: its
+    loops unrolled, one pass over the chunk per candidate, refit and step)."""
+
+    def hqq_search(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, z, _ = _search(w, lo, hi, levels=levels, ratios=ratios, refits=refits, betas=betas, p=p,
+                          scale_dtype=scale_dtype, qmin=qmin)
+        return s, z
+
+    return hqq_search
+
+
+@functools.cache
+def _codes_fn(qmin: float, qmax: float, code_dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    def hqq_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        return torch.round(w / scale + zero).clamp(qmin, qmax).to(code_dtype)  # the eager path's arithmetic
+
+    return hqq_codes
+
+
 def optimize_zero_point(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *, levels: int, iters: int,
                         lp_norm: float, beta: float, kappa: float) -> torch.Tensor:
     """The optimised float zero point (offset domain: ``W_q ∈ [0, levels]``) of each row of ``w[B, K]``,
@@ -179,21 +205,33 @@ def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool],
     scale, zp = torch.empty_like(lo), torch.empty_like(lo)
     step = max(1, _CHUNK_ELEMENTS // blocks.shape[1])
     starts = range(0, blocks.shape[0], step)
+    qmin, qmax = float(info.qmin), float(info.qmax)
+    setting = (levels, ratios, int(args["refits"]), betas, float(args["lp_norm"]), sdt, qmin)
+    search, encode = _search_fn(*setting), _codes_fn(qmin, qmax, code_dtype)
+    compiled = kernels.KERNELS.wants(blocks, small=True)
 
-    def one(i: int) -> None:  # a chunk of block rows: all its candidates and iterations while it is in cache
+    def one(i: int) -> None:  # a chunk of block rows: all its candidates and steps while it is in cache
         rows = slice(starts[i], starts[i] + step)
-        s, z, v = _search(blocks[rows], lo[rows], hi[rows], levels=levels, ratios=ratios,
-                          refits=int(args["refits"]), betas=betas, p=float(args["lp_norm"]), scale_dtype=sdt,
-                          qmin=float(info.qmin))
-        z = (z + info.qmin).to(sdt).float()  # the code domain, as stored
+        w, args_ = blocks[rows], (blocks[rows], lo[rows], hi[rows])
+        out = kernels.KERNELS.call(f"hqq_search_{id(search)}", search, (), *args_) if compiled else None
+        if out is None:
+            with caller_single_threaded():
+                s, z, v = _search(*args_, levels=levels, ratios=ratios, refits=setting[2], betas=betas,
+                                  p=setting[4], scale_dtype=sdt, qmin=qmin)
+                z = (z + qmin).to(sdt).float()  # the code domain, as stored
+                codes[rows] = v.add_(z).round_().clamp_(qmin, qmax).to(code_dtype)
+        else:
+            s, z = out
+            z = (z + qmin).to(sdt).float()  # rounded eagerly: a fused kernel may keep a cast's float32 value
+            c = kernels.KERNELS.call(f"hqq_codes_{id(encode)}", encode, (), w, s, z)
+            codes[rows] = c if c is not None else encode(w, s, z)
         scale[rows], zp[rows] = s, z
-        codes[rows] = v.add_(z).round_().clamp_(info.qmin, info.qmax).to(code_dtype)
 
-    # Dozens of small ops per chunk, each a few tens of microseconds on CPU: one thread, no OpenMP join per op.
-    # Spread over the chunk pool they ran about twice as slow (the threads take turns at the interpreter).
-    with caller_single_threaded():
-        for i in range(len(starts)):
-            one(i)
+    # Eager, each chunk's dozens of small ops (a few tens of microseconds each on CPU) run in this thread,
+    # single-threaded: no OpenMP join per op (spread over the chunk pool they ran about twice as slow, the
+    # threads taking turns at the interpreter). Compiled, a chunk's kernels use every core.
+    for i in range(len(starts)):
+        one(i)
 
     return QuantizedTensor(
         codes=unblock(codes, tuple(x.shape), gran), scale=scale.to(sdt).reshape(sshape),
