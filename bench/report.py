@@ -887,15 +887,25 @@ def methods_section(data: dict[str, Any]) -> list[str]:
                      rows))
     hqq = [r for r in data.get("hqq") or [] if isinstance(r, dict) and "unavailable" not in r]
     if hqq:
-        out += ["", "HQQ int4 affine g64 on every Linear weight, the method calls alone (quantize and dequantize, "
-                    "warm) and quantd's whole in-process job, against the `hqq` library's `Quantizer` in the same "
-                    "run:", "",
-                table(["library", "emb. cos mean", "seconds", "quantd speed-up"],
-                      [[r["library"] + (f" {r['version']}" if r.get("version") else "")
-                        + (f" ({r['scope']})" if r.get("scope") and r["library"] == "quantd" else ""),
-                        fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r.get("seconds"), ".2f"),
-                        fmt(r.get("speedup_vs_hqq"), ".2f")] for r in hqq])]
+        out += ["", "HQQ int4 affine g64 on every Linear weight, the method calls alone (quantize and dequantize; "
+                    "median of warm repeats, and the process's first call apart, which with the compiled kernels "
+                    "includes their cold compile) and quantd's whole in-process job, against the `hqq` library's "
+                    "`Quantizer` in the same run:", ""]
+        out += _hqq_run_lines(data)
+        out.append(table(["library", "emb. cos mean", "seconds", "first call s", "quantd speed-up"],
+                         [[r["library"] + (f" {r['version']}" if r.get("version") else "")
+                           + (f" ({r['scope']})" if r.get("scope") and r["library"] == "quantd" else ""),
+                           fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r.get("seconds"), ".3f"),
+                           fmt(r.get("first_call_s"), ".2f"), fmt(r.get("speedup_vs_hqq"), ".2f")] for r in hqq]))
     return out + _methods_best_vs_llmc(data)
+
+
+def _hqq_run_lines(data: dict[str, Any]) -> list[str]:
+    """The machine line of the HQQ comparison when it ran on its own (``bench/methods.py --hqq-only``)."""
+    run = data.get("hqq_run")
+    if not isinstance(run, dict) or not isinstance(run.get("machine"), dict):
+        return []
+    return [f"Run on its own ({run.get('repeats')} repeats): " + machine_line(run["machine"]), ""]
 
 
 def _methods_best_vs_llmc(data: dict[str, Any]) -> list[str]:
