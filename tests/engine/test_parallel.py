@@ -56,3 +56,12 @@ def test_an_error_in_a_chunk_reaches_the_caller(two_workers: None) -> None:
 
     with pytest.raises(ValueError, match="chunk 7"):
         parallel.map_chunks(fn, 20, torch.device("cpu"))
+
+
+def test_caller_single_threaded_restores_the_thread_count() -> None:
+    from quantd.engine.parallel import caller_single_threaded
+
+    before = torch.get_num_threads()
+    with caller_single_threaded():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
