@@ -274,8 +274,8 @@ GPTQ = register(Method(
                                        "towards its diagonal when the calibration has few rows (0: off)",
             0.0, 10.0),
         Arg("block_size", "int", 128, "columns per lazy batch update", 1, 65536),
-        Arg("act_order", "bool", False, "visit columns by decreasing Hessian diagonal (stores g_idx with groups "
-                                        "unless static_groups)"),
+        Arg("act_order", "bool", True, "visit columns by decreasing Hessian diagonal (stores g_idx with groups "
+                                       "unless static_groups)"),
         Arg("static_groups", "bool", False, "fix every group's scale and zero point on the original weight "
                                             "before the column loop"),
         Arg("clip_grid", "int", 20, "search each group's range shrink on this grid (0: the observer's range as "
