@@ -794,15 +794,16 @@ def oneshot_section(data: dict[str, Any]) -> list[str]:
     out = [machine_line(data["machine"]), "",
            f"Each cell is a fresh process from start to exit, median of {data['rounds']} interleaved rounds. Baseline, "
            "same run: the floor, a process that imports torch, loads the file with safetensors and saves it back "
-           "(*× floor*: the cell's median over the floor's).", ""]
+           "(*× floor*: the cell's median over the floor's; *per round*: the median of each round's own ratio).", ""]
     runs = data["runs"]
     for model in dict.fromkeys(r["model"] for r in runs if r["model"] != "imports"):
         rows = [r for r in runs if r["model"] == model]
         floor = next(r for r in rows if r["what"] == "floor")
         out += [f"**{model}** ({data['model_bytes'][model] / 1e6:.0f} MB): floor {floor['median_s']:.2f} s", "",
-                table(["scheme", "run", "QUANTD_COMPILE", "median s", "min s", "× floor", "peak RSS MB"],
+                table(["scheme", "run", "QUANTD_COMPILE", "median s", "min s", "× floor", "× floor, per round",
+                       "peak RSS MB"],
                       [[r["scheme"] or "", r["what"], r.get("setting", ""), fmt(r["median_s"], ".2f"),
-                        fmt(r["min_s"], ".2f"), fmt(r["vs_floor"], ".2f"),
+                        fmt(r["min_s"], ".2f"), fmt(r["vs_floor"], ".2f"), fmt(r.get("vs_floor_round_median"), ".2f"),
                         fmt(None if r["max_rss_kb"] is None else r["max_rss_kb"] / 1024, ".0f")]
                        for r in rows if r["what"] != "floor"]), ""]
         out += [*_oneshot_findings(rows), ""]
@@ -817,6 +818,10 @@ def oneshot_section(data: dict[str, Any]) -> list[str]:
         out += [f"Where one CLI run's time goes (all-MiniLM-L6-v2, {prof['scheme']}, cProfile's cumulative times, "
                 f"{prof['wall_s']:.2f} s wall, {prof['minor_faults']} minor page faults):", "",
                 table(["part", "seconds"], [[k, fmt(float(v), ".2f")] for k, v in prof["seconds"].items()]), ""]
+        if prof.get("interpreter_teardown_after_torch_s") is not None:
+            out += [f"The interpreter's teardown after `import torch`, which the `quantd` program skips at its exit "
+                    f"(a normal exit against `os._exit`, medians of three): "
+                    f"{prof['interpreter_teardown_after_torch_s']:.2f} s.", ""]
     serve = data.get("serve_first_request") or []
     if serve:
         out += ["`quantd serve` on a data dir whose kernels an earlier run built, seconds from process start. "

@@ -1,5 +1,5 @@
 """``python -m quantd`` is the ``quantd`` command."""
 
-from quantd.cli import main
+from quantd.cli import run
 
-raise SystemExit(main())
+run()

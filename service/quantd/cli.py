@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, NoReturn, get_args
 
 from quantd_client._dtypes import GGUF_MIXES, OUTPUT_FORMATS
 from quantd_client._schemas import (
@@ -630,3 +630,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"quantd {args.command}: {e.detail}", file=sys.stderr)
             return 1
         raise
+
+
+def run() -> NoReturn:
+    """The ``quantd`` program (``python -m quantd`` and the installed script): :func:`main`, then the exit.
+
+    Once torch is imported, the interpreter's teardown (freeing its modules, then libtorch's static
+    destructors) takes a few tenths of a second: as long as a one-shot run's own work on a small model. It has
+    nothing left to do: every output file is closed by then. So the process ends the way the interpreter
+    would up to that teardown — non-daemon threads joined, ``atexit`` callbacks run (logging's flush among
+    them), stdout and stderr flushed — and then exits at once. An exception that escapes :func:`main` takes
+    the normal path, with its traceback.
+    """
+    code = main()
+    if "torch" in sys.modules:
+        import atexit
+        import threading
+
+        shutdown = getattr(threading, "_shutdown", None)  # what Py_FinalizeEx calls first: joins the threads
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()  # the interpreter's own exit hooks, in its order
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+                code = code or 1
+        os._exit(code)
+    raise SystemExit(code)

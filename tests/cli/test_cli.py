@@ -421,3 +421,24 @@ def test_one_shot_runs_single_thread_their_own_ops_only_for_chunk_work() -> None
     assert not _chunk_work_only([Scheme(dtype="int4"), SchemeOverride(method="hqq")])
     assert not _chunk_work_only([Scheme(dtype="int4")], calibration="calibration.safetensors")
     assert not _chunk_work_only([Scheme(dtype="int4")], output="gguf")
+
+
+def test_the_program_ends_as_the_interpreter_would_then_skips_its_teardown(model: Path, tmp_path: Path) -> None:
+    # `quantd` exits without the interpreter's teardown once torch is loaded: the artifact, the printed
+    # report, the atexit hooks and the exit status must all be as a normal exit leaves them.
+    marker, out = tmp_path / "atexit-ran", tmp_path / "o.safetensors"
+    code = ("import atexit, pathlib, sys\n"
+            f"atexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('ran'))\n"
+            "from quantd.cli import run\n"
+            "sys.argv = ['quantd', *sys.argv[1:]]\n"
+            "run()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code, "quantize", str(model), "-o", str(out), "--dtype", "int8",
+                           "--device", "cpu", "--json"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert marker.read_text() == "ran"
+    report = json.loads(done.stdout)
+    assert report["tensors"] and out.stat().st_size > 0
+    bad = subprocess.run([sys.executable, "-c", code, "quantize", str(model), "-o", str(out), "--dtype", "int3",
+                          "--device", "cpu"], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 1 and "group_size 128 does not divide" in bad.stderr

@@ -11,6 +11,7 @@ size is known from the plan), then each tensor as it is quantized.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -22,7 +23,6 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from quantd.errors import MalformedInputError, UnsupportedFormatError
 
@@ -43,11 +43,20 @@ _SIZES = {k: struct.calcsize(v) for k, v in _SCALARS.items()}
 # Float tensor types quantd reads as tensors (everything else known to ggml passes through as bytes).
 FLOAT_TYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
 TYPE_OF_DTYPE: dict[torch.dtype, int] = {v: k for k, v in FLOAT_TYPES.items()}
-# Every type ggml defines: (elements per block, bytes per block).
-BLOCK_SIZES: dict[int, tuple[int, int]] = {int(t): v for t, v in GGML_QUANT_SIZES.items()}
+
+
+@functools.cache
+def block_sizes() -> dict[int, tuple[int, int]]:
+    """Every type ggml defines: ``type id → (elements per block, bytes per block)``. The ``gguf`` package
+    is imported here, on first GGUF work, because its import costs every other job tens of milliseconds."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    return {int(t): v for t, v in GGML_QUANT_SIZES.items()}
 
 
 def type_name(type_id: int) -> str:
+    from gguf.constants import GGMLQuantizationType
+
     try:
         return GGMLQuantizationType(type_id).name
     except ValueError:
@@ -55,7 +64,7 @@ def type_name(type_id: int) -> str:
 
 
 def tensor_nbytes(type_id: int, ne: Sequence[int]) -> int:
-    block, size = BLOCK_SIZES[type_id]
+    block, size = block_sizes()[type_id]
     return math.prod(ne) // block * size
 
 
@@ -188,11 +197,11 @@ class GGUFFile:
                 ne = tuple(c.unpack("<Q", f"shape of {name!r}") for _ in range(n_dims))
                 type_id = c.unpack("<I", f"type of {name!r}")
                 offset = c.unpack("<Q", f"offset of {name!r}")
-                if type_id not in BLOCK_SIZES:
+                if type_id not in block_sizes():
                     raise MalformedInputError(f"GGUF tensor {name!r} has an unknown ggml type {type_id}")
                 if any(n == 0 for n in ne) or math.prod(ne) > 1 << 50:
                     raise MalformedInputError(f"GGUF tensor {name!r} has an impossible shape {list(ne)}")
-                block = BLOCK_SIZES[type_id][0]
+                block = block_sizes()[type_id][0]
                 if ne[0] % block:
                     raise MalformedInputError(f"GGUF tensor {name!r}: row length {ne[0]} is not a multiple of "
                                               f"{type_name(type_id)}'s block of {block}")
