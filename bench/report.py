@@ -902,7 +902,7 @@ def methods_section(data: dict[str, Any]) -> list[str]:
                            + (f" ({r['scope']})" if r.get("scope") and r["library"] == "quantd" else ""),
                            fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r.get("seconds"), ".3f"),
                            fmt(r.get("first_call_s"), ".2f"), fmt(r.get("speedup_vs_hqq"), ".2f")] for r in hqq]))
-    return out + _methods_best_vs_llmc(data)
+    return out + _methods_best_vs_llmc(data) + _methods_defaults_vs_llmc(data)
 
 
 def _hqq_run_lines(data: dict[str, Any]) -> list[str]:
@@ -934,6 +934,27 @@ def _methods_best_vs_llmc(data: dict[str, Any]) -> list[str]:
     return ["", "quantd's most accurate setting as a job (recorded calibration file) against llm-compressor in the "
                 "same run (*speed-up*: llm-compressor's seconds over quantd's; above 1: quantd faster):", "",
             table(["scheme", "quantd", "cos", "seconds", "llm-compressor", "cos", "seconds", "speed-up"], rows)]
+
+
+def _methods_defaults_vs_llmc(data: dict[str, Any]) -> list[str]:
+    """What ``method: gptq`` with no arguments gives (the ``gptq`` row, recorded calibration file) against each
+    llm-compressor GPTQ row of the same scheme and run."""
+    ours = {r["scheme"]: r for r in data.get("agnostic") or []
+            if isinstance(r, dict) and r.get("method") == "gptq" and r.get("embedding_cos_mean")}
+    rows = [[r["scheme"], fmt(ours[r["scheme"]]["embedding_cos_mean"], ".4f"), fmt(ours[r["scheme"]]["seconds"], ".2f"),
+             fmt(ours[r["scheme"]].get("first_call_s"), ".2f"),
+             r["method"] + (f" (act-order {r['actorder']})" if r.get("actorder") else ""),
+             fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r["seconds"], ".2f"),
+             fmt(ours[r["scheme"]]["seconds"] / r["seconds"], ".2f")]
+            for r in data.get("llmcompressor") or []
+            if isinstance(r, dict) and r.get("method") == "gptq" and r.get("seconds") and r["scheme"] in ours]
+    if not rows:
+        return []
+    return ["", "quantd's GPTQ defaults (`method: gptq`, no arguments) against llm-compressor's GPTQ, same run "
+                "(*time ratio*: quantd's seconds over llm-compressor's; *first call*: quantd's first job of the "
+                "process, kernel compilation included):", "",
+            table(["scheme", "quantd cos", "seconds", "first call", "llm-compressor", "cos", "seconds",
+                   "time ratio"], rows)]
 
 
 def methods_model_aware_section(data: dict[str, Any]) -> list[str]:

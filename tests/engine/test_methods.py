@@ -123,6 +123,21 @@ def test_gptq_act_order_result_dequantizes_through_g_idx(static_groups: bool) ->
     assert stats.numel == w.numel() and stats.bits_per_weight == bits_per_weight(qt)
 
 
+def test_gptq_defaults_to_act_order_with_groups() -> None:
+    """``method: gptq`` with no arguments visits columns in act-order (g_idx with groups); ``act_order: false``
+    keeps the column order and contiguous groups."""
+    w, x = _layer()
+    cal = LayerHessian(x.T @ x, x.shape[0])
+    default = quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq"), name="w", calibration=cal)
+    explicit = quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq",
+                                         method_args={"act_order": True}), name="w", calibration=cal)
+    plain = quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq",
+                                      method_args={"act_order": False}), name="w", calibration=cal)
+    assert default.g_idx is not None and explicit.g_idx is not None and plain.g_idx is None
+    assert torch.equal(default.codes, explicit.codes) and torch.equal(default.g_idx, explicit.g_idx)
+    assert not torch.equal(default.codes, plain.codes)
+
+
 def test_gptq_per_channel_and_dead_inputs() -> None:
     w, x = _layer(rows=16, cols=64)
     x[:, 5] = 0.0  # an input that never fires: its weights are dropped, as in the reference implementations

@@ -69,6 +69,10 @@ def _qparams(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tenso
     return scale.float().unsqueeze(1), None if zp is None else zp.float().unsqueeze(1)
 
 
+# Elements of ``w`` times candidates the range search evaluates at once (its few temporaries stay ~16 MiB).
+_SEARCH_ELEMENTS = 1 << 22
+
+
 def _qparams_searched(w: torch.Tensor, importance: torch.Tensor, scheme: Scheme, info: DTypeInfo,
                       ratios: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As :func:`_qparams`, each row's range shrunk by the ratio whose rounding error ``d`` of the block
@@ -78,18 +82,24 @@ def _qparams_searched(w: torch.Tensor, importance: torch.Tensor, scheme: Scheme,
     lo, hi = observe_range(w, scheme)
     best_s = best_z = None
     best_err = torch.full((w.shape[0], 1), float("inf"), device=w.device)
-    for r in ratios.tolist():  # a few candidates, each for every row at once
+    ratios = ratios.to(device=w.device, dtype=torch.float32)
+    per_pass = max(1, _SEARCH_ELEMENTS // max(w.numel(), 1))  # candidates side by side, memory bounded
+    for c0 in range(0, ratios.numel(), per_pass):
+        r = ratios[c0:c0 + per_pass].view(-1, 1)
         scale, zp = choose_qparams(lo * r, hi * r, dtype=scheme.dtype, symmetric=scheme.symmetric,
                                    scale_dtype=scheme.scale_dtype)
-        s = scale.float().unsqueeze(1)
-        z = None if zp is None else zp.float().unsqueeze(1)
+        s = scale.float().unsqueeze(2)  # [C, rows, 1]
+        z = None if zp is None else zp.float().unsqueeze(2)
         code = encode(w, s, z, info)
         d = (code if z is None else code - z) * s - w
-        err = (d * d * importance).sum(dim=1, keepdim=True)
+        err = (d * d * importance).sum(dim=2, keepdim=True)
+        pick = err.argmin(dim=0, keepdim=True)  # the first of equal errors: the widest range
+        err, s = err.gather(0, pick)[0], s.gather(0, pick)[0]
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_s = s if best_s is None else torch.where(better, s, best_s)
         if z is not None:
+            z = z.gather(0, pick)[0]
             best_z = z if best_z is None else torch.where(better, z, best_z)
     if best_s is None:
         raise ValueError("no clipping ratio to search")
@@ -126,7 +136,6 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, d
         w, h = w[:, perm], h[perm][:, perm]
     u = inverse_hessian_factor(h, damp=damp, name=name)
     hdiag = torch.diagonal(h)
-    q = torch.empty_like(w)
     scale = torch.empty(rows, n_groups, device=w.device)
     zero = None if scheme.symmetric else torch.empty(rows, n_groups, device=w.device)
     # the column's group: its own (static) or the position it is visited at (dynamic)
@@ -135,40 +144,61 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, d
         scale.copy_(static[0])
         if zero is not None and static[1] is not None:
             zero.copy_(static[1])
+    # Columns as contiguous rows of the transposed weight. Each column is rounded as ``code − z =
+    # clamp(round(w / s), qmin − z, qmax − z)`` (the encode with an integer zero point, exactly): the
+    # zero point is added back once at the end, and each column costs a handful of vector operations.
+    wt = w.T.contiguous()
+    qt = torch.empty_like(wt)
     bs = max(gs if static is None else 1, (block_size // gs) * gs if static is None else block_size)
     for b0 in range(0, cols, bs):
         b1 = min(b0 + bs, cols)
-        w1 = w[:, b0:b1].clone()
+        w1 = wt[b0:b1]  # updated in place: column i is final when it is reached
         err = torch.empty_like(w1)
         u1 = u[b0:b1, b0:b1]
+        u_diag = torch.diagonal(u1)
+        if static is not None:  # every column's parameters at once, from its (fixed) group
+            s_blk = scale[:, col_group[b0:b1]].T.contiguous()
+            lo_blk, hi_blk = _code_bounds(None if zero is None else zero[:, col_group[b0:b1]].T, info, s_blk)
         for i in range(b1 - b0):  # column by column: each one's rounding depends on the previous ones' errors
             j = b0 + i
-            if static is None and j % gs == 0:  # a new group starts: its parameters from its columns as they are
-                if ratios is None:
-                    s, z = _qparams(w1[:, i:i + gs], scheme)
-                else:
-                    s, z = _qparams_searched(w1[:, i:i + gs], hdiag[j:j + gs].unsqueeze(0), scheme, info, ratios)
-                scale[:, j // gs] = s[:, 0]
-                if zero is not None and z is not None:
-                    zero[:, j // gs] = z[:, 0]
-            g = int(col_group[j])
-            s_col = scale[:, g:g + 1]
-            z_col = None if zero is None else zero[:, g:g + 1]
-            col = w1[:, i:i + 1]
-            code = encode(col, s_col, z_col, info)
-            deq = (code if z_col is None else code - z_col) * s_col
-            q[:, j:j + 1] = code
-            e = (col - deq) / u1[i, i]
-            w1[:, i:] -= e * u1[i:i + 1, i:]
-            err[:, i:i + 1] = e
-        w[:, b1:] -= err @ u[b0:b1, b1:]
+            if static is None:
+                if j % gs == 0:  # a new group starts: its parameters from its columns as they are
+                    block = w1[i:i + gs].T
+                    if ratios is None:
+                        sg, zg = _qparams(block, scheme)
+                    else:
+                        sg, zg = _qparams_searched(block, hdiag[j:j + gs].unsqueeze(0), scheme, info, ratios)
+                    scale[:, j // gs] = sg[:, 0]
+                    if zero is not None and zg is not None:
+                        zero[:, j // gs] = zg[:, 0]
+                    s_col = sg[:, 0]
+                    lo, hi = _code_bounds(None if zg is None else zg[:, 0], info, s_col)
+            else:
+                s_col, lo, hi = s_blk[i], lo_blk[i], hi_blk[i]
+            col = w1[i]
+            code = torch.round(col / s_col).clamp_(lo, hi)
+            qt[j] = code
+            e = torch.addcmul(col, code, s_col, value=-1.0, out=err[i]).div_(u_diag[i])
+            w1[i + 1:].addr_(u1[i, i + 1:], e, alpha=-1.0)
+        wt[b1:].addmm_(u[b0:b1, b1:].T, err, alpha=-1.0)
+    q = qt.T
+    if zero is not None:
+        q = q + zero[:, col_group]
     g_idx = None
     if perm is not None:
         inv = torch.argsort(perm)
         q = q[:, inv]
         if static is None:
             g_idx = (inv // gs).to(torch.int32)
-    return q, scale, zero, g_idx
+    return q.contiguous(), scale, zero, g_idx
+
+
+def _code_bounds(zero: torch.Tensor | None, info: DTypeInfo, like: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qmin − z`` and ``qmax − z`` shaped as ``like`` (``z = 0`` when symmetric)."""
+    if zero is None:
+        return torch.full_like(like, info.qmin), torch.full_like(like, info.qmax)
+    return info.qmin - zero, info.qmax - zero
 
 
 def diag_shrink_ratio(diag_damp: float, *, cols: int, rows: int) -> float:
@@ -244,8 +274,8 @@ GPTQ = register(Method(
                                        "towards its diagonal when the calibration has few rows (0: off)",
             0.0, 10.0),
         Arg("block_size", "int", 128, "columns per lazy batch update", 1, 65536),
-        Arg("act_order", "bool", False, "visit columns by decreasing Hessian diagonal (stores g_idx with groups "
-                                        "unless static_groups)"),
+        Arg("act_order", "bool", True, "visit columns by decreasing Hessian diagonal (stores g_idx with groups "
+                                       "unless static_groups)"),
         Arg("static_groups", "bool", False, "fix every group's scale and zero point on the original weight "
                                             "before the column loop"),
         Arg("clip_grid", "int", 20, "search each group's range shrink on this grid (0: the observer's range as "

@@ -183,7 +183,7 @@ INFO_EXAMPLE: dict[str, Any] = {
     "observers": ["minmax", "percentile", "meanstd", "ema", "mse", "entropy"],
     "methods": ["rtn", "hqq", "gptq", "awq"],
     "method_args": [{"name": "gptq", "needs": "hessian", "description": "GPTQ: columns rounded in turn, ...",
-                     "args": [{"name": "act_order", "type": "bool", "default": False, "min": None, "max": None,
+                     "args": [{"name": "act_order", "type": "bool", "default": True, "min": None, "max": None,
                                "description": "visit columns by decreasing Hessian diagonal"}]}],
     "granularities": ["tensor", "channel", "group"],
     "input_formats": ["safetensors", "pytorch", "npy", "npz", "gguf"], "output_formats": ["safetensors", "compressed-tensors", "gguf"],
