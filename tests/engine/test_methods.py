@@ -294,15 +294,19 @@ def test_hqq_compiled_equals_eager(compiled: None, dtype: str) -> None:
     assert float((a != b).float().mean()) < 1e-3  # codes, but for a rare tie at .5
 
 
-def test_hqq_chunking_does_not_change_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocks are independent: chunks of 7 block rows (spread over the threads) give the one-chunk result."""
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_hqq_chunking_does_not_change_the_result(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
+                                                 path: str) -> None:
+    """Blocks are independent: chunks of 7 block rows give the one-chunk result, eager and compiled."""
     from quantd.engine.methods import hqq
 
+    request.getfixturevalue(path)
     g = torch.Generator().manual_seed(6)
     w = torch.randn(96, 256, generator=g) * torch.rand(96, 1, generator=g)
     scheme = Scheme(dtype="int4", group_size=64, method="hqq")
     whole = quantize_tensor(w, scheme, name="w")
     monkeypatch.setattr(hqq, "_CHUNK_ELEMENTS", 7 * 64)
+    monkeypatch.setattr(hqq, "_COMPILED_CHUNK_ELEMENTS", 7 * 64)
     chunked = quantize_tensor(w, scheme, name="w")
     assert whole.scale is not None and chunked.scale is not None
     assert whole.zero_point is not None and chunked.zero_point is not None

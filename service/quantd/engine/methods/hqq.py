@@ -31,9 +31,10 @@ The fit works on ``y = (W − mid)/(max − min)`` per block (the sums stay well
 magnitude). Every block of a chunk is updated at once (the loops are over candidates and steps, never
 blocks). Eager, that is a few dozen elementwise passes over the chunk (each candidate and refit: codes and
 three sums; each step: one power), run in the calling thread, single-threaded. With the compiled CPU kernels
-on (long-lived processes, ``QUANTD_COMPILE``), a chunk's search is one compiled kernel, one fused pass per
-candidate, refit and step (the same arithmetic, but that the steps' zero points are compared before their
-rounding to ``scale_dtype``); one-shot runs stay eager and pay no compile. The zero point stays a float
+on (long-lived processes, ``QUANTD_COMPILE``), the whole method on a tensor (min and max, candidates, refits,
+steps, the stored zero point's rounding and the codes) is one call of one compiled kernel, a fused pass over
+the blocks per stage: the same arithmetic, the per-call cost paid once per tensor rather than per chunk and
+stage. One-shot runs stay eager and pay no compile. The zero point stays a float
 (``zero_point_domain = "float"``, stored in ``scale_dtype``); codes are computed from the stored scale and zero
 point, so ``x̂ = (code − zero_point) · scale`` is what was optimised.
 """
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -59,6 +61,11 @@ from .base import Arg, LayerHessian, Method, register
 
 # Elements per chunk: a chunk's candidates and iterations run while its few working tensors stay in cache.
 _CHUNK_ELEMENTS = 1 << 18
+# Compiled, the kernel fuses a chunk's passes row by row; chunks only bound its working memory.
+_COMPILED_CHUNK_ELEMENTS = 1 << 22
+# The zero point's rounding to its stored dtype must happen inside the kernel (the codes are computed from the
+# stored value): without this, Inductor may fuse a float32 → float16 → float32 round trip away.
+_FUSED_OPTIONS = {"emulate_precision_casts": True}
 
 
 def _sums(y: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -103,11 +110,13 @@ def _start(y: torch.Tensor, ratios: tuple[float, ...], refits: int, levels: floa
 
 
 def _iterate(v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, betas: tuple[float, ...], levels: float,
-             p: float, stored: tuple[torch.dtype, float] | None = None) -> torch.Tensor:
+             p: float, stored: tuple[torch.dtype, float] | None = None, fused: bool = False) -> torch.Tensor:
     """The zero point of least mean absolute error, per row of ``v = W / scale``, among the ``len(betas)``
     half-quadratic iterates from ``zero`` (one ``β`` per step; the last iterate's error is measured, no step
     is taken from it). With ``stored = (dtype, qmin)`` each iterate is first rounded to what storing it in the
-    code domain keeps (``(z + qmin)`` in ``dtype``), so that the zero point chosen is the one stored."""
+    code domain keeps (``(z + qmin)`` in ``dtype``), so that the zero point chosen is the one stored. ``fused``
+    (inside a compiled kernel): the power as ``exp(log(·)·(p − 2))``, which Inductor vectorises at about a
+    third of the cost of its ``pow`` (the two agree to a few float32 ulps)."""
     k = v.shape[1]
     best, best_err = zero, torch.full_like(zero, float("inf"))
     for t, beta in enumerate(betas):
@@ -123,14 +132,15 @@ def _iterate(v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, betas: tu
         best_err = torch.where(better, err, best_err)
         if t + 1 < len(betas):
             # d − W_e/s = d · min(1, |e|^(p−2)/β) with e = s·d; |e| = 0 gives inf, clamped: d·1 = 0
-            w = a.mul_(scale).pow_(p - 2.0).clamp_max_(beta)
+            a = a.mul_(scale)
+            w = (torch.exp(torch.log(a) * (p - 2.0)) if fused else a.pow_(p - 2.0)).clamp_max_(beta)
             zero = zero - torch.linalg.vecdot(d, w).unsqueeze(1) / (beta * k)
     return best
 
 
 def _search(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, levels: float, ratios: tuple[float, ...],
-            refits: int, betas: tuple[float, ...], p: float, scale_dtype: torch.dtype, qmin: float
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            refits: int, betas: tuple[float, ...], p: float, scale_dtype: torch.dtype, qmin: float,
+            fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The search of a chunk of blocks ``w[B, K]`` with min ``lo`` and max ``hi`` ``[B, 1]``: the scale
     (float32 values of ``scale_dtype``), the offset-domain zero point (float32, before its rounding to
     ``scale_dtype``) and ``w / scale``."""
@@ -144,29 +154,25 @@ def _search(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, levels: floa
     zero = -(mid + b * width) / scale
     zero = torch.where(flat, zero.round(), zero)  # exact codes for constant blocks (x̂ = their value)
     v = w / scale
-    return scale, _iterate(v, scale, zero, betas, levels, p, (scale_dtype, qmin)), v
+    return scale, _iterate(v, scale, zero, betas, levels, p, (scale_dtype, qmin), fused), v
 
 
 @functools.cache
-def _search_fn(levels: float, ratios: tuple[float, ...], refits: int, betas: tuple[float, ...], p: float,
-               scale_dtype: torch.dtype, qmin: float) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`_search` of one setting as a function of the chunk alone (what the compiled kernel fuses: its
-    loops unrolled, one pass over the chunk per candidate, refit and step)."""
+def _fused_fn(levels: float, ratios: tuple[float, ...], refits: int, betas: tuple[float, ...], p: float,
+              scale_dtype: torch.dtype, qmin: float, qmax: float, code_dtype: torch.dtype
+              ) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The whole method on a chunk of blocks ``w[B, K]`` as one function of the chunk (what the compiled
+    kernel fuses, its loops unrolled): min and max, :func:`_search`, the zero point rounded to what is stored
+    and the codes from it. Returns ``scale, zero_point, codes, lo, hi`` (``lo``/``hi`` for the finite check)."""
 
-    def hqq_search(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s, z, _ = _search(w, lo, hi, levels=levels, ratios=ratios, refits=refits, betas=betas, p=p,
-                          scale_dtype=scale_dtype, qmin=qmin)
-        return s, z
+    def hqq_fused(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+        s, z, v = _search(w, lo, hi, levels=levels, ratios=ratios, refits=refits, betas=betas, p=p,
+                          scale_dtype=scale_dtype, qmin=qmin, fused=True)
+        z = (z + qmin).to(scale_dtype).float()  # the code domain, as stored
+        return s, z, torch.round(v + z).clamp(qmin, qmax).to(code_dtype), lo, hi
 
-    return hqq_search
-
-
-@functools.cache
-def _codes_fn(qmin: float, qmax: float, code_dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    def hqq_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-        return torch.round(w / scale + zero).clamp(qmin, qmax).to(code_dtype)  # the eager path's arithmetic
-
-    return hqq_codes
+    return hqq_fused
 
 
 def optimize_zero_point(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *, levels: int, iters: int,
@@ -187,51 +193,67 @@ def shrink_ratios(max_shrink: float, grid: int) -> tuple[float, ...]:
     return tuple(1.0 - max_shrink * i / grid for i in range(grid + 1))
 
 
+def _compiled(blocks: torch.Tensor, fused: Callable[..., tuple[torch.Tensor, ...]]
+              ) -> tuple[torch.Tensor, ...] | None:
+    """The method by the compiled kernel, one call per :data:`_COMPILED_CHUNK_ELEMENTS` (a call costs more
+    than a chunk's arithmetic on small tensors), or None when the kernels are off (the caller runs eager)."""
+    if not kernels.KERNELS.wants(blocks, small=True):
+        return None
+    step = max(1, _COMPILED_CHUNK_ELEMENTS // blocks.shape[1])
+    name = f"hqq_fused_{id(fused)}"
+    if blocks.shape[0] <= step:
+        return kernels.KERNELS.call(name, fused, (), blocks, options=_FUSED_OPTIONS)
+    parts = []
+    for start in range(0, blocks.shape[0], step):
+        part = kernels.KERNELS.call(name, fused, (), blocks[start:start + step], options=_FUSED_OPTIONS)
+        if part is None:
+            return None
+        parts.append(part)
+    return tuple(torch.cat(ts) for ts in zip(*parts, strict=True))
+
+
+def _eager(blocks: torch.Tensor, setting: tuple[Any, ...], qmax: float, code_dtype: torch.dtype
+           ) -> tuple[torch.Tensor, ...]:
+    """The method by eager ops, chunk by chunk (each chunk's candidates and steps while it is in cache), in the
+    calling thread, single-threaded: no OpenMP join per op (spread over the chunk pool these dozens of small
+    ops ran about twice as slow, the threads taking turns at the interpreter)."""
+    levels, ratios, refits, betas, p, sdt, qmin = setting
+    lo, hi = blocks.amin(dim=1, keepdim=True), blocks.amax(dim=1, keepdim=True)
+    codes = torch.empty(blocks.shape, dtype=code_dtype, device=blocks.device)
+    scale, zp = torch.empty_like(lo), torch.empty_like(lo)
+    if not bool(torch.isfinite(lo).all()) or not bool(torch.isfinite(hi).all()):
+        return scale, zp, codes, lo, hi  # the caller raises
+    step = max(1, _CHUNK_ELEMENTS // blocks.shape[1])
+    with caller_single_threaded():
+        for start in range(0, blocks.shape[0], step):
+            rows = slice(start, start + step)
+            s, z, v = _search(blocks[rows], lo[rows], hi[rows], levels=levels, ratios=ratios, refits=refits,
+                              betas=betas, p=p, scale_dtype=sdt, qmin=qmin)
+            z = (z + qmin).to(sdt).float()  # the code domain, as stored
+            codes[rows] = v.add_(z).round_().clamp_(qmin, qmax).to(code_dtype)
+            scale[rows], zp[rows] = s, z
+    return scale, zp, codes, lo, hi
+
+
 def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool], calibration: LayerHessian | None,
               name: str) -> QuantizedTensor:
     info = dtype_info(scheme.dtype)
     gran = granularity_of(scheme)
     axis = check_applicable(tuple(x.shape), gran, name=name)
     blocks, sshape = block_view(x.float(), gran, name=name)
-    lo, hi = blocks.amin(dim=1, keepdim=True), blocks.amax(dim=1, keepdim=True)
-    if not bool(torch.isfinite(lo).all()) or not bool(torch.isfinite(hi).all()):  # min and max carry NaN and Inf
-        raise NonFiniteError(f"tensor {name!r} has NaN or Inf values", tensor=name)
     sdt = scale_torch_dtype(scheme.scale_dtype)
     levels = float(info.qmax - info.qmin)
     ratios = shrink_ratios(float(args["max_shrink"]), int(args["grid"]))
     betas = _betas(float(args["beta"]), float(args["kappa"]), int(args["iters"]))
     code_dtype = torch.int8 if info.signed else torch.uint8
-    codes = torch.empty(blocks.shape, dtype=code_dtype, device=blocks.device)
-    scale, zp = torch.empty_like(lo), torch.empty_like(lo)
-    step = max(1, _CHUNK_ELEMENTS // blocks.shape[1])
-    starts = range(0, blocks.shape[0], step)
     qmin, qmax = float(info.qmin), float(info.qmax)
     setting = (levels, ratios, int(args["refits"]), betas, float(args["lp_norm"]), sdt, qmin)
-    search, encode = _search_fn(*setting), _codes_fn(qmin, qmax, code_dtype)
-    compiled = kernels.KERNELS.wants(blocks, small=True)
-
-    def one(i: int) -> None:  # a chunk of block rows: all its candidates and steps while it is in cache
-        rows = slice(starts[i], starts[i] + step)
-        w, args_ = blocks[rows], (blocks[rows], lo[rows], hi[rows])
-        out = kernels.KERNELS.call(f"hqq_search_{id(search)}", search, (), *args_) if compiled else None
-        if out is None:
-            with caller_single_threaded():
-                s, z, v = _search(*args_, levels=levels, ratios=ratios, refits=setting[2], betas=betas,
-                                  p=setting[4], scale_dtype=sdt, qmin=qmin)
-                z = (z + qmin).to(sdt).float()  # the code domain, as stored
-                codes[rows] = v.add_(z).round_().clamp_(qmin, qmax).to(code_dtype)
-        else:
-            s, z = out
-            z = (z + qmin).to(sdt).float()  # rounded eagerly: a fused kernel may keep a cast's float32 value
-            c = kernels.KERNELS.call(f"hqq_codes_{id(encode)}", encode, (), w, s, z)
-            codes[rows] = c if c is not None else encode(w, s, z)
-        scale[rows], zp[rows] = s, z
-
-    # Eager, each chunk's dozens of small ops (a few tens of microseconds each on CPU) run in this thread,
-    # single-threaded: no OpenMP join per op (spread over the chunk pool they ran about twice as slow, the
-    # threads taking turns at the interpreter). Compiled, a chunk's kernels use every core.
-    for i in range(len(starts)):
-        one(i)
+    out = _compiled(blocks, _fused_fn(*setting, qmax, code_dtype))
+    if out is None:
+        out = _eager(blocks, setting, qmax, code_dtype)
+    scale, zp, codes, lo, hi = out
+    if not bool(torch.isfinite(lo).all()) or not bool(torch.isfinite(hi).all()):  # min and max carry NaN and Inf
+        raise NonFiniteError(f"tensor {name!r} has NaN or Inf values", tensor=name)
 
     return QuantizedTensor(
         codes=unblock(codes, tuple(x.shape), gran), scale=scale.to(sdt).reshape(sshape),
