@@ -281,9 +281,9 @@ def test_hqq_compiled_equals_eager(compiled: None, dtype: str) -> None:
     kernels.KERNELS.reset(available=True)
     assert got.scale is not None and want.scale is not None and got.zero_point is not None
     assert want.zero_point is not None
-    # pow and the sums' vectorised forms may differ in the last bits, which a rounding can carry on, and the
-    # fused kernel compares the steps' zero points before their float16 rounding: some parameters differ,
-    # mostly by one float16 step, and the error they reach hardly does
+    # the power (exp∘log in the kernel) and the sums' vectorised forms may differ in the last bits, which a
+    # rounding can carry on: some parameters differ, mostly by one float16 step, and the error they reach
+    # hardly does
     assert float((got.scale != want.scale).float().mean()) < 0.02
     gz, wz = got.zero_point.float(), want.zero_point.float()
     assert float(((gz - wz).abs() > wz.abs() * 2.0**-10 + 2.0**-14).float().mean()) < 0.05
