@@ -1064,7 +1064,8 @@ def _oneshot_readme(data: dict[str, Any] | None) -> list[str]:
     serve = [r["first_quantize_s"] for r in data.get("serve_first_request") or [] if r["first_quantize_s"] is not None]
     if serve:
         out += [f"A new `quantd serve` answers its first `/v1/quantize` {min(serve):.2f}–{max(serve):.2f} s after the "
-                "process starts.", ""]
+                "process starts (on a data dir whose kernels an earlier run built; requests never wait for a "
+                "build, they run eager until it ends).", ""]
     return out
 
 

@@ -23,6 +23,7 @@ from quantd_client._schemas import (
     DType,
     GranularityName,
     JobStatus,
+    MethodArg,
     MethodName,
     ObserverName,
     QuantConfig,
@@ -198,6 +199,13 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
     except pydantic.ValidationError as e:
         raise UsageError("config: " + "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
                                                 for x in e.errors())) from None
+
+
+def _arg_default(arg: MethodArg) -> str:
+    """A method argument's default as its type reads: ``iters=2``, not the wire's ``2.0``."""
+    if arg.type == "int" and not isinstance(arg.default, bool):
+        return str(int(arg.default))
+    return str(arg.default).lower() if isinstance(arg.default, bool) else str(arg.default)
 
 
 def _method_args(pairs: Sequence[str]) -> dict[str, float | bool]:
@@ -462,7 +470,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(table(["field", "value"], [
             ["version", info.version], ["devices", devices], ["dtypes", " ".join(info.dtypes)],
             ["observers", " ".join(info.observers)],
-            *[[f"method {m.name}", " ".join(f"{a.name}={a.default}" for a in m.args) or "-"] for m in info.method_args],
+            *[[f"method {m.name}", " ".join(f"{a.name}={_arg_default(a)}" for a in m.args) or "-"]
+              for m in info.method_args],
             ["input formats", " ".join(info.input_formats)],
             ["max upload bytes", info.limits.max_upload_bytes], ["max sync bytes", info.limits.max_sync_bytes],
             ["auth", info.auth]]))
