@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import get_args
+from typing import Any, get_args
 
 import pytest
 import torch
@@ -292,6 +292,28 @@ def test_hqq_compiled_equals_eager(compiled: None, dtype: str) -> None:
     same = ((got.zero_point == want.zero_point) & (got.scale == want.scale)).reshape(-1)
     a, b = got.codes.reshape(-1, 64)[same], want.codes.reshape(-1, 64)[same]  # the same parameters: the same
     assert float((a != b).float().mean()) < 1e-3  # codes, but for a rare tie at .5
+
+
+def test_hqq_long_settings_run_eager(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled kernel unrolls every candidate and step: a setting with hundreds of them runs eager rather
+    than holding the compiler for minutes; the defaults take the kernel."""
+    from quantd.engine import kernels
+
+    names: list[str] = []
+    real = kernels.KERNELS.call
+
+    def spy(name: str, *args: Any, **kwargs: Any) -> Any:
+        names.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(kernels.KERNELS, "call", spy)
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(6))
+    long = Scheme(dtype="int4", group_size=64, method="hqq", method_args={"iters": 1000})
+    qt = quantize_tensor(w, long, name="w")
+    assert not any(n.startswith("hqq") for n in names)
+    assert float((dequantize(qt) - w).abs().mean()) < float(w.abs().mean()) / 4
+    quantize_tensor(w, Scheme(dtype="int4", group_size=64, method="hqq"), name="w")
+    assert any(n.startswith("hqq_fused") for n in names)
 
 
 @pytest.mark.parametrize("path", ["eager", "compiled"])

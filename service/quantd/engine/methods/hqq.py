@@ -66,6 +66,9 @@ _COMPILED_CHUNK_ELEMENTS = 1 << 22
 # The zero point's rounding to its stored dtype must happen inside the kernel (the codes are computed from the
 # stored value): without this, Inductor may fuse a float32 → float16 → float32 round trip away.
 _FUSED_OPTIONS = {"emulate_precision_casts": True}
+# The kernel unrolls every candidate, refit and step into its graph: compile time grows with their number (the
+# defaults have 8; hundreds of steps would hold the compiler for many minutes), so longer settings run eager.
+_MAX_FUSED_STAGES = 24
 
 
 def _sums(y: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -193,11 +196,12 @@ def shrink_ratios(max_shrink: float, grid: int) -> tuple[float, ...]:
     return tuple(1.0 - max_shrink * i / grid for i in range(grid + 1))
 
 
-def _compiled(blocks: torch.Tensor, fused: Callable[..., tuple[torch.Tensor, ...]]
+def _compiled(blocks: torch.Tensor, fused: Callable[..., tuple[torch.Tensor, ...]], stages: int
               ) -> tuple[torch.Tensor, ...] | None:
     """The method by the compiled kernel, one call per :data:`_COMPILED_CHUNK_ELEMENTS` (a call costs more
-    than a chunk's arithmetic on small tensors), or None when the kernels are off (the caller runs eager)."""
-    if not kernels.KERNELS.wants(blocks, small=True):
+    than a chunk's arithmetic on small tensors), or None when the kernels are off or the setting unrolls into
+    more than :data:`_MAX_FUSED_STAGES` candidates, refits and steps (the caller runs eager)."""
+    if stages > _MAX_FUSED_STAGES or not kernels.KERNELS.wants(blocks, small=True):
         return None
     step = max(1, _COMPILED_CHUNK_ELEMENTS // blocks.shape[1])
     name = f"hqq_fused_{id(fused)}"
@@ -248,7 +252,7 @@ def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool],
     code_dtype = torch.int8 if info.signed else torch.uint8
     qmin, qmax = float(info.qmin), float(info.qmax)
     setting = (levels, ratios, int(args["refits"]), betas, float(args["lp_norm"]), sdt, qmin)
-    out = _compiled(blocks, _fused_fn(*setting, qmax, code_dtype))
+    out = _compiled(blocks, _fused_fn(*setting, qmax, code_dtype), len(ratios) + setting[2] + len(betas))
     if out is None:
         out = _eager(blocks, setting, qmax, code_dtype)
     scale, zp, codes, lo, hi = out
