@@ -246,7 +246,7 @@ def test_bad_imatrix_is_refused(tmp_path: Path) -> None:
 # ---- hostile files ------------------------------------------------------------------------------------
 
 def _s(text: str) -> bytes:
-    b = text.encode()
+    b = text.encode("utf-8", "surrogateescape")  # lone surrogates: the bytes of a name that is not UTF-8
     return struct.pack("<Q", len(b)) + b
 
 
@@ -284,6 +284,34 @@ HOSTILE = {
 }
 
 
+def _align(vtype: int, value: bytes) -> bytes:
+    return _s("general.alignment") + struct.pack("<I", vtype) + value
+
+
+# general.alignment as llama.cpp and gguf-py take it: a UINT32 power of two (here up to 64 KiB).
+BAD_ALIGNMENT = {
+    "string": (_align(8, _s("32")), "stored as STRING"),
+    "array": (_align(9, struct.pack("<IQ", 4, 1) + struct.pack("<I", 32)), "stored as ARRAY"),
+    "float NaN": (_align(6, struct.pack("<f", float("nan"))), "stored as FLOAT32"),
+    "float64 32.0": (_align(12, struct.pack("<d", 32.0)), "stored as FLOAT64"),
+    "bool": (_align(7, b"\x01"), "stored as BOOL"),
+    "int32 negative": (_align(5, struct.pack("<i", -32)), "stored as INT32"),
+    "uint64": (_align(10, struct.pack("<Q", 32)), "stored as UINT64"),
+    "zero": (_align(4, struct.pack("<I", 0)), "0 is not a power of two from 1 to 65536"),
+    "not a power of two": (_align(4, struct.pack("<I", 48)), "48 is not a power of two from 1 to 65536"),
+    "absurdly large": (_align(4, struct.pack("<I", 1 << 31)), "2147483648 is not a power of two from 1 to 65536"),
+}
+for _case, (_kv, _) in BAD_ALIGNMENT.items():
+    HOSTILE[f"alignment {_case}"] = _file([_KV, _kv], [_T], bytes(256))
+BAD_NAMES = {
+    "empty": ("", r"tensor 1 \(0-based, in the tensor table\) has an empty name"),
+    "not UTF-8": ("v.\udcff\udcfeweight", r"tensor 1 \(0-based, in the tensor table\): its name b'v.\\xff\\xfeweight' is "
+                  "not valid UTF-8"),
+}
+for _case, (_name, _) in BAD_NAMES.items():
+    HOSTILE[f"tensor name {_case}"] = _file([_KV], [_T, (_name, (32, 2), 0, 256)], bytes(512))
+
+
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_gguf_is_refused_quickly_in_bounded_memory(tmp_path: Path, case: str) -> None:
     path = tmp_path / "hostile.gguf"
@@ -298,6 +326,30 @@ def test_hostile_gguf_is_refused_quickly_in_bounded_memory(tmp_path: Path, case:
         tracemalloc.stop()
     assert time.perf_counter() - t0 < 5
     assert peak < 8 * 2**20
+
+
+@pytest.mark.parametrize("case", list(BAD_ALIGNMENT))
+def test_bad_alignment_is_refused_saying_why(tmp_path: Path, case: str) -> None:
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(HOSTILE[f"alignment {case}"])
+    with pytest.raises(MalformedInputError, match=f"general.alignment.*{BAD_ALIGNMENT[case][1]}"):
+        GGUFFile(path)
+
+
+@pytest.mark.parametrize("case", list(BAD_NAMES))
+def test_bad_tensor_names_are_refused_naming_the_index(tmp_path: Path, case: str) -> None:
+    """A name decoded with replacement characters would rename the tensor in the output."""
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(HOSTILE[f"tensor name {case}"])
+    with pytest.raises(MalformedInputError, match=BAD_NAMES[case][1]):
+        GGUFFile(path)
+
+
+def test_valid_alignments_parse(tmp_path: Path) -> None:
+    path = tmp_path / "ok.gguf"
+    for align in (1, 32, 64, 1 << 16):
+        path.write_bytes(_file([_KV, _align(4, struct.pack("<I", align))], [_T], bytes(256), align=align))
+        assert GGUFFile(path).alignment == align
 
 
 def test_a_valid_handmade_file_parses(tmp_path: Path) -> None:

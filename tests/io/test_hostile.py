@@ -280,3 +280,142 @@ def test_a_refused_code_pickle_names_the_global_not_torchs_advice(tmp_path: Path
     assert "GLOBAL" in info.value.detail and "system" in info.value.detail  # what was refused
     assert "weights_only` set to `False`" not in info.value.detail  # torch's advice, cut mid-sentence
     assert not marker.exists()
+
+
+def test_deeply_nested_safetensors_header(tmp_path: Path) -> None:
+    """JSON nested deeper than the decoder's stack is a malformed header, not a RecursionError."""
+    body = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    p = tmp_path / "m.safetensors"
+    p.write_bytes(struct.pack("<Q", len(body)) + body)
+    with fast_error(MalformedInputError, "nests arrays or objects too deeply"):
+        open_model(p)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_meta_device_tensor_is_refused_naming_it(tmp_path: Path, legacy: bool) -> None:
+    p = tmp_path / "m.pt"
+    torch.save({"ok": torch.ones(2), "w": torch.empty(64, 64, device="meta")}, p,
+               _use_new_zipfile_serialization=not legacy)
+    with fast_error(MalformedInputError, "tensor 'w' is a meta-device tensor.*no data"):
+        _open_and_load_all(p)
+
+
+def test_expanded_pytorch_view_larger_than_the_limit_is_refused(tmp_path: Path) -> None:
+    """A stride-0 view of 16 stored bytes that would materialize as 1 TiB: refused from its shape."""
+    p = tmp_path / "m.pt"
+    torch.save({"w": torch.zeros(4).expand(1 << 18, 1 << 18, 4)}, p)
+    with fast_error(InputTooLargeError, "'w'.*1099511627776 bytes once materialized, from 16 stored"):
+        open_model(p)
+    torch.save({"pos": torch.arange(64).expand(1, -1)}, p)  # a broadcast buffer within its storage: kept
+    with open_model(p) as r:
+        assert r.tensors[0].shape == (1, 64)
+
+
+@pytest.mark.parametrize("dtype", [np.longdouble, np.clongdouble, np.complex128, "V8", "M8[s]", "m8[s]", "U4",
+                                   "S4", [("a", "<f4"), ("b", "<i4")]])
+@pytest.mark.parametrize("container", ["npy", "npz"])
+def test_unsupported_numpy_dtypes_are_refused_naming_the_dtype(tmp_path: Path, dtype: object,
+                                                               container: str) -> None:
+    dt = np.dtype(dtype)  # type: ignore[call-overload]
+    arr = np.zeros((4, 4), dt)
+    p = tmp_path / f"w.{container}"
+    if container == "npy":
+        np.save(p, arr)
+    else:
+        np.savez(p, w=arr)
+    with fast_error(UnsupportedFormatError, "'w': NumPy dtype .* is not supported"):
+        _open_and_load_all(p)
+    with pytest.raises(UnsupportedFormatError) as info:
+        open_model(p)
+    assert f"NumPy dtype {dt} is not supported" in info.value.detail  # float128, complex256, <U4, ...
+
+
+def test_npy_negative_dimension_is_refused_clearly(tmp_path: Path) -> None:
+    p = tmp_path / "w.npy"
+    p.write_bytes(_npy_header((-1, 64)) + bytes(256))
+    with fast_error(MalformedInputError, r"shape \[-1, 64\] has a negative dimension"):
+        open_model(p)
+    p = tmp_path / "w.npz"
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("w.npy", _npy_header((2, -3)) + bytes(24))
+    with fast_error(MalformedInputError, r"'w'.*negative dimension"):
+        open_model(p)
+
+
+def _zeros_npz(p: Path, members: dict[str, tuple[int, ...]]) -> None:
+    with zipfile.ZipFile(p, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        for name, shape in members.items():
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+                f.write(_npy_header(shape))
+                left = int(np.prod(shape)) * 4
+                chunk = bytes(min(left, 1 << 22))
+                while left:
+                    f.write(chunk[:left])
+                    left -= min(left, len(chunk))
+
+
+def test_npz_bomb_over_the_total_limit_is_refused_before_inflating(tmp_path: Path) -> None:
+    """A member of 256 MiB of zeros (~260 KB deflated) against a request's 64 MiB limit: refused from its
+    header, in time and memory far below inflating it; the limit counts all members together."""
+    import tracemalloc
+
+    p = tmp_path / "bomb.npz"
+    _zeros_npz(p, {"big": (8192, 8192)})
+    assert p.stat().st_size < 2 * 1024 * 1024
+    tracemalloc.start()
+    try:
+        with fast_error(InputTooLargeError, r"'big'.*declares 268435456 bytes \(the archive may unpack to "
+                        r"67108864 bytes\); refused before inflating it", budget_s=0.5):
+            open_model(p, max_total_bytes=64 * 1024 * 1024)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 1024 * 1024
+    p2 = tmp_path / "three.npz"
+    _zeros_npz(p2, {"a": (1024, 1024), "b": (1024, 1024), "c": (1024, 1024)})  # 4 MiB each
+    with fast_error(InputTooLargeError, r"'c'.*10485760 bytes in all, 2097152 after the members before it"):
+        open_model(p2, max_total_bytes=10 * 1024 * 1024)
+    with open_model(p2, max_total_bytes=12 * 1024 * 1024) as r:  # the tensors' bytes count, not the headers
+        assert [t.name for t in r.tensors] == ["a", "b", "c"]
+
+
+def test_total_limit_covers_every_format(tmp_path: Path) -> None:
+    p = tmp_path / "m.pt"
+    w = torch.zeros(64, 64)
+    torch.save({"w": w, "tied": w}, p)  # one storage, two tensors: 32 KiB once loaded
+    with fast_error(InputTooLargeError, "hold 32768 bytes once loaded.*limit of 20000 bytes"):
+        open_model(p, max_total_bytes=20_000)
+    with open_model(p, max_total_bytes=32768) as r:
+        assert len(r.tensors) == 2
+
+
+class _Eval:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (eval, ("1 + 1",))
+
+
+@pytest.mark.parametrize("data, why", [
+    pytest.param(pickle.dumps({"w": _Eval()}, protocol=4), r"unsupported pickle opcode 0x95 \(FRAME\)",
+                 id="protocol-4-eval"),
+    pytest.param(b"\x80\x02\xff" + bytes(20), r"unsupported pickle opcode 0xff \(not a pickle opcode\)",
+                 id="junk-opcode"),
+])
+def test_a_refused_pickle_always_names_a_reason(tmp_path: Path, data: bytes, why: str) -> None:
+    p = tmp_path / "m.pt"
+    p.write_bytes(data)
+    with fast_error(UnsafeInputError, r"nothing was executed\): " + why):
+        open_model(p)
+
+
+@pytest.mark.parametrize("numel", [1 << 32, 5, 4097])
+def test_legacy_storage_size_lie_has_a_clean_detail(tmp_path: Path, numel: int) -> None:
+    p = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(64, 64)}, p, _use_new_zipfile_serialization=False)
+    raw = bytearray(p.read_bytes())
+    at = raw.rfind(struct.pack("<q", 64 * 64))  # the storage's element count, before its data
+    raw[at:at + 8] = struct.pack("<q", numel)
+    p.write_bytes(bytes(raw))
+    with pytest.raises(MalformedInputError) as info:
+        open_model(p)
+    assert "%" not in info.value.detail
+    assert "storage's byte size in the data section differs" in info.value.detail

@@ -110,6 +110,35 @@ def test_calibration_problems_fail_before_any_work(tmp_path: Path) -> None:
     assert not (tmp_path / "o.safetensors").exists()
 
 
+def test_calibration_values_are_checked_in_chunks_naming_the_tensor(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantd.errors import NonFiniteError
+    from quantd.io import calibration
+
+    monkeypatch.setattr(calibration, "_CHECK_CHUNK", 1000)  # a NaN in the last of many chunks is found
+    x = torch.randn(300, 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(torch.bfloat16)
+    good = {"a": x, "b.hessian": (x.float().T @ x.float()), "b.hessian_count": torch.tensor(300)}
+    save_file(good, tmp_path / "good.safetensors")
+    assert set(MethodCalibration.describe(tmp_path / "good.safetensors")) == {"a", "b"}
+    bad_rows = x.clone()
+    bad_rows[-1, -1] = float("inf")
+    save_file({**good, "a": bad_rows}, tmp_path / "rows.safetensors")
+    with pytest.raises(NonFiniteError, match=r"'a' has NaN or Inf values \(1 of 14400\)") as e:
+        MethodCalibration.describe(tmp_path / "rows.safetensors")
+    assert e.value.tensor == "a"
+    h = good["b.hessian"].clone()
+    h[47, 47] = -0.5
+    save_file({**good, "b.hessian": h}, tmp_path / "diag.safetensors")
+    with pytest.raises(MalformedInputError, match=r"'b.hessian'.*1 of its 48 diagonal entries are negative"):
+        MethodCalibration.describe(tmp_path / "diag.safetensors")
+    save_file({**good, "b.hessian_count": torch.tensor(0)}, tmp_path / "count.safetensors")
+    with pytest.raises(MalformedInputError, match=r"'b.hessian_count'.*≥ 1, got 0"):
+        MethodCalibration.describe(tmp_path / "count.safetensors")
+    with (MethodCalibration(tmp_path / "diag.safetensors") as cal,  # the worker refuses it the same way
+          pytest.raises(MalformedInputError, match="diagonal")):
+        cal.layer("b.weight", torch.device("cpu"))
+
+
 def test_rows_and_hessian_calibration_agree(tmp_path: Path) -> None:
     x = torch.randn(300, 48, generator=torch.Generator().manual_seed(3))
     save_file({"a": x, "b.hessian": x.T @ x, "b.hessian_count": torch.tensor(300)}, tmp_path / "c.safetensors")

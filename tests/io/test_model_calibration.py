@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from quantd.engine.primitives import dequantize
-from quantd.errors import ConfigError
+from quantd.errors import ConfigError, MalformedInputError
 from quantd.io import load_into_model
 from quantd.io.model_calibration import _Weights, plan_text_calibration
 from quantd.io.model_dir import ModelFiles, quantize_directory
@@ -124,6 +124,7 @@ def test_jsonl_is_told_by_its_content(tmp_path: Path) -> None:
     ('{"input_ids": []}\n', ["line 1", "non-empty list"]),
     ('{"text": "a"}\n{"txt": "b"}\n', ["line 2", "unknown keys"]),
     ('{"text": "a"\n', ["line 1", "not JSON"]),
+    ('{"input_ids": ' + "[" * 100_000 + "]" * 100_000 + "}\n", ["line 1", "nested too deeply"]),
     ("\n\n", ["no lines"]),
 ])
 def test_bad_lines_are_named(tmp_path: Path, content: str, words: list[str]) -> None:
@@ -172,6 +173,47 @@ def test_models_that_cannot_run_are_refused(tmp_path: Path, case: str, words: li
     with pytest.raises(ConfigError) as e:
         plan_text_calibration(ModelFiles.from_dir(path), QuantConfig.model_validate(GPTQ), cal)
     assert all(w in e.value.detail for w in words), e.value.detail
+
+
+@pytest.mark.parametrize(("key", "value", "words"), [
+    ("num_hidden_layers", 100_000, ["num_hidden_layers is 100000", "tensors"]),
+    ("intermediate_size", 10**7, ["intermediate_size is 10000000", "the largest is"]),
+    ("num_local_experts", 10**6, ["num_local_experts is 1000000"]),
+])
+@pytest.mark.parametrize("path_kind", ["jsonl calibration", "compressed-tensors output"])
+def test_a_config_far_larger_than_its_weights_is_refused_before_it_is_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str, value: int, words: list[str], path_kind: str) -> None:
+    """A few bytes of config.json could declare a model whose mere skeleton takes minutes and gigabytes."""
+    from quantd.io import model_skeleton
+    from quantd.io.model_dir import plan_directory
+
+    path = tiny_llama(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, key: value}))
+
+    def no_build(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the architecture was built")
+
+    monkeypatch.setattr(model_skeleton, "build_model", no_build)
+    monkeypatch.setattr("quantd.io.model_calibration.build_model", no_build)
+    files = ModelFiles.from_dir(path)
+    with pytest.raises(MalformedInputError) as e:
+        if path_kind == "jsonl calibration":
+            plan_text_calibration(files, QuantConfig.model_validate(GPTQ), write_jsonl(tmp_path / "c.jsonl", id_rows(2)))
+        else:
+            plan_directory(files, QuantConfig.model_validate({"scheme": {"dtype": "int4", "group_size": 32},
+                                                              "output": "compressed-tensors"}))
+    assert all(w in e.value.detail for w in ["config.json", *words]), e.value.detail
+
+
+def test_buffers_beyond_the_limit_are_refused_before_they_are_computed() -> None:
+    """GPT-Neo keeps a [positions, positions] causal mask: a config with 2**17 positions would allocate 16 GiB."""
+    cfg = {"model_type": "gpt_neo", "architectures": ["GPTNeoForCausalLM"], "hidden_size": 32, "num_layers": 2,
+           "num_heads": 2, "attention_types": [[["global", "local"], 1]], "vocab_size": 64,
+           "max_position_embeddings": 1 << 17, "window_size": 16, "bos_token_id": 0, "eos_token_id": 0}
+    with pytest.raises(ConfigError, match="bytes of buffers"):
+        build_model(cfg, real_buffers=True)
+    assert build_model({**cfg, "max_position_embeddings": 64}, real_buffers=True) is not None
 
 
 def test_a_config_with_auto_map_runs_transformers_own_class(tmp_path: Path) -> None:

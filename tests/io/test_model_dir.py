@@ -24,11 +24,36 @@ def test_relative_paths_pass(path: str) -> None:
 
 
 @pytest.mark.parametrize("path", ["", "/abs", "../up", "a/../b", "a//b", "./a", "a/.", "a\\b", "nul\x00", "del\x7f",
-                                  "C:/x", "x" * 2000])
+                                  "C:/x", "x" * 2000, "d/" + "x" * 300 + ".json", "é" * 128 + "/a.json"])
 def test_bad_paths_are_refused_naming_them(path: str) -> None:
     with pytest.raises(PathError) as e:
         check_relpath(path)
     assert status_of(e.value) == 422 and e.value.field == "file"
+
+
+def test_a_component_up_to_name_max_bytes_passes() -> None:
+    name = "d/" + "x" * 250 + ".json"  # 255 bytes: the longest name a filesystem takes
+    assert check_relpath(name) == name
+
+
+@pytest.mark.parametrize(("index", "needle"), [
+    ({"metadata": [1], "weight_map": {}}, '"metadata"'),
+    ({"metadata": "x", "weight_map": {}}, '"metadata"'),
+    ({"weight_map": {"a.weight": 1}}, '"weight_map"'),
+    ({"weight_map": []}, '"weight_map"'),
+    ([1, 2], "JSON object"),
+])
+def test_an_index_of_the_wrong_shape_is_refused_naming_the_field(tmp_path: Path, index: object, needle: str) -> None:
+    from quantd.io.model_dir import ModelFiles, check_shards
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    files = ModelFiles({"model.safetensors": tmp_path / "model.safetensors",
+                        "model.safetensors.index.json": tmp_path / "model.safetensors.index.json"})
+    with pytest.raises(MalformedInputError) as e:
+        check_shards(files, {"model.safetensors": ["a.weight"]})
+    assert "model.safetensors.index.json" in e.value.detail and needle in e.value.detail, e.value.detail
+    assert status_of(e.value) == 422
 
 
 def test_pytorch_shards_become_safetensors_shards(tmp_path: Path) -> None:

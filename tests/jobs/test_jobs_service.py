@@ -289,6 +289,31 @@ async def test_crash_policy(make_service: MakeService, model_file: Path, exc: Ba
     assert svc.live_workers() == 1
 
 
+async def test_an_internal_error_never_shows_a_server_path(make_service: MakeService, model_file: Path) -> None:
+    """An OSError (or any exception) naming a file under the data dir fails the job without that path."""
+    import errno
+
+    calls: list[str] = []
+
+    def fails(src: Path, dst: Path, *args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["job_id"])
+        if len(calls) == 1:
+            raise OSError(errno.ENAMETOOLONG, "File name too long", str(dst.parent / ("x" * 300)))
+        raise RuntimeError(f"could not read {src}: gone")
+
+    svc = make_service(quantize_fn=fails)
+    jobs = [await svc.submit(tenant="a", upload=make_upload(svc, model_file), config=CONFIG) for _ in range(2)]
+    data_dir = str(svc.config.data_dir)
+    details = []
+    for job in jobs:
+        done = await finished(svc, "a", job.id)
+        assert done.status == "failed" and done.error.type == "urn:quantd:internal"
+        details.append(done.error.detail)
+    text = " ".join(details)
+    assert "File name too long" in text and "could not read" in text, details
+    assert data_dir not in text and str(Path(data_dir).resolve()) not in text and "x" * 300 not in text, details
+
+
 async def test_worker_survives_a_crash(make_service: MakeService, model_file: Path) -> None:
     calls: list[str] = []
 

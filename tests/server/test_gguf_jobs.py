@@ -7,13 +7,16 @@ import json
 import struct
 from pathlib import Path
 
+import pytest
+import torch
+
 from _gguf_models import llama_cpp_or_none, llama_logits, write_tiny_llama
 from quantd.cli import main
 from quantd.io.gguf_file import GGUFFile
 from quantd.io.pipeline import quantize_file
 from quantd_client import QuantConfig
 
-from .conftest import assert_problem
+from .conftest import assert_problem, pt_bytes, st_bytes
 
 CONFIG = {"output": "gguf", "gguf_mix": "Q8_0"}
 
@@ -85,3 +88,25 @@ def test_cli_quantizes_gguf_in_process(tmp_path: Path) -> None:
     assert main(["quantize", str(src), "-o", str(out2), "--gguf-mix", "Q6_K", "--calibration", str(dat),
                  "--device", "cpu"]) == 0
     assert GGUFFile(out2).get("general.file_type") == 18
+
+
+@pytest.mark.parametrize("config", [CONFIG, {"output": "gguf", "scheme": {"dtype": "q8_0"}}])
+@pytest.mark.parametrize("kind", ["safetensors", "pytorch"])
+async def test_a_gguf_job_from_a_non_gguf_file_is_422_before_it_is_accepted(server, config, kind) -> None:
+    """As POST /v1/quantize answers: output "gguf" needs a GGUF input (field output)."""
+    data = st_bytes() if kind == "safetensors" else pt_bytes({"layer.weight": torch.randn(16, 64)})
+    filename = "m.safetensors" if kind == "safetensors" else "m.pt"
+    body = assert_problem(await server.submit(data, config=config, filename=filename), 422)
+    assert "needs a GGUF input" in body["detail"] and "output" in body["detail"], body["detail"]
+    sync = await server.client.post("/v1/quantize", files={"file": (filename, data)},
+                                    data={"config": json.dumps(config)})
+    assert assert_problem(sync, 422)["detail"] == body["detail"]  # the same check, the same answer
+    assert (await server.client.get("/v1/jobs")).json()["items"] == []
+
+
+async def test_a_gguf_job_from_a_model_directory_is_422_before_it_is_accepted(server) -> None:
+    from .test_model_dirs import model_dir, submit_dir
+
+    body = assert_problem(await submit_dir(server, model_dir(), CONFIG), 422)
+    assert "needs a GGUF input" in body["detail"], body["detail"]
+    assert (await server.client.get("/v1/jobs")).json()["items"] == []

@@ -3,18 +3,21 @@ the data dir, the server alive after; oversize uploads cut off while they stream
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
 import time
+import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from quantd.server.uploads import sanitize_filename
 
-from .conftest import CONFIG, assert_problem, pt_bytes, st_bytes
+from .conftest import CONFIG, assert_problem, npy_bytes, pt_bytes, st_bytes
 
 
 class Boom:
@@ -36,6 +39,27 @@ def _lying_shape() -> bytes:
     return struct.pack("<Q", len(header)) + header + b"\0" * 64
 
 
+def _deep_json_header() -> bytes:
+    body = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    return struct.pack("<Q", len(body)) + body
+
+
+def _gguf_string_alignment() -> bytes:
+    def s(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    kv = s("general.alignment") + struct.pack("<I", 8) + s("32")
+    tensor = s("w.weight") + struct.pack("<I2QIQ", 2, 32, 2, 0, 0)
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + kv + tensor
+    return head + bytes(-len(head) % 32) + bytes(256)
+
+
+def _npy_negative_dim() -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False, "shape": (-1, 64)})
+    return buf.getvalue() + bytes(256)
+
+
 HOSTILE = {
     "pickle-that-runs-code": (pt_bytes({"w": Boom()}), "evil.pt", {415, 422}),
     "huge-header-length": (_bad_header_len(), "m.safetensors", {413, 415, 422}),
@@ -44,6 +68,11 @@ HOSTILE = {
     "truncated": (st_bytes()[:-100], "m.safetensors", {415, 422}),
     "junk": (b"hello, I am not a model" * 10, "m.safetensors", {415}),
     "empty": (b"", "m.safetensors", {400, 415, 422}),
+    "deeply-nested-header-json": (_deep_json_header(), "m.safetensors", {422}),
+    "gguf-alignment-as-a-string": (_gguf_string_alignment(), "m.gguf", {422}),
+    "meta-device-tensor": (pt_bytes({"w": torch.empty(64, 64, device="meta")}), "m.pt", {422}),
+    "longdouble-npy": (npy_bytes(np.zeros((4, 4), np.longdouble)), "w.npy", {415}),
+    "negative-npy-dim": (_npy_negative_dim(), "w.npy", {422}),
 }
 NAN_MODEL = st_bytes({"w": torch.tensor([[1.0, float("nan")], [float("inf"), 0.0]]).repeat(2, 4)})
 
@@ -176,3 +205,49 @@ async def test_oversize_upload_is_cut_off_while_streaming(make_server):
                                          "Content-Length": str(10 * 1024 * 1024)})
         assert_problem(r, 413)
         assert (await h.client.get("/healthz")).status_code == 200
+
+
+def _npz_of_zeros(rows: int, cols: int) -> bytes:
+    """One deflated float32 member of zeros: rows × cols × 4 bytes inflated, a thousandth of that stored."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf, zf.open("w.npy", "w") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (rows, cols)})
+        row = bytes(cols * 4)
+        for _ in range(rows):
+            f.write(row)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("endpoint, field, value", [
+    ("/v1/quantize", "config", CONFIG),
+    ("/v1/analyze", "configs", [CONFIG["scheme"]]),
+    ("/v1/calibrate", "observer", {}),
+])
+async def test_npz_bomb_is_refused_by_the_sync_limit_before_inflating(make_server, endpoint, field, value):
+    """A 32 MiB member deflated to ~33 KB, under a 4 MiB sync limit: 413 naming the member and the limit,
+    at once (the member is never inflated), where it used to be inflated and quantized whole."""
+    data = _npz_of_zeros(2048, 4096)
+    limit = 4 * 1024 * 1024
+    assert len(data) < limit // 16
+    async with make_server(max_sync_bytes=limit, max_upload_bytes=limit) as h:
+        t0 = time.monotonic()
+        r = await h.client.post(endpoint, files={"file": ("bomb.npz", data, "application/octet-stream")},
+                                data={field: json.dumps(value)})
+        assert time.monotonic() - t0 < 5
+        body = assert_problem(r, 413)
+        assert "'w'" in body["detail"] and "33554432 bytes" in body["detail"] and str(limit) in body["detail"]
+        assert "POST /v1/jobs" in body["detail"]  # where larger inputs go
+        assert list(h.settings.tmp_dir.iterdir()) == []
+
+
+async def test_npz_bomb_is_refused_by_the_upload_limit_before_a_job_is_accepted(make_server):
+    """On POST /v1/jobs the upload limit bounds what the tensors unpack to: 413 naming the member, no job."""
+    data = _npz_of_zeros(2048, 4096)
+    limit = 4 * 1024 * 1024
+    async with make_server(max_sync_bytes=limit, max_upload_bytes=limit) as h:
+        r = await h.client.post("/v1/jobs", files={"file": ("bomb.npz", data, "application/octet-stream")},
+                                data={"config": json.dumps({"scheme": {"dtype": "int8"}})})
+        body = assert_problem(r, 413)
+        assert "'w'" in body["detail"] and "33554432 bytes" in body["detail"]
+        assert (await h.client.get("/v1/jobs")).json()["items"] == []
+

@@ -3,6 +3,7 @@ with pagination, idempotency, cancel, queue full → 429."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import itertools
 import json
@@ -131,6 +132,9 @@ async def test_list_pagination_and_status_filter(make_server):
         queued = (await h.client.get("/v1/jobs", params={"status": "queued"})).json()["items"]
         assert [j["id"] for j in queued] == ids[:0:-1]
         bad = assert_problem(await h.client.get("/v1/jobs", params={"cursor": "garbage"}), 422)
+        assert bad["errors"][0]["loc"] == ["query", "cursor"]
+        nested = base64.urlsafe_b64encode(b"[" * 5000 + b"]" * 5000).decode()  # JSON nested past the recursion limit
+        bad = assert_problem(await h.client.get("/v1/jobs", params={"cursor": nested}), 422)
         assert bad["errors"][0]["loc"] == ["query", "cursor"]
         bad = assert_problem(await h.client.get("/v1/jobs", params={"status": "done"}), 422)
         assert bad["errors"][0]["loc"] == ["query", "status"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import get_args
 
+import pytest
 import torch
 
 from quantd_client._artifact import read_artifact
@@ -75,3 +76,47 @@ async def test_hqq_over_the_sync_endpoint(server):
     assert r.status_code == 200, r.text
     art = read_artifact(r.content)
     assert art.metadata["tensors"]["enc.q.weight"]["zero_point_domain"] == "float"
+
+
+def _hessian(h: torch.Tensor, count: int = 200) -> bytes:
+    return st_bytes({"enc.q.hessian": h, "enc.q.hessian_count": torch.tensor(count)})
+
+
+def _spd(seed: int = 2) -> torch.Tensor:
+    x = torch.randn(200, 64, generator=torch.Generator().manual_seed(seed))
+    return x.T @ x
+
+
+def _with(x: torch.Tensor, index: tuple[int, ...], value: float) -> torch.Tensor:
+    x = x.clone()
+    x[index] = value
+    return x
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize(("case", "tensor", "needle"), [
+    ("nan-rows", "enc.q", "NaN or Inf"),
+    ("inf-rows", "enc.q", "NaN or Inf"),
+    ("nan-hessian", "enc.q.hessian", "NaN or Inf"),
+    ("zero-count", "enc.q.hessian_count", "≥ 1"),
+    ("negative-count", "enc.q.hessian_count", "≥ 1"),
+    ("negative-diagonal", "enc.q.hessian", "diagonal"),
+    ("negative-definite", "enc.q.hessian", "diagonal"),
+])
+async def test_calibration_values_that_cannot_serve_are_422_before_the_job(server, method, case, tensor, needle):
+    rows = torch.randn(200, 64, generator=torch.Generator().manual_seed(1))
+    calibration = {
+        "nan-rows": lambda: st_bytes({"enc.q": _with(rows, (150, 3), float("nan"))}),
+        "inf-rows": lambda: st_bytes({"enc.q": _with(rows, (0, 63), float("-inf"))}),
+        "nan-hessian": lambda: _hessian(_with(_spd(), (5, 7), float("nan"))),
+        "zero-count": lambda: _hessian(_spd(), 0),
+        "negative-count": lambda: _hessian(_spd(), -3),
+        "negative-diagonal": lambda: _hessian(_with(_spd(), (9, 9), -1.0)),
+        "negative-definite": lambda: _hessian(-_spd()),
+    }[case]()
+    config = {"scheme": {"dtype": "int4", "group_size": 32, "method": method}}
+    r = await server.client.post("/v1/jobs", files=_files(calibration), data={"config": json.dumps(config)})
+    body = assert_problem(r, 422)
+    assert repr(tensor) in body["detail"] and needle in body["detail"], body["detail"]
+    assert "calibration" in body["detail"], body["detail"]
+    assert (await server.client.get("/v1/jobs")).json()["items"] == []

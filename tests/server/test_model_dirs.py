@@ -183,6 +183,30 @@ async def test_index_and_shards_must_agree(server, case, needle):
     assert needle in body["detail"], body["detail"]
 
 
+@pytest.mark.parametrize("metadata", [[1], "x", 3])
+async def test_an_index_whose_metadata_is_not_an_object_is_422(server, metadata):
+    files = model_dir()
+    index = json.loads(files["model.safetensors.index.json"])
+    files["model.safetensors.index.json"] = json.dumps({**index, "metadata": metadata}).encode()
+    body = assert_problem(await submit_dir(server, files), 422)
+    assert "model.safetensors.index.json" in body["detail"] and '"metadata"' in body["detail"], body["detail"]
+    assert (await server.client.get("/v1/jobs")).json()["items"] == []
+
+
+async def test_an_index_whose_weight_map_is_not_names_to_files_is_422(server):
+    files = _with_index(model_dir(), lambda m: m.update({"embeddings.word_embeddings.weight": 1}))
+    body = assert_problem(await submit_dir(server, files), 422)
+    assert "model.safetensors.index.json" in body["detail"] and '"weight_map"' in body["detail"], body["detail"]
+
+
+async def test_a_path_component_longer_than_name_max_is_422(server):
+    path = "d/" + "x" * 300 + ".json"
+    body = assert_problem(await submit_dir(server, [*model_dir().items(), (path, b"{}")]), 422)
+    assert "x" * 300 in body["detail"] and "255 bytes" in body["detail"], body["detail"][:200]
+    assert str(server.settings.data_dir) not in body["detail"]
+    assert (await server.client.get("/v1/jobs")).json()["items"] == []
+
+
 async def test_a_directory_over_the_size_limit_is_413(make_server):
     files = model_dir()
     total = sum(len(d) for d in files.values())

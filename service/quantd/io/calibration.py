@@ -30,6 +30,39 @@ HESSIAN_SUFFIX = ".hessian"
 COUNT_SUFFIX = ".hessian_count"
 # Rows are turned into Σ x xᵀ this many at a time (bounds the float32 temporary).
 _ROW_CHUNK = 1 << 14
+# Values checked for NaN/Inf this many at a time (bounds the boolean temporary).
+_CHECK_CHUNK = 1 << 22
+
+
+def _check_finite(x: torch.Tensor, name: str) -> None:
+    """NonFiniteError naming calibration tensor ``name`` when it holds NaN or Inf (checked in chunks)."""
+    flat = x.reshape(-1)
+    bad = sum(int((~torch.isfinite(flat[i:i + _CHECK_CHUNK])).sum()) for i in range(0, flat.numel(), _CHECK_CHUNK))
+    if bad:
+        raise NonFiniteError(f"calibration tensor {name!r} has NaN or Inf values ({bad} of {flat.numel()})",
+                             tensor=name)
+
+
+def _check_count(count: torch.Tensor, name: str) -> int:
+    """The number of rows a Hessian sums; MalformedInputError naming ``name`` unless it is ≥ 1."""
+    n = int(count.reshape(-1)[0])
+    if n < 1:
+        raise MalformedInputError(f"calibration tensor {name!r} (the number of rows) must be ≥ 1, got {n}",
+                                  tensor=name)
+    return n
+
+
+def _check_hessian(h: torch.Tensor, name: str) -> None:
+    """A Hessian ``Σ x xᵀ``: finite, with a non-negative diagonal (each entry a sum of squares). A full
+    positive semi-definiteness test (an eigendecomposition) is not made: the methods damp the diagonal."""
+    _check_finite(h, name)
+    diag = torch.diagonal(h)
+    negative = int((diag < 0).sum())
+    if negative:
+        first = int(torch.nonzero(diag < 0)[0, 0])
+        raise MalformedInputError(f"calibration tensor {name!r} is not a Hessian Σ x xᵀ: {negative} of its "
+                                  f"{diag.numel()} diagonal entries are negative (the first at [{first}, {first}]: "
+                                  f"{float(diag[first]):g})", tensor=name)
 
 
 def module_name(weight: str) -> str:
@@ -111,8 +144,22 @@ class MethodCalibration:
 
     @classmethod
     def describe(cls, path: str | os.PathLike[str]) -> dict[str, CalibrationEntry]:
+        """The index of the calibration file at ``path``, its values checked (:meth:`check_values`): what a
+        job's submission asks before the job is accepted."""
         with cls(path) as cal:
+            cal.check_values()
             return cal.index
+
+    def check_values(self) -> None:
+        """Every entry's values, one tensor at a time (memory follows the largest): input rows and Hessians
+        finite, a Hessian's diagonal non-negative, each ``hessian_count`` ≥ 1. MalformedInputError (or
+        NonFiniteError) naming the tensor otherwise: what the worker would refuse, before any work."""
+        for entry in self.index.values():
+            if entry.hessian is not None and entry.count is not None:
+                _check_count(self._reader.load(entry.count, "cpu"), entry.count)
+                _check_hessian(self._reader.load_transient(entry.hessian, "cpu"), entry.hessian)
+            elif entry.rows is not None:
+                _check_finite(self._reader.load_transient(entry.rows, "cpu"), entry.rows)
 
     @property
     def has_hessians(self) -> bool:
@@ -126,18 +173,13 @@ class MethodCalibration:
             return None
         if entry.hessian is not None and entry.count is not None:
             h = self._reader.load(entry.hessian, device).float()
-            count = int(self._reader.load(entry.count, "cpu").reshape(-1)[0])
-            if count < 1:
-                raise MalformedInputError(f"calibration tensor {entry.count!r} must be ≥ 1, got {count}",
-                                          tensor=entry.count)
-            if not bool(torch.isfinite(h).all()):
-                raise NonFiniteError(f"calibration tensor {entry.hessian!r} has NaN or Inf values", tensor=entry.hessian)
+            count = _check_count(self._reader.load(entry.count, "cpu"), entry.count)
+            _check_hessian(h, entry.hessian)
             return LayerHessian((h + h.T) / 2, count)
         if entry.rows is None:  # index_calibration gives every entry its rows or a Hessian with its count
             raise MalformedInputError(f"module {entry.module!r} has no usable calibration", tensor=entry.module)
         x = self._reader.load(entry.rows, device).reshape(-1, entry.features)
-        if not bool(torch.isfinite(x).all()):
-            raise NonFiniteError(f"calibration tensor {entry.rows!r} has NaN or Inf values", tensor=entry.rows)
+        _check_finite(x, entry.rows)
         h = torch.zeros(entry.features, entry.features, device=device)
         for r in range(0, x.shape[0], _ROW_CHUNK):
             chunk = x[r:r + _ROW_CHUNK].float()

@@ -39,6 +39,8 @@ U8, I8, U16, I16, U32, I32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
 _SCALARS: dict[int, str] = {U8: "<B", I8: "<b", U16: "<H", I16: "<h", U32: "<I", I32: "<i", F32: "<f", BOOL: "<?",
                             U64: "<Q", I64: "<q", F64: "<d"}
 _SIZES = {k: struct.calcsize(v) for k, v in _SCALARS.items()}
+_TYPE_NAMES = {U8: "UINT8", I8: "INT8", U16: "UINT16", I16: "INT16", U32: "UINT32", I32: "INT32", F32: "FLOAT32",
+               BOOL: "BOOL", STRING: "STRING", ARRAY: "ARRAY", U64: "UINT64", I64: "INT64", F64: "FLOAT64"}
 
 # Float tensor types quantd reads as tensors (everything else known to ggml passes through as bytes).
 FLOAT_TYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
@@ -144,6 +146,18 @@ def _value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
     raise MalformedInputError(f"GGUF key {key!r} has an unknown value type {vtype}")
 
 
+def _tensor_name(raw: bytes, index: int) -> str:
+    """A tensor table name: non-empty UTF-8 (a name decoded with replacement characters would rename the
+    tensor in the output)."""
+    if not raw:
+        raise MalformedInputError(f"GGUF tensor {index} (0-based, in the tensor table) has an empty name")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MalformedInputError(f"GGUF tensor {index} (0-based, in the tensor table): its name {raw[:64]!r} "
+                                  f"is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
 class GGUFFile:
     """The parsed header of a GGUF file: version, metadata (in order), tensor table (in order), alignment
     and where the data section starts. Raises MalformedInputError (422) for anything the bytes do not
@@ -180,14 +194,11 @@ class GGUFFile:
                 f.seek(start)
                 raw = f.read(c.pos - start)
                 self.metadata.append(KeyValue(key, vtype, value, raw))
-            self.alignment = int(self.get("general.alignment", DEFAULT_ALIGNMENT))
-            if not 0 < self.alignment <= MAX_ALIGNMENT or self.alignment & (self.alignment - 1):
-                raise MalformedInputError(f"GGUF general.alignment {self.alignment} is not a power of two "
-                                          f"up to {MAX_ALIGNMENT}")
+            self.alignment = self._alignment()
             self.tensors: list[GGUFTensor] = []
             names: set[str] = set()
-            for _ in range(n_tensors):
-                name = c.string("tensor name").decode("utf-8", errors="replace")
+            for index in range(n_tensors):
+                name = _tensor_name(c.string(f"name of tensor {index}"), index)
                 if name in names:
                     raise MalformedInputError(f"GGUF tensor {name!r} appears twice")
                 names.add(name)
@@ -220,6 +231,21 @@ class GGUFFile:
                 raise MalformedInputError(f"GGUF tensor {t.name!r} ends at byte {self.data_start + end}; the file "
                                           f"has {size} (truncated or lying offsets)")
         self.size = size
+
+    def _alignment(self) -> int:
+        """``general.alignment``, as llama.cpp and gguf-py take it: a UINT32 (llama.cpp asserts the type; the
+        output repeats the pair as stored) that is a power of two, here up to MAX_ALIGNMENT."""
+        kv = next((kv for kv in self.metadata if kv.key == "general.alignment"), None)
+        if kv is None:
+            return DEFAULT_ALIGNMENT
+        if kv.value_type != U32:
+            raise MalformedInputError(f"GGUF general.alignment is stored as {_TYPE_NAMES.get(kv.value_type)}; "
+                                      "llama.cpp takes a UINT32 (a power of two)")
+        value: int = kv.value
+        if not 0 < value <= MAX_ALIGNMENT or value & (value - 1):
+            raise MalformedInputError(f"GGUF general.alignment {value} is not a power of two from 1 to "
+                                      f"{MAX_ALIGNMENT}")
+        return value
 
     def get(self, key: str, default: Any = None) -> Any:
         for kv in self.metadata:

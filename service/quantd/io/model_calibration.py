@@ -58,7 +58,15 @@ from .model_dir import (
     output_relpath,
     plan_directory,
 )
-from .model_skeleton import Fold, ModelPlan, apply_fold, build_model, calibration_index, plan_model
+from .model_skeleton import (
+    Fold,
+    ModelPlan,
+    apply_fold,
+    build_model,
+    calibration_index,
+    check_declared_size,
+    plan_model,
+)
 from .outputs import ModelStructure, OutputFormat, PlannedTensor, Sink, get_format
 from .readers import ModelReader
 from .text_calibration import CalibrationLine, load_tokenizer, pad_batch, read_jsonl, token_sequences
@@ -99,6 +107,7 @@ def plan_text_calibration(files: ModelFiles, config: QuantConfig, calibration: s
     if not isinstance(cfg, dict):
         raise MalformedInputError(f"{CONFIG}: not a JSON object")
     tensors = {t.name: t.shape for ts in _shard_tensors(files).values() for t in ts}
+    check_declared_size(cfg, tensors.values())
     mplan = plan_model(build_model(cfg, real_buffers=real_buffers), config, tensors)
     lines = read_jsonl(calibration, vocab_size=mplan.vocab_size)
     tokenizer = load_tokenizer(files.files) if any(cl.text is not None for cl in lines) else None

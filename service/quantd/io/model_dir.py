@@ -21,7 +21,7 @@ import shutil
 import time
 import unicodedata
 import warnings
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 INDEX_SUFFIX = ".index.json"
 CONFIG = "config.json"
 MAX_PATH_CHARS = 1024
+NAME_MAX_BYTES = 255  # the longest file or directory name (UTF-8) a filesystem takes (ext4, xfs, APFS, ...)
 MAX_JSON_BYTES = 64 * 1024 * 1024  # an index or config.json larger than this is not one
 
 
@@ -69,6 +70,8 @@ def check_relpath(path: str) -> str:
     parts = path.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise bad("empty, '.' or '..' components")
+    if any(len(p.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES for p in parts):
+        raise bad(f"a component longer than {NAME_MAX_BYTES} bytes (UTF-8), the longest name a filesystem takes")
     return path
 
 
@@ -94,6 +97,8 @@ def _read_json(path: Path, rel: str) -> Any:
         return json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError) as e:
         raise MalformedInputError(f"{rel}: not JSON ({e})") from None
+    except RecursionError:
+        raise MalformedInputError(f"{rel}: JSON nested too deeply") from None
 
 
 @dataclass(frozen=True)
@@ -138,10 +143,7 @@ def check_shards(files: ModelFiles, tensors: Mapping[str, Sequence[str]]) -> Non
     if not files.weights:
         raise MalformedInputError("no weight files (*.safetensors, *.bin, *.pt, *.pth) in the model directory")
     for idx in files.indexes:
-        data = _read_json(files.files[idx], idx)
-        wmap = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
-            raise MalformedInputError(f"{idx}: no weight_map of tensor name → shard file")
+        wmap = _read_index(files.files[idx], idx)
         folder = posixpath.dirname(idx)
         named = {posixpath.join(folder, v) for v in wmap.values()}
         kind = idx[: -len(INDEX_SUFFIX)].rsplit(".", 1)[-1]  # safetensors | bin | pt | pth
@@ -163,15 +165,46 @@ def check_shards(files: ModelFiles, tensors: Mapping[str, Sequence[str]]) -> Non
                     raise MalformedInputError(f"tensor {n!r} of {shard!r} is not in {idx}", tensor=n)
 
 
-def model_structure(config_path: Path | None) -> ModelStructure:
+def _json_kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _read_index(path: Path, rel: str) -> dict[str, str]:
+    """The weight map of the index ``rel``, its shape checked (MalformedInputError naming the file and the
+    field otherwise): a JSON object whose ``weight_map`` is an object of tensor name → shard file and whose
+    ``metadata``, when present, is an object (the output's index adds ``total_size`` to it)."""
+    data = _read_json(path, rel)
+    if not isinstance(data, dict):
+        raise MalformedInputError(f"{rel}: must be a JSON object, got {_json_kind(data)}")
+    metadata = data.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise MalformedInputError(f'{rel}: "metadata" must be a JSON object, got {_json_kind(metadata)}')
+    wmap = data.get("weight_map")
+    if not isinstance(wmap, dict):
+        raise MalformedInputError(f'{rel}: "weight_map" must be a JSON object of tensor name → shard file, got '
+                                  f"{'nothing' if wmap is None else _json_kind(wmap)}")
+    for name, shard in wmap.items():
+        if not isinstance(shard, str):
+            raise MalformedInputError(f'{rel}: "weight_map" entry {name!r} must be a shard file name (a string), '
+                                      f"got {_json_kind(shard)}", tensor=name)
+    return wmap
+
+
+def model_structure(config_path: Path | None, shapes: Iterable[tuple[int, ...]] = ()) -> ModelStructure:
     """The Linear weights of the architecture ``config.json`` names, built on the meta device (no weights,
-    never remote code). Unknown when there is no config.json, transformers is not installed, or it does not
-    implement the architecture: formats then fall back to their rule for unknown models."""
+    never remote code), once the config is checked against the ``shapes`` of the uploaded tensors
+    (:func:`~quantd.io.model_skeleton.check_declared_size`). Unknown when there is no config.json,
+    transformers is not installed, or it does not implement the architecture: formats then fall back to
+    their rule for unknown models."""
     if config_path is None:
         return ModelStructure()
     cfg = _read_json(config_path, CONFIG)
     if not isinstance(cfg, dict):
         raise MalformedInputError(f"{CONFIG}: not a JSON object")
+    from .model_skeleton import check_declared_size
+
+    check_declared_size(cfg, shapes)
     with warnings.catch_warnings():  # deprecation notices of modules transformers imports: not the user's concern
         warnings.simplefilter("ignore", DeprecationWarning)
         return _build_structure(cfg)
@@ -215,11 +248,16 @@ def _open_shard(files: ModelFiles, rel: str) -> ModelReader:
         raise type(e)(f"{rel}: {e.detail}", tensor=e.tensor, field=e.field) from None
 
 
-def _shard_tensors(files: ModelFiles) -> dict[str, list[TensorInfo]]:
-    """Every weight file's tensors, one file open at a time (a legacy pickle is read whole to list them)."""
+def _shard_tensors(files: ModelFiles, config: QuantConfig | None = None) -> dict[str, list[TensorInfo]]:
+    """Every weight file's tensors, one file open at a time (a legacy pickle is read whole to list them);
+    with ``config``, each file checked as the input of its output format (:func:`~.outputs.gguf.check_input`)."""
+    from .outputs.gguf import check_input
+
     out = {}
     for rel in files.weights:
         with _open_shard(files, rel) as reader:
+            if config is not None:
+                check_input(reader, config)
             out[rel] = list(reader.tensors)
     return out
 
@@ -232,9 +270,10 @@ def plan_directory(files: ModelFiles, config: QuantConfig, calibration: Mapping[
     from .pipeline import plan
 
     fmt = get_format(config.output)
-    tensors = _shard_tensors(files)
+    tensors = _shard_tensors(files, config)
     check_shards(files, {rel: [t.name for t in ts] for rel, ts in tensors.items()})
-    structure = model_structure(files.files.get(CONFIG)) if fmt.writes_config else ModelStructure()
+    structure = (model_structure(files.files.get(CONFIG), [t.shape for ts in tensors.values() for t in ts])
+                 if fmt.writes_config else ModelStructure())
     plans = {rel: plan(ts, config, calibration, structure=structure, folded=folded) for rel, ts in tensors.items()}
     owner: dict[str, str] = {}
     for ps in plans.values():

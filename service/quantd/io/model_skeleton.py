@@ -11,16 +11,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import re
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from quantd.errors import ConfigError
+from quantd.errors import ConfigError, MalformedInputError
 from quantd_client import QuantConfig
 
 from .calibration import CalibrationEntry
@@ -109,22 +110,64 @@ def architecture(cfg: Mapping[str, Any]) -> tuple[type[nn.Module], Any]:
                f"{transformers.__version__} implements (JSONL calibration runs the model)")
 
 
+# config.json keys that count repeated parts (num_hidden_layers, n_layer, num_local_experts, ...) and keys that
+# give a width every checkpoint of the architecture has as (or within a small factor of) a tensor dimension.
+_COUNT_KEY = re.compile(r"(^|_)(layers?|experts?)$")
+_WIDTH_KEYS = frozenset({"hidden_size", "intermediate_size", "vocab_size", "n_embd", "d_model", "n_inner", "ffn_dim",
+                         "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size",
+                         "num_attention_heads", "num_key_value_heads", "head_dim"})
+# Buffers a model builds for itself (position ids, causal masks): beyond this, config.json is refused.
+MAX_BUFFER_BYTES = 1 << 30
+
+
+def _int_items(cfg: Mapping[str, Any], depth: int = 0) -> Iterator[tuple[str, int]]:
+    for key, value in cfg.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            yield key, value
+        elif isinstance(value, Mapping) and depth < 4:  # sub-configs: text_config, vision_config, ...
+            yield from _int_items(value, depth + 1)
+
+
+def check_declared_size(cfg: Mapping[str, Any], shapes: Iterable[tuple[int, ...]], *, rel: str = "config.json"
+                        ) -> None:
+    """Refuse (MalformedInputError) a ``config.json`` that describes a model far larger than the uploaded
+    weights, before transformers builds it: each layer has at least one tensor, each expert one tensor or one
+    index of a stacked tensor, and each width is within a small factor of some tensor dimension. Building an
+    architecture costs time and memory in its size even on the meta device (a 220-byte config can declare a
+    hundred thousand layers)."""
+    dims = [s for s in shapes]
+    count, widest = len(dims), max((max(s) for s in dims if s), default=0)
+    for key, value in _int_items(cfg):
+        if _COUNT_KEY.search(key) and value > max(count, widest if "expert" in key else 0, 1):
+            raise MalformedInputError(f"{rel}: {key} is {value}, but the weight files hold {count} tensors: it "
+                                      "does not describe them")
+        if key in _WIDTH_KEYS and value > 4 * max(widest, 1):
+            raise MalformedInputError(f"{rel}: {key} is {value}, far beyond every dimension of the weight files "
+                                      f"(the largest is {widest}): it does not describe them")
+
+
 def build_model(cfg: Mapping[str, Any], *, real_buffers: bool) -> nn.Module:
     """The architecture without weights: every parameter on ``meta``; buffers computed on the CPU when
     ``real_buffers`` (to run it), else on ``meta`` too (to look at its structure)."""
     with warnings.catch_warnings():  # notices of the modules transformers imports: not the user's concern
         warnings.simplefilter("ignore")
         cls, conf = architecture(cfg)
-        try:
-            if real_buffers:
-                with _parameters_on_meta():
-                    model = cls._from_config(conf)  # type: ignore[attr-defined]
-            else:
-                with torch.device("meta"):
-                    model = cls._from_config(conf)  # type: ignore[attr-defined]
-        except Exception as e:
-            raise _bad(f"config.json: transformers cannot build {cls.__name__} from it: {type(e).__name__}: "
-                       f"{str(e)[:300]}") from None
+
+        def build(parameters_only: bool) -> nn.Module:
+            try:
+                with _parameters_on_meta() if parameters_only else torch.device("meta"):
+                    return cls._from_config(conf)  # type: ignore[attr-defined, no-any-return]
+            except Exception as e:
+                raise _bad(f"config.json: transformers cannot build {cls.__name__} from it: {type(e).__name__}: "
+                           f"{str(e)[:300]}") from None
+
+        model = build(False)
+        if real_buffers:  # its buffers computed on the CPU: their size first, from the meta build
+            size = sum(b.numel() * b.element_size() for b in model.buffers())
+            if size > MAX_BUFFER_BYTES:
+                raise _bad(f"config.json: {cls.__name__} would build {size} bytes of buffers (position ids, masks), "
+                           f"beyond the {MAX_BUFFER_BYTES} this server allows")
+            model = build(True)
     if getattr(conf, "is_encoder_decoder", False):
         raise _bad(f"{cls.__name__} is an encoder-decoder model: JSONL calibration runs models with one stack of "
                    "blocks (decoders, encoders)")

@@ -194,13 +194,14 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
                   device: str | torch.device, filename: str | None = None, job_id: str | None = None,
                   on_progress: ProgressCallback | None = None,
                   should_cancel: Callable[[], bool] | None = None,
-                  calibration: str | os.PathLike[str] | None = None) -> Report:
+                  calibration: str | os.PathLike[str] | None = None, max_total_bytes: int | None = None) -> Report:
     """Quantize the model file ``src`` into the artifact ``dst`` (CONTRACT §5) and return the Report.
 
     ``on_progress`` is called once before the first tensor and after every tensor;
     ``should_cancel`` is polled between tensors (JobCancelled; no artifact is left behind).
     ``calibration``: activation samples (name → ``[N, ...]``) observed with ``config.activations``;
     the ranges go into the report and the artifact's metadata (``"activations"``).
+    ``max_total_bytes``: a bound on the input's tensors once loaded (an npz inflated; see :func:`open_model`).
     """
     started = time.perf_counter()
     activations = None
@@ -218,7 +219,7 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], conf
             if config.activations is not None or not (method_cal.has_hessians or uses_calibrated_method(config)):
                 spec = config.activations or ObserverSpec()
                 activations = calibrate_file(calibration, spec, device=device).layers
-        reader = stack.enter_context(open_model(src, filename))
+        reader = stack.enter_context(open_model(src, filename, max_total_bytes=max_total_bytes))
         return quantize_model(reader, dst, config, device=device, input_bytes=lambda: os.path.getsize(src),
                               job_id=job_id, on_progress=on_progress, should_cancel=should_cancel,
                               activations=activations, started=started, importance=importance,
@@ -320,18 +321,19 @@ def _analyzable(t: TensorInfo, min_dims: int) -> bool:
 
 
 def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: str | torch.device,
-                 filename: str | None = None, analyses: Sequence[str] = ()) -> AnalyzeResponse:
+                 filename: str | None = None, analyses: Sequence[str] = (),
+                 max_total_bytes: int | None = None) -> AnalyzeResponse:
     """Error statistics of every scheme (in order) on every float tensor with ≥ 2 dims; no artifact.
 
     1-D tensors (biases, norms) and integer tensors are left out, as ``skip_1d`` does by default, unless
     the file has no float tensor of ≥ 2 dims: then its 1-D ones are analyzed (a lone vector gets its
     statistics, not an empty answer). Every scheme is checked against every tensor first (ConfigError
-    naming both)."""
+    naming both). ``max_total_bytes``: as :func:`quantize_file`'s."""
     from quantd.engine.methods import check_method
 
     dev = torch.device(device)
     out: list[AnalyzeTensor] = []
-    with open_model(src, filename) as reader:
+    with open_model(src, filename, max_total_bytes=max_total_bytes) as reader:
         targets = ([t for t in reader.tensors if _analyzable(t, 2)]
                    or [t for t in reader.tensors if _analyzable(t, 1)])
         for t in targets:
@@ -366,12 +368,13 @@ def analyze_file(src: str | os.PathLike[str], schemes: list[Scheme], *, device: 
 
 
 def calibrate_file(src: str | os.PathLike[str], spec: ObserverSpec, *, device: str | torch.device,
-                   filename: str | None = None) -> CalibrateResponse:
-    """Static activation ranges from a samples file (name → ``[N, ...]`` float activations)."""
+                   filename: str | None = None, max_total_bytes: int | None = None) -> CalibrateResponse:
+    """Static activation ranges from a samples file (name → ``[N, ...]`` float activations).
+    ``max_total_bytes``: as :func:`quantize_file`'s."""
     from quantd.engine.calibration import calibrate_layers
 
     dev = torch.device(device)
-    with open_model(src, filename) as reader:
+    with open_model(src, filename, max_total_bytes=max_total_bytes) as reader:
         for t in reader.tensors:
             if torch_dtype(t.dtype) not in QUANTIZABLE or len(t.shape) < 1 or math.prod(t.shape) == 0:
                 raise MalformedInputError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import pickletools
 import re
 import warnings
 import zipfile
@@ -35,7 +36,14 @@ from .st_header import STHeader, read_header
 
 DEFAULT_MAX_TENSOR_BYTES = 16 * 1024**3
 _R = TypeVar("_R", bound="ModelReader")
-_NP_KINDS = {"f": "float", "i": "int", "u": "uint", "b": "bool"}
+# The NumPy dtypes a .npy/.npz tensor may have, by (kind, itemsize): every one torch holds as it is.
+# Others (complex, float128/longdouble, strings, records, datetimes, ...) are refused by name.
+_NP_TO_TORCH: dict[tuple[str, int], torch.dtype] = {
+    ("f", 2): torch.float16, ("f", 4): torch.float32, ("f", 8): torch.float64,
+    ("i", 1): torch.int8, ("i", 2): torch.int16, ("i", 4): torch.int32, ("i", 8): torch.int64,
+    ("u", 1): torch.uint8, ("u", 2): torch.uint16, ("u", 4): torch.uint32, ("u", 8): torch.uint64,
+    ("b", 1): torch.bool,
+}
 
 
 @dataclass(frozen=True)
@@ -190,7 +198,7 @@ def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor], path: tuple[in
 class PyTorchReader(ModelReader):
     format: Format = "pytorch"
 
-    def __init__(self, path: Path, stem: str) -> None:
+    def __init__(self, path: Path, stem: str, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> None:
         super().__init__(path)
         with path.open("rb") as f:
             is_zip = f.read(4) == b"PK\x03\x04"
@@ -206,10 +214,11 @@ class PyTorchReader(ModelReader):
                 # unpickler does not take (e.g. protocol 4 framing): refused either way, never run.
                 raise UnsafeInputError(
                     f"PyTorch checkpoint refused: it cannot be loaded in weights-only mode (plain tensors "
-                    f"and containers only; nothing was executed): {why}") from None
-            raise MalformedInputError(f"corrupt PyTorch pickle: {why or msg[:300]}") from None
+                    f"and containers only; nothing was executed): {why or type(e).__name__}") from None
+            raise MalformedInputError(f"corrupt PyTorch pickle: {why or msg[:300] or type(e).__name__}") from None
         except Exception as e:  # torch raises RuntimeError/EOFError/KeyError/... on corrupt archives
-            raise MalformedInputError(f"corrupt PyTorch checkpoint ({type(e).__name__}): {str(e)[:300]}") from None
+            raise MalformedInputError(f"corrupt PyTorch checkpoint ({type(e).__name__}): {_torch_reason(e)}"
+                                      ) from None
         if isinstance(obj, Mapping) and len(obj) == 1:
             # {"state_dict": {...}} / {"model": {...}}: the usual checkpoint wrappers, unwrapped so names
             # match the model's own state dict. Deeper nesting is flattened with dots.
@@ -220,10 +229,20 @@ class PyTorchReader(ModelReader):
         _flatten(obj, "" if not isinstance(obj, torch.Tensor) else stem, flat)
         self._tensors = flat
         for name, t in flat.items():
+            if t.device.type != "cpu":  # map_location puts every real storage on the CPU: meta holds no data
+                raise MalformedInputError(
+                    f"tensor {name!r} is a {t.device.type}-device tensor: it has a shape but no data in the "
+                    "checkpoint", tensor=name)
             if t.layout != torch.strided or t.dtype not in TORCH_TO_ST:
                 raise UnsupportedFormatError(
                     f"tensor {name!r}: {t.layout} {t.dtype} tensors are not supported", tensor=name)
-            self._add(TensorInfo(name, tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size()))
+            nbytes = t.numel() * t.element_size()
+            stored = t.untyped_storage().nbytes()
+            if nbytes > max(max_tensor_bytes, stored):  # a view that repeats a few stored bytes (stride 0)
+                raise InputTooLargeError(
+                    f"tensor {name!r}: shape {list(t.shape)} of {dtype_name(t.dtype)} is {nbytes} bytes once "
+                    f"materialized, from {stored} stored bytes (limit {max_tensor_bytes})", tensor=name)
+            self._add(TensorInfo(name, tuple(t.shape), dtype_name(t.dtype), nbytes))
 
     def _load(self, name: str) -> torch.Tensor:
         return self._tensors[name]
@@ -253,12 +272,18 @@ def _read_npy_header(f: IO[bytes], name: str) -> _NpyHeader:
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
         else:
             raise ValueError(f"unsupported .npy format version {version}")
-    except (ValueError, OSError, EOFError, SyntaxError) as e:
-        raise MalformedInputError(f"tensor {name!r}: bad .npy header: {e}", tensor=name) from None
+    except (ValueError, OSError, EOFError, SyntaxError, RecursionError, MemoryError) as e:
+        why = str(e)[:300] or type(e).__name__
+        raise MalformedInputError(f"tensor {name!r}: bad .npy header: {why}", tensor=name) from None
     if dtype.hasobject:
         raise UnsafeInputError(f"tensor {name!r}: object arrays need pickle and are refused", tensor=name)
-    if dtype.kind not in _NP_KINDS or dtype.fields is not None:
-        raise UnsupportedFormatError(f"tensor {name!r}: NumPy dtype {dtype} is not supported", tensor=name)
+    if (dtype.kind, dtype.itemsize) not in _NP_TO_TORCH or dtype.fields is not None or dtype.subdtype is not None:
+        raise UnsupportedFormatError(
+            f"tensor {name!r}: NumPy dtype {dtype} is not supported (float16/32/64, int8-64, uint8-64 and bool "
+            "are)", tensor=name)
+    if any(s < 0 for s in shape):
+        raise MalformedInputError(f"tensor {name!r}: bad .npy header: shape {list(shape)} has a negative "
+                                  "dimension", tensor=name)
     return _NpyHeader(tuple(int(s) for s in shape), bool(fortran), dtype, f.tell())
 
 
@@ -273,7 +298,7 @@ def _torch_from_npy_bytes(buf: bytearray, h: _NpyHeader) -> torch.Tensor:
 
 
 def _torch_dtype_of(dtype: np.dtype[Any]) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
+    return _NP_TO_TORCH[dtype.kind, dtype.itemsize]  # checked by _read_npy_header
 
 
 class NpyReader(ModelReader):
@@ -299,12 +324,14 @@ class NpyReader(ModelReader):
 
 class NpzReader(ModelReader):
     """A zip of ``.npy`` members. Every member's declared size is checked before it is inflated:
-    a decompression bomb fails on its header, and reads never go past the declared size."""
+    a decompression bomb fails on its header, and reads never go past the declared size.
+    ``max_tensor_bytes`` bounds each member, ``max_total_bytes`` (if given) all of them together."""
 
     format: Format = "npz"
 
-    def __init__(self, path: Path, max_tensor_bytes: int) -> None:
+    def __init__(self, path: Path, max_tensor_bytes: int, max_total_bytes: int | None = None) -> None:
         super().__init__(path)
+        self._max_total, self._left = max_total_bytes, max_total_bytes
         try:
             self._zf = zipfile.ZipFile(path)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
@@ -326,10 +353,20 @@ class NpzReader(ModelReader):
                 h = _read_npy_header(f, name)
         except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError) as e:
             raise MalformedInputError(f"tensor {name!r}: corrupt .npz member: {e}", tensor=name) from None
-        if h.nbytes > limit:
+        room = limit if self._left is None else min(limit, self._left)
+        if h.nbytes > room:
+            if room == limit:
+                why = f"limit {limit}"
+            elif self._left == self._max_total:
+                why = f"the archive may unpack to {self._max_total} bytes"
+            else:
+                why = (f"the archive may unpack to {self._max_total} bytes in all, {self._left} after the "
+                       "members before it")
             raise InputTooLargeError(
-                f"tensor {name!r}: shape {list(h.shape)} of {h.dtype} declares {h.nbytes} bytes "
-                f"(limit {limit})", tensor=name)
+                f"tensor {name!r}: shape {list(h.shape)} of {h.dtype} declares {h.nbytes} bytes ({why}); "
+                "refused before inflating it", tensor=name)
+        if self._left is not None:
+            self._left -= h.nbytes
         if zi.file_size != h.header_end + h.nbytes:
             raise MalformedInputError(
                 f"tensor {name!r}: the archive declares {zi.file_size} uncompressed bytes but the .npy "
@@ -354,26 +391,40 @@ class NpzReader(ModelReader):
 
 
 def open_model(path: str | os.PathLike[str], filename: str | None = None, *,
-               max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> ModelReader:
+               max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES, max_total_bytes: int | None = None) -> ModelReader:
     """Open ``path`` (format detected from content) for tensor-at-a-time reading.
 
     ``filename`` is the upload's original name (a ``.npy`` tensor is named by its stem).
-    ``max_tensor_bytes`` bounds what a compressed container (npz) may declare per tensor.
+    ``max_tensor_bytes`` bounds what a tensor may declare beyond the bytes the file stores for it (an npz
+    member, a PyTorch view repeating its storage). ``max_total_bytes`` (a request's upload limit) bounds
+    the tensors' bytes once loaded, all together: an npz is refused from its members' headers, before
+    any is inflated (InputTooLargeError, 413).
     """
     p = Path(path)
     stem = Path(filename or p.name).stem
     fmt = detect_format(p)
+    reader: ModelReader
     if fmt == "safetensors":
-        return SafetensorsReader(p)
-    if fmt == "pytorch":
-        return PyTorchReader(p, sanitize_name(stem))
-    if fmt == "npy":
-        return NpyReader(p, stem)
-    if fmt == "gguf":
+        reader = SafetensorsReader(p)
+    elif fmt == "pytorch":
+        reader = PyTorchReader(p, sanitize_name(stem), max_tensor_bytes)
+    elif fmt == "npy":
+        reader = NpyReader(p, stem)
+    elif fmt == "gguf":
         from .gguf_file import GGUFReader  # the GGUF module builds on this one
 
-        return GGUFReader(p)
-    return NpzReader(p, max_tensor_bytes)
+        reader = GGUFReader(p)
+    else:
+        reader = NpzReader(p, max_tensor_bytes, max_total_bytes)
+    if max_total_bytes is not None:
+        total = sum(t.nbytes for t in reader.tensors)
+        if total > max_total_bytes:
+            biggest = max(reader.tensors, key=lambda t: t.nbytes)
+            reader.close()
+            raise InputTooLargeError(
+                f"the file's tensors hold {total} bytes once loaded (the largest: {biggest.name!r}, "
+                f"{biggest.nbytes} bytes), more than the limit of {max_total_bytes} bytes", tensor=biggest.name)
+    return reader
 
 
 _TORCH_LOAD_BOILERPLATE = ("Weights only load failed", "Check the documentation", "Please file an issue",
@@ -382,9 +433,41 @@ _TORCH_LOAD_BOILERPLATE = ("Weights only load failed", "Check the documentation"
 
 def _unpickler_reason(msg: str) -> str:
     """What torch's weights-only unpickler refused (``Trying to load unsupported GLOBAL posix.system …``),
-    without its advice to load the file with ``weights_only=False``, which quantd never does."""
+    without its advice to load the file with ``weights_only=False``, which quantd never does. The reason
+    may follow on a line of its own (``Unsupported operand 149``: named as the pickle opcode it is)."""
     lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
-    for ln in lines:
+    for i, ln in enumerate(lines):
         if "WeightsUnpickler error:" in ln:
-            return ln.split("WeightsUnpickler error:", 1)[1].strip()[:300]
+            why = ln.split("WeightsUnpickler error:", 1)[1].strip()
+            if not why and i + 1 < len(lines) and not lines[i + 1].startswith(_TORCH_LOAD_BOILERPLATE):
+                why = lines[i + 1]
+            return _name_opcode(why)[:300]
     return next((ln[:300] for ln in lines if not ln.startswith(_TORCH_LOAD_BOILERPLATE)), "")
+
+
+def _name_opcode(why: str) -> str:
+    m = re.fullmatch(r"Unsupported operand (\d{1,3})", why)
+    if m is None:
+        return why
+    code = int(m.group(1))
+    op = next((op.name for op in pickletools.opcodes if op.code == chr(code)), "not a pickle opcode")
+    return f"unsupported pickle opcode {code:#04x} ({op})"
+
+
+# torch's C++ checks whose printf-style arguments come out appended to the unformatted text, e.g.
+# ``storage has wrong byte size: expected %ld got %ld163844294967296``: the numbers cannot be told apart.
+_TORCH_UNFORMATTED = {
+    "storage has wrong byte size": "a storage's byte size in the data section differs from the size its "
+                                   "tensor's pickle declares (truncated or lying header)",
+}
+
+
+def _torch_reason(e: BaseException) -> str:
+    """A torch error's message for a detail: never empty, unformatted printf arguments cut off."""
+    msg = str(e).strip()
+    if "%" in msg:
+        for start, clean in _TORCH_UNFORMATTED.items():
+            if msg.startswith(start):
+                return clean
+        msg = re.split(r":?\s*(?:expected\s*)?%l{0,2}[dius]", msg, maxsplit=1)[0].strip()
+    return msg[:300] or f"{type(e).__name__} with no message"

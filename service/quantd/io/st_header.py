@@ -118,7 +118,10 @@ def read_header(f: BinaryIO | GrowingFile, file_size: int | None = None) -> STHe
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as e:
-        raise MalformedInputError(f"safetensors header is not valid UTF-8 JSON: {e}") from None
+        raise MalformedInputError(f"safetensors header is not valid UTF-8 JSON: {str(e)[:300]}") from None
+    except RecursionError:  # '{"a":[[[[…' nested deeper than the decoder's stack: no header is
+        raise MalformedInputError("safetensors header is not valid JSON for a header: it nests arrays or objects "
+                                  "too deeply") from None
     if not isinstance(obj, dict):
         raise MalformedInputError("safetensors header is not a JSON object")
     meta = obj.pop("__metadata__", None) or {}

@@ -66,6 +66,8 @@ def _parse(raw: bytes, n: int, vocab_size: int | None) -> CalibrationLine:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise _bad(f"calibration line {n}: not JSON ({e})") from None
+    except RecursionError:
+        raise _bad(f"calibration line {n}: JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise _bad(f"calibration line {n}: a JSON object with \"text\" or \"input_ids\", got {type(obj).__name__}")
     keys = set(obj)

@@ -52,7 +52,7 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
         created_at, job_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
         if not isinstance(created_at, (int, float)) or not isinstance(job_id, str):
             raise ValueError(cursor)
-    except (ValueError, TypeError, binascii.Error):
+    except (ValueError, TypeError, binascii.Error, RecursionError):
         raise InvalidListQuery(f"cursor {cursor[:64]!r} is not one this server issued", field="cursor") from None
     return float(created_at), job_id
 
@@ -290,8 +290,11 @@ class JobService:
                 self.references.sample(obj, sample)
                 fmt, tensors = io.detect_format(sample), 0
                 if fmt == "safetensors":  # the whole header is in the sample: the same checks as an upload's
+                    from quantd.io.outputs.gguf import check_input
+
                     with io.open_model(sample, filename=filename) as reader:
                         infos = list(reader.tensors)
+                        check_input(reader, config)
                     io.plan(infos, config)
                     tensors = len(infos)
             finally:

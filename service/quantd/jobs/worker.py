@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -110,6 +111,26 @@ def owner_is_dead(owner: str | None) -> bool:
 
 def _error(type_: str, title: str, detail: str) -> dict[str, str]:
     return {"type": type_, "title": title, "detail": detail}
+
+
+def redact_paths(message: str, private: Sequence[Path]) -> str:
+    """``message`` with every path under ``private`` (the data dir, its scratch) replaced by ``<server path>``."""
+    roots = {str(p) for root in private for p in (Path(root), Path(root).resolve())}
+    for root in sorted(roots, key=len, reverse=True):  # the longest first: one root may hold another
+        if root not in ("", "/", "."):
+            message = re.sub(re.escape(root) + r"[^\s'\"]*", "<server path>", message)
+    return message
+
+
+def describe_failure(e: BaseException, private: Sequence[Path] = ()) -> str:
+    """``Type: message`` of an unexpected exception for a job's error, without the server's paths: an
+    OSError's file names are left out (``[Errno 36] File name too long``), and any path under ``private``
+    in another message is redacted (:func:`redact_paths`)."""
+    if isinstance(e, OSError) and e.strerror:
+        message = f"[Errno {e.errno}] {e.strerror}" if e.errno is not None else e.strerror
+    else:
+        message = redact_paths(str(e), private)
+    return f"{type(e).__name__}: {message}" if message else type(e).__name__
 
 
 class _Lease:
@@ -296,7 +317,7 @@ class Worker:
                     _remove(src)
                     return _error("urn:quantd:source-invalid", "Source cannot be read",
                                   f"source {source!r} could not be read (changed or deleted since the job was "
-                                  f"accepted?): {type(e).__name__}: {e}")
+                                  f"accepted?): {describe_failure(e, self._private_dirs())}")
                 fetched.append(src)
             else:
                 src = self.storage.stage_upload(job.id, "input")
@@ -318,6 +339,14 @@ class Worker:
                 self.storage.unstage(path)
             for path in fetched:
                 _remove(path)
+
+    def _private_dirs(self) -> list[Path]:
+        """The server's own directories, never shown in a job's error: the data dir (or the local scratch
+        of an object store), found from where its scratch paths go."""
+        try:
+            return [self.storage.new_tmp_path(prefix="probe").parent.parent]
+        except Exception:  # a storage that cannot say: OSError file names are still left out
+            return []
 
     def _stage_directory(self, source: str, etags: dict[str, str], dst: Path) -> None:
         """A directory source's objects downloaded under ``dst``, each conditional on its accepted ETag."""
@@ -354,10 +383,10 @@ class Worker:
             return _error("urn:quantd:out-of-memory", "Out of device memory",
                           f"out of memory on {self.device}: {str(e).splitlines()[0] if str(e) else ''}")
         except QuantdError as e:
-            return _error(e.type_, e.title, e.detail)
+            return _error(e.type_, e.title, redact_paths(e.detail, self._private_dirs()))
         except Exception as e:
             log.exception("worker %s: job %s crashed", self.id, job.id)
-            return _error("urn:quantd:internal", "Internal error", f"{type(e).__name__}: {e}")
+            return _error("urn:quantd:internal", "Internal error", describe_failure(e, self._private_dirs()))
 
     def _quantize_directory(self, job: JobRecord, src: Path, tmp: Path, lease: _Lease,
                             calibration: Path | None = None) -> Report:

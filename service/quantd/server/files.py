@@ -15,14 +15,25 @@ from starlette.responses import Response, StreamingResponse
 from .problems import problem_response, request_id_of
 
 CHUNK = 1 << 20
-_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE_RE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")
+# A position with more digits than this is past the end of anything served: read as _FAR, never as int()
+# (whose 4300-digit limit would raise on it).
+_MAX_DIGITS = 20
+_FAR = 10**_MAX_DIGITS
+
+
+def _pos(digits: str) -> int:
+    digits = digits.lstrip("0") or "0"
+    return _FAR if len(digits) > _MAX_DIGITS else int(digits)
 
 
 def parse_range(header: str, size: int) -> tuple[int, int] | str | None:
     """One ``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` range → ``(start, end_inclusive)``.
 
     Returns None for a header to ignore (malformed, or several ranges: RFC 9110 lets a server
-    answer those with the whole file), and the string ``"unsatisfiable"`` for a range past the end."""
+    answer those with the whole file), and the string ``"unsatisfiable"`` for a range past the end.
+    Positions of any length are read (RFC 9110 §14.1.1): a last position past the end stands for the end,
+    a first one past the end is unsatisfiable, a suffix longer than the file is the whole file."""
     m = _RANGE_RE.match(header.strip().replace(" ", ""))
     if m is None:
         return None
@@ -30,13 +41,13 @@ def parse_range(header: str, size: int) -> tuple[int, int] | str | None:
     if not a and not b:
         return None
     if not a:  # suffix range: the last n bytes
-        n = int(b)
+        n = _pos(b)
         if n == 0:
             return "unsatisfiable"
         return (max(0, size - n), size - 1) if size else "unsatisfiable"
-    start = int(a)
-    end = min(int(b), size - 1) if b else size - 1
-    if b and int(b) < start:
+    start = _pos(a)
+    end = min(_pos(b), size - 1) if b else size - 1
+    if b and _pos(b) < start:
         return None
     if start >= size:
         return "unsatisfiable"

@@ -138,6 +138,8 @@ async def test_bad_sources_are_refused_before_the_job_is_accepted(make_app: Any,
         assert (await post({"config": CONFIG, "source": f"s3://{bucket}/team-a/notes.txt"})).status_code == 415
         r = await post({"config": {"scheme": {"dtype": "int4", "group_size": 48}}, "source": src})
         assert r.status_code == 422 and "group_size" in r.text  # planned against the header, as an upload
+        r = await post({"config": {"output": "gguf", "gguf_mix": "Q8_0"}, "source": src})
+        assert r.status_code == 422 and "needs a GGUF input" in r.json()["detail"]  # as an upload's
         assert (await post({"config": CONFIG, "source": src, "extra": 1})).status_code == 422
         r = await app.post("/v1/jobs", content=b"{not json", headers={**HA, "Content-Type": "application/json"})
         assert r.status_code == 422

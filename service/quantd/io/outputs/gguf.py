@@ -165,6 +165,23 @@ def _quantize_one(x: torch.Tensor, scheme: Scheme, name: str, imp: torch.Tensor 
     return ggml_error_stats(x, q, in_bits=in_bits, name=name), q.data
 
 
+def gguf_input(reader: ModelReader) -> GGUFReader:
+    """``reader`` when it reads a GGUF file; ConfigError (field ``output``) for any other input: llama.cpp's
+    format is written from a GGUF model's own metadata. The quantization and the job submission both ask."""
+    if not isinstance(reader, GGUFReader):
+        raise ConfigError(f'output "gguf" needs a GGUF input (as llama.cpp\'s convert_hf_to_gguf.py writes): a '
+                          f'{reader.format} file has no architecture or tokenizer metadata for llama.cpp',
+                          field="output")
+    return reader
+
+
+def check_input(reader: ModelReader, config: QuantConfig) -> None:
+    """A job's input checked against its config's output before the job is accepted: with ``output: "gguf"``
+    (``gguf_mix`` included), a GGUF file (:func:`gguf_input`); any input otherwise."""
+    if config.output == GGUFOutput.name:
+        gguf_input(reader)
+
+
 def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: QuantConfig, *,
                   device: torch.device, input_bytes: Callable[[], int], job_id: str | None = None,
                   on_progress: Callable[[Progress], None] | None = None,
@@ -174,10 +191,7 @@ def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: Quan
     from ..pipeline import summarize
 
     t0 = time.perf_counter() if started is None else started
-    if not isinstance(reader, GGUFReader):
-        raise ConfigError(f'output "gguf" needs a GGUF input (as llama.cpp\'s convert_hf_to_gguf.py writes): a '
-                          f'{reader.format} file has no architecture or tokenizer metadata for llama.cpp',
-                          field="output")
+    reader = gguf_input(reader)
     gf = reader.file
     meta = {kv.key: kv.value for kv in gf.metadata}
     plans = plan_gguf(reader.tensors, config, metadata=meta)

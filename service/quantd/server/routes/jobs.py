@@ -48,16 +48,22 @@ _CONFIG = TypeAdapter(QuantConfig)
 _JOB_ERRORS = problem_responses(401, 404, 410)
 _IDEM_MAX = 200
 
-def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: UploadedFile | None = None) -> Any:
+def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: UploadedFile | None = None, *,
+                  max_total_bytes: int | None = None) -> Any:
     """Format by magic bytes, tensor list, and (for the model) the config planned against it and the
-    calibration file's index: 415/422 before the job is accepted. Returns the jobs layer's StoredUpload."""
+    calibration file's index: 415/422 before the job is accepted; tensors that would load to more than
+    ``max_total_bytes`` in all (a compressed .npz) are 413. Returns the jobs layer's StoredUpload."""
     from quantd import io
     from quantd.io.calibration import MethodCalibration
     from quantd.jobs.storage import StoredUpload
 
     fmt = io.detect_format(up.path)
-    with io.open_model(up.path, filename=up.filename) as reader:
+    with io.open_model(up.path, filename=up.filename, max_total_bytes=max_total_bytes) as reader:
         tensors = list(reader.tensors)
+        if config is not None:  # output "gguf" needs a GGUF input, as the synchronous quantization checks
+            from quantd.io.outputs.gguf import check_input
+
+            check_input(reader, config)
     if config is not None:
         from quantd.errors import ConfigError
         from quantd.io.outputs import get_format
@@ -85,7 +91,7 @@ def _check_text_calibration(up: UploadedFile, config: QuantConfig | None) -> Any
                         tensors=len(lines))
 
 
-def _check_calibration(up: UploadedFile, config: QuantConfig) -> Any:
+def _check_calibration(up: UploadedFile, config: QuantConfig, max_total_bytes: int | None = None) -> Any:
     """The calibration part by its content: an importance matrix for GGUF output, JSONL lines, or the
     methods' safetensors file."""
     from quantd.io.text_calibration import is_jsonl
@@ -94,7 +100,7 @@ def _check_calibration(up: UploadedFile, config: QuantConfig) -> Any:
         return _check_imatrix(up, config)
     if is_jsonl(up.path):
         return _check_text_calibration(up, config)
-    return _check_upload(up, None)
+    return _check_upload(up, None, max_total_bytes=max_total_bytes)
 
 
 def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
@@ -197,7 +203,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             calibration = None
             if calib is not None:  # first: the model's plan checks the methods' calibration against it
                 with naming("the calibration file"):  # not the model's: both are checked the same way
-                    calibration = await run_engine(state, _check_calibration, calib, config)
+                    calibration = await run_engine(state, _check_calibration, calib, config, state.settings.max_upload_bytes)
             if config.output == "gguf":  # an importance matrix, not the methods' calibration
                 calib = None
             parts = form.file_lists.get("file", [])
@@ -222,7 +228,8 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
                     raise ConfigError("a JSONL calibration part runs the model: send a model directory (config.json "
                                       "and its weights as several file parts), or a safetensors calibration file "
                                       "with one weights file", field="calibration")
-                upload = await run_engine(state, _check_upload, form.files["file"], config, calib)
+                upload = await run_engine(state, _check_upload, form.files["file"], config, calib,
+                                          max_total_bytes=state.settings.max_upload_bytes)
             state.metrics.inc("quantd_uploads_total", endpoint="jobs")
             run = runs.pop() if runs else None  # the jobs layer owns it from here
             try:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import Field, TypeAdapter
 
+from quantd.errors import InputTooLargeError
 from quantd_client import AnalyzeResponse, CalibrateResponse, ObserverSpec, QuantConfig, Scheme
 from quantd_client._schemas import AnalysisName
 
@@ -42,6 +44,18 @@ _ANALYSES: TypeAdapter[list[AnalysisName]] = TypeAdapter(Annotated[list[Analysis
 _SYNC_HINT = "; this is the synchronous limit (QUANTD_MAX_SYNC_BYTES): submit larger inputs to POST /v1/jobs"
 
 
+@contextlib.contextmanager
+def _sync_limit() -> Iterator[None]:
+    """An input over the sync limit once loaded (an npz's inflated members: the engine is given
+    ``max_sync_bytes`` as ``max_total_bytes``) says where larger inputs go, as an upload over it does."""
+    try:
+        yield
+    except InputTooLargeError as e:
+        e.detail += _SYNC_HINT
+        e.args = (e.detail,)
+        raise
+
+
 def compact_json(obj: object) -> str:
     """JSON for a header: no spaces, ASCII only (header values are latin-1)."""
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
@@ -66,8 +80,10 @@ async def analyze(request: Request, state: StateDep, _tenant: TenantDep) -> Anal
         schemes = parse_json_field(form, "configs", _SCHEMES)
         analyses = parse_json_field(form, "analyses", _ANALYSES) if "analyses" in form.fields else []
         up = form.files["file"]
-        return await run_engine(state, io.analyze_file, up.path, schemes, device=state.sync_device,
-                                filename=up.filename, analyses=analyses)
+        with _sync_limit():
+            return await run_engine(state, io.analyze_file, up.path, schemes, device=state.sync_device,
+                                    filename=up.filename, analyses=analyses,
+                                    max_total_bytes=state.settings.max_sync_bytes)
     finally:
         form.cleanup()
 
@@ -90,8 +106,9 @@ async def quantize(request: Request, state: StateDep, _tenant: TenantDep) -> Res
             raise ConfigError(f"{config.output!r} writes a model directory (weights and config.json): submit it to "
                               "POST /v1/jobs", field="output")
         up = form.files["file"]
-        report = await run_engine(state, io.quantize_file, up.path, dst, config, device=state.sync_device,
-                                  filename=up.filename)
+        with _sync_limit():
+            report = await run_engine(state, io.quantize_file, up.path, dst, config, device=state.sync_device,
+                                      filename=up.filename, max_total_bytes=state.settings.max_sync_bytes)
         state.metrics.inc("quantd_quantized_bytes_total", up.bytes)
         from quantd.io.files import sha256_file
 
@@ -119,7 +136,8 @@ async def calibrate(request: Request, state: StateDep, _tenant: TenantDep) -> Ca
     try:
         spec = parse_json_field(form, "observer", _OBSERVER)
         up = form.files["file"]
-        return await run_engine(state, io.calibrate_file, up.path, spec, device=state.sync_device,
-                                filename=up.filename)
+        with _sync_limit():
+            return await run_engine(state, io.calibrate_file, up.path, spec, device=state.sync_device,
+                                    filename=up.filename, max_total_bytes=state.settings.max_sync_bytes)
     finally:
         form.cleanup()
