@@ -289,12 +289,12 @@ class JobService:
             try:
                 self.references.sample(obj, sample)
                 fmt, tensors = io.detect_format(sample), 0
-                if fmt == "safetensors":  # the whole header is in the sample: the same checks as an upload's
-                    from quantd.io.outputs.gguf import check_input
+                from quantd.io.outputs.gguf import check_format
 
+                check_format(fmt, config)
+                if fmt == "safetensors":  # the whole header is in the sample: the same checks as an upload's
                     with io.open_model(sample, filename=filename) as reader:
                         infos = list(reader.tensors)
-                        check_input(reader, config)
                     io.plan(infos, config)
                     tensors = len(infos)
             finally:

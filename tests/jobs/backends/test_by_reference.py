@@ -4,6 +4,7 @@ allowed prefixes and writes the artifact to the destination too; anything else i
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -140,6 +141,11 @@ async def test_bad_sources_are_refused_before_the_job_is_accepted(make_app: Any,
         assert r.status_code == 422 and "group_size" in r.text  # planned against the header, as an upload
         r = await post({"config": {"output": "gguf", "gguf_mix": "Q8_0"}, "source": src})
         assert r.status_code == 422 and "needs a GGUF input" in r.json()["detail"]  # as an upload's
+        pt = io.BytesIO()
+        torch.save({"w": torch.randn(8, 8)}, pt)
+        client.put_object(Bucket=bucket, Key="team-a/m.pt", Body=pt.getvalue())
+        r = await post({"config": {"output": "gguf", "gguf_mix": "Q8_0"}, "source": f"s3://{bucket}/team-a/m.pt"})
+        assert r.status_code == 422 and "a pytorch file" in r.json()["detail"]  # a format not opened at submit
         assert (await post({"config": CONFIG, "source": src, "extra": 1})).status_code == 422
         r = await app.post("/v1/jobs", content=b"{not json", headers={**HA, "Content-Type": "application/json"})
         assert r.status_code == 422

@@ -165,14 +165,23 @@ def _quantize_one(x: torch.Tensor, scheme: Scheme, name: str, imp: torch.Tensor 
     return ggml_error_stats(x, q, in_bits=in_bits, name=name), q.data
 
 
+def _not_gguf(fmt: str) -> ConfigError:
+    return ConfigError(f'output "gguf" needs a GGUF input (as llama.cpp\'s convert_hf_to_gguf.py writes): a {fmt} '
+                       'file has no architecture or tokenizer metadata for llama.cpp', field="output")
+
+
 def gguf_input(reader: ModelReader) -> GGUFReader:
     """``reader`` when it reads a GGUF file; ConfigError (field ``output``) for any other input: llama.cpp's
     format is written from a GGUF model's own metadata. The quantization and the job submission both ask."""
     if not isinstance(reader, GGUFReader):
-        raise ConfigError(f'output "gguf" needs a GGUF input (as llama.cpp\'s convert_hf_to_gguf.py writes): a '
-                          f'{reader.format} file has no architecture or tokenizer metadata for llama.cpp',
-                          field="output")
+        raise _not_gguf(reader.format)
     return reader
+
+
+def check_format(fmt: str, config: QuantConfig) -> None:
+    """As :func:`check_input`, from the input's detected format alone (a source sampled, not opened)."""
+    if config.output == GGUFOutput.name and fmt != "gguf":
+        raise _not_gguf(fmt)
 
 
 def check_input(reader: ModelReader, config: QuantConfig) -> None:
