@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import json
 
+import anyio
 import pytest
 
 from quantd_client._artifact import read_artifact
@@ -148,6 +149,21 @@ async def test_queue_full_is_429_with_retry_after(make_server):
         assert_problem(r, 429)
         assert int(r.headers["retry-after"]) >= 1
         assert list(h.settings.tmp_dir.glob("upload-*")) == []
+
+
+async def test_a_submission_never_waits_for_synchronous_quantizations(make_server):
+    """Every synchronous slot busy (long /v1/quantize calls): a job's submission checks still run at once."""
+    async with make_server(workers=0) as h:
+        limiter = h.app.state.quantd.sync_limiter
+        holders = [object() for _ in range(int(limiter.total_tokens))]
+        for holder in holders:
+            await limiter.acquire_on_behalf_of(holder)
+        try:
+            with anyio.fail_after(60):
+                assert (await h.submit(st_bytes(seed=4))).status_code == 202
+        finally:
+            for holder in holders:
+                limiter.release_on_behalf_of(holder)
 
 
 async def test_config_is_checked_against_the_tensors_before_accepting(server):

@@ -121,6 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings=settings, metrics=metrics, jobs=service, sync_device=device, devices=devices,
             key_digests=[(hashlib.sha256(k.encode()).digest(), t) for k, t in keys.items()],
             sync_limiter=anyio.CapacityLimiter(settings.sync_concurrency),
+            check_limiter=anyio.CapacityLimiter(settings.sync_concurrency),
         )
         _register_gauges(metrics, state)
         app.state.quantd = state

@@ -35,6 +35,9 @@ class AppState:
     # sha256(key) → tenant: compared in constant time against every entry, the raw keys are not kept.
     key_digests: list[tuple[bytes, str]] = field(default_factory=list)
     sync_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(2))
+    # Job submissions' checks (headers, plans, calibration values) run apart from synchronous quantizations:
+    # a long /v1/quantize never holds a submission.
+    check_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(2))
 
     @property
     def auth_enabled(self) -> bool:

@@ -31,3 +31,9 @@ def parse_json_field(form: MultipartForm, field: str, adapter: TypeAdapter[T]) -
 async def run_engine(state: AppState, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run blocking io/engine work in a worker thread, at most ``sync_concurrency`` at once."""
     return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=state.sync_limiter)
+
+
+async def run_check(state: AppState, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a job submission's checks in a worker thread, at most ``sync_concurrency`` at once, apart from the
+    synchronous quantizations (:func:`run_engine`): a long one never holds a submission."""
+    return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=state.check_limiter)

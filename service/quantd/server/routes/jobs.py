@@ -36,7 +36,7 @@ from ._docs import (
     UPLOAD_ERRORS,
     json_example,
 )
-from ._forms import parse_json_field, run_engine
+from ._forms import parse_json_field, run_check
 
 if TYPE_CHECKING:
     from quantd.jobs.prepared import PreparedRun
@@ -203,7 +203,8 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             calibration = None
             if calib is not None:  # first: the model's plan checks the methods' calibration against it
                 with naming("the calibration file"):  # not the model's: both are checked the same way
-                    calibration = await run_engine(state, _check_calibration, calib, config, state.settings.max_upload_bytes)
+                    calibration = await run_check(state, _check_calibration, calib, config,
+                                                state.settings.max_upload_bytes)
             if config.output == "gguf":  # an importance matrix, not the methods' calibration
                 calib = None
             parts = form.file_lists.get("file", [])
@@ -214,7 +215,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
                 runs.clear()
                 tar = state.jobs.new_upload_path(".tar")
                 try:
-                    upload = await run_engine(state, _check_directory, parts, config, tar, calib)
+                    upload = await run_check(state, _check_directory, parts, config, tar, calib)
                 except BaseException:
                     tar.unlink(missing_ok=True)
                     raise
@@ -228,7 +229,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
                     raise ConfigError("a JSONL calibration part runs the model: send a model directory (config.json "
                                       "and its weights as several file parts), or a safetensors calibration file "
                                       "with one weights file", field="calibration")
-                upload = await run_engine(state, _check_upload, form.files["file"], config, calib,
+                upload = await run_check(state, _check_upload, form.files["file"], config, calib,
                                           max_total_bytes=state.settings.max_upload_bytes)
             state.metrics.inc("quantd_uploads_total", endpoint="jobs")
             run = runs.pop() if runs else None  # the jobs layer owns it from here
