@@ -353,6 +353,13 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parent_made(output: str | Path) -> Path:
+    """``-o FILE`` with its folder created, as the directory outputs are."""
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     config = build_config(args)
     if Path(args.output).resolve() == Path(args.input).resolve():
@@ -368,7 +375,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             if job.status != "succeeded":
                 why = f": {job.error.title}: {job.error.detail}" if job.error is not None else ""
                 raise JobFailed(f"job {job.id} {job.status}{why}")
-            job.download(args.output, progress=progress)
+            job.download(_parent_made(args.output), progress=progress)
             report = job.report()
     else:
         schemes = [config.scheme, *(r.scheme for r in config.rules if r.scheme is not None)]
@@ -400,7 +407,7 @@ def _quantize_in_process(args: argparse.Namespace, config: QuantConfig) -> Repor
         return quantize_directory(files, args.output, config, device=device, calibration=args.calibration)
     from quantd.io.pipeline import quantize_file
 
-    return quantize_file(args.input, args.output, config, device=device, calibration=args.calibration)
+    return quantize_file(args.input, _parent_made(args.output), config, device=device, calibration=args.calibration)
 
 
 def cmd_dequantize(args: argparse.Namespace) -> int:
@@ -408,7 +415,7 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
         raise UsageError(f"-o {args.output} is the input file: it would be overwritten")
     from quantd.io.artifact import write_dense
 
-    layout = write_dense(args.input, args.output)
+    layout = write_dense(args.input, _parent_made(args.output))
     size = Path(args.output).stat().st_size
     if args.json:
         _print_json({"path": str(args.output), "bytes": size, "tensors": len(layout)})

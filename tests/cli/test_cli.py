@@ -38,6 +38,15 @@ def test_quantize_in_process_prints_table(model: Path, tmp_path: Path, capsys: p
     assert np.abs(deq - W).max() < np.abs(W).max() / 7
 
 
+def test_file_outputs_get_their_folders(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "new" / "deeper" / "o.safetensors"
+    assert main(["quantize", str(model), "-o", str(out), "--dtype", "int8", "--device", "cpu", "--json"]) == 0
+    dense = tmp_path / "dense" / "model.safetensors"
+    assert main(["dequantize", str(out), "-o", str(dense), "--json"]) == 0
+    capsys.readouterr()
+    assert Artifact(path=out).dequantize()["layer.weight"].shape == (16, 64) and dense.stat().st_size > 0
+
+
 def test_quantize_json_and_config_file(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"scheme": {"dtype": "int4", "group_size": 32},

@@ -284,7 +284,10 @@ class Worker:
                 if destination is not None and files is not None:  # every file under the prefix
                     self.references.put_tree(tmp, destination)
                 elif destination is not None:
-                    self.references.put(tmp, destination_key(destination, str(job.input.get("source", ""))))
+                    from quantd.io.outputs import artifact_suffix
+
+                    suffix = artifact_suffix(str((job.config or {}).get("output", "safetensors")))
+                    self.references.put(tmp, destination_key(destination, str(job.input.get("source", "")), suffix))
                 self.storage.install_artifact(tmp, job.id)
                 self.storage.install_report(report_tmp, job.id)
 

@@ -80,6 +80,25 @@ async def test_source_read_and_destination_written(make_app: Any, s3: Any, bucke
         assert client.head_object(Bucket=bucket, Key="team-a/out/model.quantd.safetensors")
 
 
+async def test_a_gguf_output_under_a_destination_prefix_ends_in_gguf(make_app: Any, s3: Any, bucket: str,
+                                                                     tmp_path: Path) -> None:
+    from _gguf_models import write_tiny_llama
+
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="team-a/llm/model.gguf",
+                      Body=write_tiny_llama(tmp_path / "model.gguf").read_bytes())
+    async with make_app() as app:
+        body = {"config": {"output": "gguf", "gguf_mix": "Q8_0"}, "source": f"s3://{bucket}/team-a/llm/model.gguf",
+                "destination": f"s3://{bucket}/team-a/out/"}
+        r = await app.post("/v1/jobs", json=body, headers=HA)
+        assert r.status_code == 202, r.text
+        done = await wait_job(app, r.json()["id"], HA)
+        assert done["status"] == "succeeded", done["error"]
+        written = client.get_object(Bucket=bucket, Key="team-a/out/model.gguf")["Body"].read()
+        assert written[:4] == b"GGUF"
+        assert written == (await app.get(f"/v1/jobs/{r.json()['id']}/artifact", headers=HA)).content
+
+
 @pytest.mark.parametrize(("headers", "source", "destination"), [
     (HB, "s3://{b}/team-a/llm/model.safetensors", None),              # another tenant's prefix
     (HA, "s3://{b}/team-b/model.safetensors", None),                  # outside every prefix

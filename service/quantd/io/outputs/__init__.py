@@ -35,6 +35,12 @@ def get_format(name: str) -> OutputFormat:
         raise KeyError(f"unknown output format {name!r}; expected one of {sorted(_REGISTRY)}") from None
 
 
+def artifact_suffix(name: str) -> str:
+    """The name ending of a single-file artifact of format ``name``: quantd's own keeps v1's
+    ``.quantd.safetensors``; the others end in their own suffix (``.gguf``)."""
+    return ".quantd.safetensors" if name == "safetensors" else get_format(name).suffix
+
+
 def format_names() -> list[str]:
     """The registered formats' names, in registration order."""
     return list(_REGISTRY)

@@ -353,12 +353,10 @@ _ARTIFACT_HEADERS = {"parameters": ARTIFACT_PARAMETERS}
 
 
 def _artifact_filename(job_id: str, output: str) -> str:
-    """The download's name: quantd's own artifact keeps v1's ``.quantd.safetensors``; other formats end in
-    their own suffix (``.gguf``)."""
-    from quantd.io.outputs import get_format
+    """The download's name: the job id and the format's artifact suffix (``.quantd.safetensors``, ``.gguf``)."""
+    from quantd.io.outputs import artifact_suffix
 
-    suffix = get_format(output).suffix
-    return f"{job_id}.quantd{suffix}" if output == "safetensors" else f"{job_id}{suffix}"
+    return f"{job_id}{artifact_suffix(output)}"
 
 
 @router.head("/{job_id}/artifact", summary="The artifact's headers (size, ETag, ranges), no body",
