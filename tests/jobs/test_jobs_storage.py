@@ -144,8 +144,10 @@ def test_deleting_a_jobs_files_takes_its_attempts_drafts(storage: LocalStorage) 
     # A dead attempt's partial artifact stayed in tmp/ until the 24 h sweep, after its job had ended.
     draft = storage.artifact_tmp_path(ID)
     draft.write_bytes(b"partial")
+    writing = storage.artifact_tmp_path(ID).with_suffix(".part.tmp")  # a writer's own draft, cut off mid-write
+    writing.write_bytes(b"half")
     report = storage.stage_report(ID, "{}")
     other = storage.artifact_tmp_path("f" * 32)
     other.write_bytes(b"another job's")
     storage.delete_job_files(ID)
-    assert not draft.exists() and not report.exists() and other.exists()
+    assert not draft.exists() and not writing.exists() and not report.exists() and other.exists()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import re
 import time
 
@@ -11,7 +13,7 @@ import pytest
 
 from quantd.server.settings import GiB
 
-from .conftest import KEY_A, assert_problem
+from .conftest import CONFIG, KEY_A, assert_problem, st_bytes
 
 
 async def test_healthz_and_readyz_with_an_embedded_worker(server):
@@ -308,3 +310,22 @@ async def test_the_warm_up_builds_once_no_api_request_is_in_flight(make_server, 
             assert began.is_set()
     finally:
         KERNELS.reset()
+
+
+@pytest.mark.parametrize(("code", "status", "kind"), [
+    (errno.ENOSPC, 507, "urn:quantd:storage-full"),
+    (errno.EROFS, 503, "urn:quantd:storage-unavailable"),
+])
+async def test_the_servers_storage_failing_under_an_upload_is_a_problem_to_retry(server, monkeypatch, code, status,
+                                                                                 kind):
+    """A full or read-only data dir under an upload: 507/503 with Retry-After, no server path, not a bare 500."""
+    from quantd.server import uploads
+
+    def failing_open(*args, **kwargs):
+        raise OSError(code, os.strerror(code), "/srv/quantd/data/tmp/upload-x")
+
+    monkeypatch.setattr(uploads, "open", failing_open, raising=False)
+    r = await server.client.post("/v1/jobs", files={"file": ("m.safetensors", st_bytes(), "application/octet-stream")},
+                                 data={"config": json.dumps(CONFIG)})
+    body = assert_problem(r, status)
+    assert body["type"] == kind and int(r.headers["retry-after"]) >= 1 and "/srv/" not in body["detail"]

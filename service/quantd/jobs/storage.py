@@ -205,7 +205,7 @@ class LocalStorage:
         for path in (self.upload_path(job_id, "input"), self.upload_path(job_id, "calibration"),
                      self.artifact_path(job_id), self._job_file(self.reports, job_id, ".json")):
             path.unlink(missing_ok=True)  # (upload_path checked that job_id is a job id: safe in a glob)
-        for pattern in (f"artifact-{job_id}-*.part", f"report-{job_id}-*.part"):
+        for pattern in (f"artifact-{job_id}-*.part*", f"report-{job_id}-*.part*"):  # .part.tmp: still being written
             for draft in self.tmp.glob(pattern):
                 draft.unlink(missing_ok=True)
 

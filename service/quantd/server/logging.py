@@ -105,12 +105,10 @@ class RequestMiddleware:
             log.error("unhandled error", exc_info=exc, extra={"request_id": rid})
             status = 500
             if not started:
-                body = json.dumps({"type": "about:blank", "title": "Internal Server Error", "status": 500,
-                                   "detail": "internal server error; quote the request id when reporting it",
-                                   "request_id": rid}).encode()
-                await send_tagged({"type": "http.response.start", "status": 500, "headers": [
-                    (b"content-type", b"application/problem+json"), (b"content-length", str(len(body)).encode())]})
-                await send_tagged({"type": "http.response.body", "body": body})
+                from .problems import unhandled_problem
+
+                response = unhandled_problem(exc, rid)
+                await response(scope, receive, send_tagged)  # status: set by send_tagged
         finally:
             if activity is not None:
                 activity.leave()

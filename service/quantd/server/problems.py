@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
@@ -195,11 +196,33 @@ def _request_validation(request: Request, exc: RequestValidationError) -> JSONRe
                             errors=errs, request_id=request_id_of(request))
 
 
+# The server's own storage failing under a request (an upload's or a result's files): the client can retry
+# later or elsewhere, so a 507 or 503 that says so, not a 500; the detail names no server path.
+_STORAGE_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+_STORAGE_DOWN = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO})
+
+
+def unhandled_problem(exc: BaseException, request_id: str | None) -> JSONResponse:
+    """The answer to an exception no handler took: 507/503 when the server's storage failed under the request,
+    else 500 (the caller logs it)."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    if code in _STORAGE_FULL:
+        return problem_response(507, "the server's storage is full; retry later", title="Insufficient Storage",
+                                type_="urn:quantd:storage-full", headers={"Retry-After": "60"},
+                                request_id=request_id)
+    if code in _STORAGE_DOWN:
+        reason = errno.errorcode.get(code or 0, str(code))
+        return problem_response(503, f"the server's storage cannot be written ({reason}); retry later",
+                                title="Storage unavailable", type_="urn:quantd:storage-unavailable",
+                                headers={"Retry-After": "30"}, request_id=request_id)
+    return problem_response(500, "internal server error; quote the request id when reporting it",
+                            request_id=request_id)
+
+
 def _internal(request: Request, exc: Exception) -> JSONResponse:
     rid = request_id_of(request)
     log.error("unhandled error", exc_info=exc, extra={"request_id": rid})
-    return problem_response(500, "internal server error; quote the request id when reporting it",
-                            request_id=rid)
+    return unhandled_problem(exc, rid)
 
 
 def install_problem_handlers(app: FastAPI) -> None:
