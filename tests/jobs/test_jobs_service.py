@@ -314,6 +314,26 @@ async def test_an_internal_error_never_shows_a_server_path(make_service: MakeSer
     assert data_dir not in text and str(Path(data_dir).resolve()) not in text and "x" * 300 not in text, details
 
 
+async def test_a_result_the_storage_refuses_fails_the_job_saying_so(make_service: MakeService, model_file: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only or full artifacts folder: the job fails at once with the cause, not after three lease
+    expiries as a lost worker, and without the server's path."""
+    import errno
+
+    svc = make_service()
+    storage = svc._storage
+
+    def read_only(tmp: Path, job_id: str) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp))
+
+    monkeypatch.setattr(storage, "install_artifact", read_only)
+    job = await svc.submit(tenant="a", upload=make_upload(svc, model_file), config=CONFIG)
+    done = await finished(svc, "a", job.id)
+    assert done.status == "failed" and done.attempts == 1, done
+    assert done.error.type == "urn:quantd:storage-error" and "Read-only file system" in done.error.detail
+    assert str(svc.config.data_dir) not in done.error.detail
+
+
 async def test_worker_survives_a_crash(make_service: MakeService, model_file: Path) -> None:
     calls: list[str] = []
 

@@ -293,6 +293,11 @@ class Worker:
 
             try:
                 done = self.store.complete(job.id, owner, result, before_commit=install)
+            except OSError as e:  # this host's storage refused the result (full, read-only): the job says why
+                log.exception("worker %s: job %s: the result could not be stored", self.id, job.id)
+                done = self.store.fail(job.id, owner, _error(
+                    "urn:quantd:storage-error", "Storage error",
+                    f"the result could not be stored: {describe_failure(e, self._private_dirs())}"))
             finally:
                 report_tmp.unlink(missing_ok=True)
             if not done:
