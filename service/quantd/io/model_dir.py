@@ -250,14 +250,14 @@ def _open_shard(files: ModelFiles, rel: str) -> ModelReader:
 
 def _shard_tensors(files: ModelFiles, config: QuantConfig | None = None) -> dict[str, list[TensorInfo]]:
     """Every weight file's tensors, one file open at a time (a legacy pickle is read whole to list them);
-    with ``config``, each file checked as the input of its output format (:func:`~.outputs.gguf.check_input`)."""
-    from .outputs.gguf import check_input
+    with ``config``, each file checked as the input of its output format (:func:`~.outputs.gguf.check_format`)."""
+    from .outputs.gguf import check_format
 
     out = {}
     for rel in files.weights:
         with _open_shard(files, rel) as reader:
             if config is not None:
-                check_input(reader, config)
+                check_format(reader.format, config)
             out[rel] = list(reader.tensors)
     return out
 

@@ -135,7 +135,7 @@ def check_declared_size(cfg: Mapping[str, Any], shapes: Iterable[tuple[int, ...]
     index of a stacked tensor, and each width is within a small factor of some tensor dimension. Building an
     architecture costs time and memory in its size even on the meta device (a 220-byte config can declare a
     hundred thousand layers)."""
-    dims = [s for s in shapes]
+    dims = list(shapes)
     count, widest = len(dims), max((max(s) for s in dims if s), default=0)
     for key, value in _int_items(cfg):
         if _COUNT_KEY.search(key) and value > max(count, widest if "expert" in key else 0, 1):

@@ -286,7 +286,7 @@ class Worker:
                 elif destination is not None:
                     from quantd.io.outputs import artifact_suffix
 
-                    suffix = artifact_suffix(str((job.config or {}).get("output", "safetensors")))
+                    suffix = artifact_suffix(str(job.config.get("output", "safetensors")))
                     self.references.put(tmp, destination_key(destination, str(job.input.get("source", "")), suffix))
                 self.storage.install_artifact(tmp, job.id)
                 self.storage.install_report(report_tmp, job.id)

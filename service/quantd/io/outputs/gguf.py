@@ -179,16 +179,10 @@ def gguf_input(reader: ModelReader) -> GGUFReader:
 
 
 def check_format(fmt: str, config: QuantConfig) -> None:
-    """As :func:`check_input`, from the input's detected format alone (a source sampled, not opened)."""
+    """A job's input format (``reader.format``, or a sampled source's) checked against its config's output
+    before the job is accepted: ``output: "gguf"`` (``gguf_mix`` included) needs a GGUF file."""
     if config.output == GGUFOutput.name and fmt != "gguf":
         raise _not_gguf(fmt)
-
-
-def check_input(reader: ModelReader, config: QuantConfig) -> None:
-    """A job's input checked against its config's output before the job is accepted: with ``output: "gguf"``
-    (``gguf_mix`` included), a GGUF file (:func:`gguf_input`); any input otherwise."""
-    if config.output == GGUFOutput.name:
-        gguf_input(reader)
 
 
 def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: QuantConfig, *,

@@ -58,12 +58,12 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: Upl
     from quantd.jobs.storage import StoredUpload
 
     fmt = io.detect_format(up.path)
+    if config is not None:  # output "gguf" needs a GGUF input, as the synchronous quantization checks
+        from quantd.io.outputs.gguf import check_format
+
+        check_format(fmt, config)
     with io.open_model(up.path, filename=up.filename, max_total_bytes=max_total_bytes) as reader:
         tensors = list(reader.tensors)
-        if config is not None:  # output "gguf" needs a GGUF input, as the synchronous quantization checks
-            from quantd.io.outputs.gguf import check_input
-
-            check_input(reader, config)
     if config is not None:
         from quantd.errors import ConfigError
         from quantd.io.outputs import get_format
