@@ -267,6 +267,21 @@ def test_hqq_beats_rtn_and_the_reference_on_heavy_tailed_weights(dtype: str) -> 
     assert bool((errors(ours) < 0.98 * errors(ref)).all())
 
 
+@pytest.mark.parametrize("c", [-1.9, -1.3, -1.0])
+def test_hqq_step_weight_power(c: float) -> None:
+    """The step's weights ``min(top, a^c)`` from the bit pattern: within 10 % of the power over many decades,
+    ``top`` where the power exceeds it (``a = 0`` included), and 0 at infinity, never NaN or negative."""
+    from quantd.engine.methods.hqq import _power_at_most
+
+    a = torch.logspace(-6, 4, 100_001)
+    got = _power_at_most(a.clone(), c, 1e30)
+    ratio = got / a.pow(c)
+    assert float(ratio.min()) > 0.9 and float(ratio.max()) < 1.1
+    edge = _power_at_most(torch.tensor([0.0, 1e-45, 1e-30, 1.0, float("inf")]), c, 1000.0)
+    assert edge[:3].tolist() == [1000.0] * 3
+    assert edge[3].item() == pytest.approx(1.0, rel=0.1) and edge[4].item() == 0.0
+
+
 @pytest.mark.parametrize("dtype", ["int4", "uint8", "int3"])
 def test_hqq_compiled_equals_eager(compiled: None, dtype: str) -> None:
     """The compiled search and codes compute what the eager ops compute."""
@@ -281,7 +296,7 @@ def test_hqq_compiled_equals_eager(compiled: None, dtype: str) -> None:
     kernels.KERNELS.reset(available=True)
     assert got.scale is not None and want.scale is not None and got.zero_point is not None
     assert want.zero_point is not None
-    # the power (exp∘log in the kernel) and the sums' vectorised forms may differ in the last bits, which a
+    # the sums' and the step's vectorised forms (fused multiply-adds) may differ in the last bits, which a
     # rounding can carry on: some parameters differ, mostly by one float16 step, and the error they reach
     # hardly does
     assert float((got.scale != want.scale).float().mean()) < 0.02

@@ -69,6 +69,9 @@ _FUSED_OPTIONS = {"emulate_precision_casts": True}
 # The kernel unrolls every candidate, refit and step into its graph: compile time grows with their number (the
 # defaults have 8; hundreds of steps would hold the compiler for many minutes), so longer settings run eager.
 _MAX_FUSED_STAGES = 24
+# σ of the bit-pattern logarithm ``log₂ a ≈ bits/2²³ − 127 + σ``: the shift that halves its largest error.
+_LOG2_SHIFT = 0.0430357
+_INF_BITS = float(0x7F800000)  # +Inf's bits, exact in float32
 
 
 def _sums(y: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -112,14 +115,24 @@ def _start(y: torch.Tensor, ratios: tuple[float, ...], refits: int, levels: floa
     return a.unsqueeze(1), (b - a * c0).unsqueeze(1)
 
 
+def _power_at_most(a: torch.Tensor, c: float, top: float) -> torch.Tensor:
+    """``min(top, a^c)`` for ``a ≥ 0`` and ``c`` in ``[−1.9, −1]``, to within 10 %: float32's exponent and
+    mantissa bits read as an integer are ``2²³ · (log₂ a + 127 − σ)`` to within ``2²³ · 0.044``, so the power is
+    a multiply-add on the bits. The bits are clamped to those of +Inf (``a = 0`` and tiny ``a`` give Inf, then
+    ``top``)."""
+    k = (1.0 - c) * (127.0 - _LOG2_SHIFT) * 2.0 ** 23
+    bits = a.view(torch.int32).to(torch.float32).mul_(c).add_(k).clamp_(0.0, _INF_BITS)
+    return bits.to(torch.int32).view(torch.float32).clamp_max_(top)
+
+
 def _iterate(v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, betas: tuple[float, ...], levels: float,
-             p: float, stored: tuple[torch.dtype, float] | None = None, fused: bool = False) -> torch.Tensor:
+             p: float, stored: tuple[torch.dtype, float] | None = None) -> torch.Tensor:
     """The zero point of least mean absolute error, per row of ``v = W / scale``, among the ``len(betas)``
     half-quadratic iterates from ``zero`` (one ``β`` per step; the last iterate's error is measured, no step
     is taken from it). With ``stored = (dtype, qmin)`` each iterate is first rounded to what storing it in the
-    code domain keeps (``(z + qmin)`` in ``dtype``), so that the zero point chosen is the one stored. ``fused``
-    (inside a compiled kernel): the power as ``exp(log(·)·(p − 2))``, which Inductor vectorises at about a
-    third of the cost of its ``pow`` (the two agree to a few float32 ulps)."""
+    code domain keeps (``(z + qmin)`` in ``dtype``), so that the zero point chosen is the one stored. The step's
+    weights take the power to within 10 % (:func:`_power_at_most`, a multiply-add where ``pow`` costs a
+    logarithm and an exponential): they only steer the step, and each iterate is judged by its exact error."""
     k = v.shape[1]
     best, best_err = zero, torch.full_like(zero, float("inf"))
     for t, beta in enumerate(betas):
@@ -136,14 +149,14 @@ def _iterate(v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, betas: tu
         if t + 1 < len(betas):
             # d − W_e/s = d · min(1, |e|^(p−2)/β) with e = s·d; |e| = 0 gives inf, clamped: d·1 = 0
             a = a.mul_(scale)
-            w = (torch.exp(torch.log(a) * (p - 2.0)) if fused else a.pow_(p - 2.0)).clamp_max_(beta)
+            w = _power_at_most(a, p - 2.0, beta)
             zero = zero - torch.linalg.vecdot(d, w).unsqueeze(1) / (beta * k)
     return best
 
 
 def _search(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, levels: float, ratios: tuple[float, ...],
             refits: int, betas: tuple[float, ...], p: float, scale_dtype: torch.dtype, qmin: float,
-            fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The search of a chunk of blocks ``w[B, K]`` with min ``lo`` and max ``hi`` ``[B, 1]``: the scale
     (float32 values of ``scale_dtype``), the offset-domain zero point (float32, before its rounding to
     ``scale_dtype``) and ``w / scale``."""
@@ -157,7 +170,7 @@ def _search(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, levels: floa
     zero = -(mid + b * width) / scale
     zero = torch.where(flat, zero.round(), zero)  # exact codes for constant blocks (x̂ = their value)
     v = w / scale
-    return scale, _iterate(v, scale, zero, betas, levels, p, (scale_dtype, qmin), fused), v
+    return scale, _iterate(v, scale, zero, betas, levels, p, (scale_dtype, qmin)), v
 
 
 @functools.cache
@@ -166,14 +179,16 @@ def _fused_fn(levels: float, ratios: tuple[float, ...], refits: int, betas: tupl
               ) -> Callable[..., tuple[torch.Tensor, ...]]:
     """The whole method on a chunk of blocks ``w[B, K]`` as one function of the chunk (what the compiled
     kernel fuses, its loops unrolled): min and max, :func:`_search`, the zero point rounded to what is stored
-    and the codes from it. Returns ``scale, zero_point, codes, lo, hi`` (``lo``/``hi`` for the finite check)."""
+    and the codes from it. Returns ``scale, zero_point`` (``[B, 1]`` in ``scale_dtype``), ``codes`` and whether
+    every value is finite (a 0-d bool: NaN and Inf show in the minima and maxima)."""
 
     def hqq_fused(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
         s, z, v = _search(w, lo, hi, levels=levels, ratios=ratios, refits=refits, betas=betas, p=p,
-                          scale_dtype=scale_dtype, qmin=qmin, fused=True)
-        z = (z + qmin).to(scale_dtype).float()  # the code domain, as stored
-        return s, z, torch.round(v + z).clamp(qmin, qmax).to(code_dtype), lo, hi
+                          scale_dtype=scale_dtype, qmin=qmin)
+        z = (z + qmin).to(scale_dtype)  # the code domain, as stored
+        codes = torch.round(v + z.float()).clamp(qmin, qmax).to(code_dtype)
+        return s.to(scale_dtype), z, codes, (torch.isfinite(lo) & torch.isfinite(hi)).all()
 
     return hqq_fused
 
@@ -213,7 +228,8 @@ def _compiled(blocks: torch.Tensor, fused: Callable[..., tuple[torch.Tensor, ...
         if part is None:
             return None
         parts.append(part)
-    return tuple(torch.cat(ts) for ts in zip(*parts, strict=True))
+    scale, zp, codes, finite = zip(*parts, strict=True)
+    return torch.cat(scale), torch.cat(zp), torch.cat(codes), torch.stack(finite).all()
 
 
 def _eager(blocks: torch.Tensor, setting: tuple[Any, ...], qmax: float, code_dtype: torch.dtype
@@ -224,19 +240,20 @@ def _eager(blocks: torch.Tensor, setting: tuple[Any, ...], qmax: float, code_dty
     levels, ratios, refits, betas, p, sdt, qmin = setting
     lo, hi = blocks.amin(dim=1, keepdim=True), blocks.amax(dim=1, keepdim=True)
     codes = torch.empty(blocks.shape, dtype=code_dtype, device=blocks.device)
-    scale, zp = torch.empty_like(lo), torch.empty_like(lo)
-    if not bool(torch.isfinite(lo).all()) or not bool(torch.isfinite(hi).all()):
-        return scale, zp, codes, lo, hi  # the caller raises
+    scale, zp = torch.empty_like(lo, dtype=sdt), torch.empty_like(lo, dtype=sdt)
+    finite = (torch.isfinite(lo) & torch.isfinite(hi)).all()
+    if not bool(finite):
+        return scale, zp, codes, finite  # the caller raises
     step = max(1, _CHUNK_ELEMENTS // blocks.shape[1])
     with caller_single_threaded():
         for start in range(0, blocks.shape[0], step):
             rows = slice(start, start + step)
             s, z, v = _search(blocks[rows], lo[rows], hi[rows], levels=levels, ratios=ratios, refits=refits,
                               betas=betas, p=p, scale_dtype=sdt, qmin=qmin)
-            z = (z + qmin).to(sdt).float()  # the code domain, as stored
-            codes[rows] = v.add_(z).round_().clamp_(qmin, qmax).to(code_dtype)
+            z = (z + qmin).to(sdt)  # the code domain, as stored
+            codes[rows] = v.add_(z.float()).round_().clamp_(qmin, qmax).to(code_dtype)
             scale[rows], zp[rows] = s, z
-    return scale, zp, codes, lo, hi
+    return scale, zp, codes, finite
 
 
 def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool], calibration: LayerHessian | None,
@@ -255,13 +272,12 @@ def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool],
     out = _compiled(blocks, _fused_fn(*setting, qmax, code_dtype), len(ratios) + setting[2] + len(betas))
     if out is None:
         out = _eager(blocks, setting, qmax, code_dtype)
-    scale, zp, codes, lo, hi = out
-    if not bool(torch.isfinite(lo).all()) or not bool(torch.isfinite(hi).all()):  # min and max carry NaN and Inf
+    scale, zp, codes, finite = out
+    if not bool(finite):
         raise NonFiniteError(f"tensor {name!r} has NaN or Inf values", tensor=name)
 
     return QuantizedTensor(
-        codes=unblock(codes, tuple(x.shape), gran), scale=scale.to(sdt).reshape(sshape),
-        zero_point=zp.to(sdt).reshape(sshape), shape=tuple(x.shape), dtype=scheme.dtype, orig_dtype=x.dtype,
+        codes=unblock(codes, tuple(x.shape), gran), scale=scale.reshape(sshape), zero_point=zp.reshape(sshape), shape=tuple(x.shape), dtype=scheme.dtype, orig_dtype=x.dtype,
         granularity=scheme.granularity, axis=axis, group_size=scheme.group_size, symmetric=False, method="hqq",
         observer=scheme.observer, zero_point_domain="float")
 
