@@ -379,6 +379,23 @@ def test_compiled_kernels_match_reference(compiled: None, dtype: str, symmetric:
     _check_against_reference(x, _scheme(dtype, gran, axis, gs, symmetric=symmetric))
 
 
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_all_finite_flag(bad: float | None) -> None:
+    """The kernels' finite check: exact for values near float32's limit (whose plain sum overflows) and for
+    one NaN or Inf among thousands, in either tensor."""
+    from quantd.engine.kernels.quantize import all_finite
+
+    lo = torch.full((5000,), -3.0e38)
+    hi = torch.full((5000,), 3.0e38)
+    if bad is None:
+        assert bool(all_finite(lo, hi))
+        return
+    for t in (lo, hi):
+        t[1234] = bad
+        assert not bool(all_finite(lo, hi))
+        t[1234] = 0.0
+
+
 @pytest.mark.parametrize("dtype,symmetric", DTYPE_SYMMETRIC)
 @pytest.mark.parametrize("layout", COMPILED_LAYOUTS, ids=lambda t: f"{t[0]}-{t[1]}{t[2]}-g{t[3]}")
 def test_compiled_dequantize_equals_eager(compiled: None, dtype: str, symmetric: bool, layout: tuple) -> None:

@@ -62,6 +62,19 @@ def compile_setting() -> str:
     return "on" if setting in ("1", "true", "on", "yes") else "auto"
 
 
+@contextlib.contextmanager
+def _recompile_limit() -> Iterator[None]:
+    """Dynamo's recompile limit at :data:`RECOMPILE_LIMIT` for a call (a warm variant may still recompile, on a
+    new stride or a size of 1). Set and restored directly: ``config.patch`` costs as much as a small kernel."""
+    config = torch._dynamo.config
+    old = config.recompile_limit
+    config.recompile_limit = RECOMPILE_LIMIT
+    try:
+        yield
+    finally:
+        config.recompile_limit = old
+
+
 class _Compiled:
     """Lazily compiled kernels, one lock for compiling, and the switch back to eager."""
 
@@ -112,7 +125,7 @@ class _Compiled:
             return None
         key = (*key, torch.get_num_threads())  # Dynamo recompiles when the thread count changes
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            with _recompile_limit():
                 if (name, *key) in self._warm:
                     return self._fns[name](*args)  # type: ignore[no-any-return]
                 with self._lock:  # the first call of a variant compiles: one thread at a time
@@ -158,7 +171,7 @@ class _Compiled:
                 log.warning("compiled kernels disabled, using eager torch: %s", self._broken.splitlines()[0][:300])
                 return None
 
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with _recompile_limit():
             yield run
 
     def reset(self, *, available: bool | None = None) -> None:

@@ -86,6 +86,15 @@ def encode_int(blocks: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
     return KERNELS.call("int", _encode_int, (blocks.dtype, out_dtype), blocks, scale, zero_point, lo, hi, out_dtype)
 
 
+def all_finite(*ts: torch.Tensor) -> torch.Tensor:
+    """Whether every value of ``ts`` is finite, as a 0-d bool, from a float sum: ``t − t`` is 0 for a finite
+    value and NaN for NaN or ±Inf, so the sum of those is exactly 0 or NaN (never an overflow). Inside a
+    compiled kernel a bool ``all()`` reduction is avoided: fused with other outputs, it has come out False
+    for finite inputs."""
+    total = sum(((t - t).sum() for t in ts), torch.zeros((), dtype=ts[0].dtype, device=ts[0].device))
+    return total == 0
+
+
 def _qparams_columns(lo: torch.Tensor, hi: torch.Tensor, dtype: str, symmetric: bool,
                      scale_dtype: str) -> tuple[torch.Tensor, ...]:
     from quantd.engine.qparams import choose_qparams
@@ -93,7 +102,7 @@ def _qparams_columns(lo: torch.Tensor, hi: torch.Tensor, dtype: str, symmetric: 
     scale, zero_point = choose_qparams(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)
     s = scale.float().unsqueeze(1)
     z = torch.zeros_like(s) if zero_point is None else zero_point.float().unsqueeze(1)
-    finite = torch.isfinite(lo).all() & torch.isfinite(hi).all()
+    finite = all_finite(lo, hi)
     if zero_point is None:
         return finite, scale, s, z
     return finite, scale, s, z, zero_point

@@ -49,6 +49,7 @@ import torch
 
 from quantd.engine import kernels
 from quantd.engine.granularity import block_view, check_applicable, granularity_of, unblock
+from quantd.engine.kernels.quantize import all_finite
 from quantd.engine.parallel import caller_single_threaded
 from quantd.engine.qparams import round_up_to, scale_torch_dtype, smallest_positive
 from quantd.engine.types import QuantizedTensor
@@ -188,7 +189,7 @@ def _fused_fn(levels: float, ratios: tuple[float, ...], refits: int, betas: tupl
                           scale_dtype=scale_dtype, qmin=qmin)
         z = (z + qmin).to(scale_dtype)  # the code domain, as stored
         codes = torch.round(v + z.float()).clamp(qmin, qmax).to(code_dtype)
-        return s.to(scale_dtype), z, codes, (torch.isfinite(lo) & torch.isfinite(hi)).all()
+        return s.to(scale_dtype), z, codes, all_finite(lo, hi)
 
     return hqq_fused
 
