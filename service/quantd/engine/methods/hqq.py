@@ -33,8 +33,8 @@ blocks). Eager, that is a few dozen elementwise passes over the chunk (each cand
 three sums; each step: one power), run in the calling thread, single-threaded. With the compiled CPU kernels
 on (long-lived processes, ``QUANTD_COMPILE``), the whole method on a tensor (min and max, candidates, refits,
 steps, the stored zero point's rounding and the codes) is one call of one compiled kernel, a fused pass over
-the blocks per stage: the same arithmetic, the per-call cost paid once per tensor rather than per chunk and
-stage. One-shot runs stay eager and pay no compile. The zero point stays a float
+the blocks per stage: the same arithmetic (with fused multiply-adds), the per-call cost paid once per tensor
+rather than per chunk and stage. One-shot runs stay eager and pay no compile. The zero point stays a float
 (``zero_point_domain = "float"``, stored in ``scale_dtype``); codes are computed from the stored scale and zero
 point, so ``x̂ = (code − zero_point) · scale`` is what was optimised.
 """
@@ -65,8 +65,10 @@ _CHUNK_ELEMENTS = 1 << 18
 # Compiled, the kernel fuses a chunk's passes row by row; chunks only bound its working memory.
 _COMPILED_CHUNK_ELEMENTS = 1 << 22
 # The zero point's rounding to its stored dtype must happen inside the kernel (the codes are computed from the
-# stored value): without this, Inductor may fuse a float32 → float16 → float32 round trip away.
-_FUSED_OPTIONS = {"emulate_precision_casts": True}
+# stored value): without this, Inductor may fuse a float32 → float16 → float32 round trip away. Multiply-adds
+# contract to FMAs (the candidates' codes, the sums): a few per cent faster, and they only steer the search; the
+# codes from the stored scale and zero point are a division and an addition, exact either way.
+_FUSED_OPTIONS = {"emulate_precision_casts": True, "cpp.enable_floating_point_contract_flag": "fast"}
 # The kernel unrolls every candidate, refit and step into its graph: compile time grows with their number (the
 # defaults have 8; hundreds of steps would hold the compiler for many minutes), so longer settings run eager.
 _MAX_FUSED_STAGES = 24
