@@ -224,6 +224,12 @@ def _tensor_names(path: Path) -> list[str]:
         return list(f.keys())
 
 
+# Untimed calls between a method's first call (timed apart) and its timed repeats, for both libraries alike:
+# right after a cold compile the compiled calls take a few calls to settle (a server compiles at warm-up, long
+# before its first request).
+WARM_CALLS = 2
+
+
 def run_hqq_library(probe: EmbeddingProbe, repeats: int, weights: Path | None = None) -> list[dict[str, Any]]:
     """The hqq library's Quantizer against quantd's hqq, int4 affine g64, on every Linear weight: the method
     calls alone (quantize and dequantize; quantd with its compiled kernels and eager), and quantd's whole
@@ -248,7 +254,7 @@ def run_hqq_library(probe: EmbeddingProbe, repeats: int, weights: Path | None = 
         t0 = time.perf_counter()
         ours()
         first = time.perf_counter() - t0
-        t_ours, times_ours, deq = timed(ours, repeats=repeats, warmup=0)
+        t_ours, times_ours, deq = timed(ours, repeats=repeats, warmup=WARM_CALLS)
         rows.append({"library": "quantd", "scope": "method, compiled" if compiled else "method, eager",
                      "method": "hqq", "scheme": "asym_g64", "seconds": t_ours, "times": times_ours,
                      "first_call_s": first, **probe.cosine(deq)})
@@ -283,7 +289,7 @@ def run_hqq_library(probe: EmbeddingProbe, repeats: int, weights: Path | None = 
     t0 = time.perf_counter()
     theirs()
     first = time.perf_counter() - t0
-    t_theirs, times_theirs, deq = timed(theirs, repeats=repeats, warmup=0)
+    t_theirs, times_theirs, deq = timed(theirs, repeats=repeats, warmup=WARM_CALLS)
     rows.append({"library": "hqq", "version": library_version("hqq"), "scope": "method", "method": "hqq",
                  "scheme": "asym_g64", "seconds": t_theirs, "times": times_theirs, "first_call_s": first,
                  **probe.cosine(deq)})

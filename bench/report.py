@@ -585,7 +585,8 @@ def peers_section(peers: dict[str, Any]) -> list[str]:
         "",
         "quantize time = choosing qparams + computing codes (no bit-packing). RTN cells: median of up to "
         f"{peers['repeats_rtn']} interleaved rounds (each cell timed once per round, so that bursts of load "
-        "from other processes hit every cell alike), after an untimed first pass; HQQ cells: one pass. "
+        "from other processes hit every cell alike), after an untimed first pass; HQQ cells: one pass after "
+        "the fidelity pass (which, for quantd, compiles its kernel as a server does at warm-up). "
         "GB/s = float32 input bytes / median time; *best* = bytes / fastest run, the figure least "
         "disturbed by other load. All scales and float zero points are float16 values; bits/weight counts "
         "them.",
@@ -893,9 +894,9 @@ def methods_section(data: dict[str, Any]) -> list[str]:
     hqq = [r for r in data.get("hqq") or [] if isinstance(r, dict) and "unavailable" not in r]
     if hqq:
         out += ["", "HQQ int4 affine g64 on every Linear weight, the method calls alone (quantize and dequantize; "
-                    "median of warm repeats, and the process's first call apart, which with the compiled kernels "
-                    "includes their cold compile) and quantd's whole in-process job, against the `hqq` library's "
-                    "`Quantizer` in the same run:", ""]
+                    "median of repeats after the process's first call, timed apart (with the compiled kernels it "
+                    "includes their cold compile), and two untimed calls, for both libraries) and quantd's whole "
+                    "in-process job, against the `hqq` library's `Quantizer` in the same run:", ""]
         out += _hqq_run_lines(data)
         out.append(table(["library", "emb. cos mean", "seconds", "first call s", "quantd speed-up"],
                          [[r["library"] + (f" {r['version']}" if r.get("version") else "")
