@@ -539,6 +539,36 @@ def test_a_kernel_past_its_recompile_limit_runs_eager_alone(monkeypatch: pytest.
     assert torch.equal(fresh.call("other", lambda v: v * 3.0, (), x), x * 3)
 
 
+def test_recompile_limit_raised_per_thread_for_a_kernel_call() -> None:
+    """Each kernel call raises Dynamo's recompile limit for its own thread and restores it on leaving, whatever
+    order overlapping calls of other threads leave in."""
+    import threading
+
+    from quantd.engine import kernels
+
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    entered, release = threading.Barrier(2), threading.Event()
+    seen: list[int] = []
+
+    def first() -> None:
+        with kernels._recompile_limit():
+            entered.wait()
+            seen.append(config.recompile_limit)
+            release.wait()
+        seen.append(config.recompile_limit)
+
+    worker = threading.Thread(target=first)
+    worker.start()
+    with kernels._recompile_limit():
+        entered.wait()
+        release.set()
+        worker.join()  # the other call has left: this one still runs with the raised limit
+        seen.append(config.recompile_limit)
+    assert seen == [kernels.RECOMPILE_LIMIT, before, kernels.RECOMPILE_LIMIT]
+    assert config.recompile_limit == before
+
+
 def test_kernels_only_for_large_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     from quantd.engine import kernels
 

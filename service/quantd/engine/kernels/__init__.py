@@ -65,7 +65,8 @@ def compile_setting() -> str:
 @contextlib.contextmanager
 def _recompile_limit() -> Iterator[None]:
     """Dynamo's recompile limit at :data:`RECOMPILE_LIMIT` for a call (a warm variant may still recompile, on a
-    new stride or a size of 1). Set and restored directly: ``config.patch`` costs as much as a small kernel."""
+    new stride or a size of 1). Dynamo's config values are context variables, so each thread sets and restores
+    its own; set directly, as ``config.patch`` costs as much as a small kernel's call."""
     config = torch._dynamo.config
     old = config.recompile_limit
     config.recompile_limit = RECOMPILE_LIMIT
