@@ -88,9 +88,9 @@ def encode_int(blocks: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
 
 def all_finite(*ts: torch.Tensor) -> torch.Tensor:
     """Whether every value of ``ts`` is finite, as a 0-d bool, from a float sum: ``t − t`` is 0 for a finite
-    value and NaN for NaN or ±Inf, so the sum of those is exactly 0 or NaN (never an overflow). Inside a
-    compiled kernel a bool ``all()`` reduction is avoided: fused with other outputs, it has come out False
-    for finite inputs."""
+    value and NaN for NaN or ±Inf, so the sum of those is exactly 0 or NaN (never an overflow). Inside the
+    compiled kernels this stands in for a bool ``all()`` reduction fused with their other outputs, which
+    Inductor can compile to return False for finite inputs."""
     total = sum(((t - t).sum() for t in ts), torch.zeros((), dtype=ts[0].dtype, device=ts[0].device))
     return total == 0
 

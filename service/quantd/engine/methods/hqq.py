@@ -244,7 +244,7 @@ def _eager(blocks: torch.Tensor, setting: tuple[Any, ...], qmax: float, code_dty
     lo, hi = blocks.amin(dim=1, keepdim=True), blocks.amax(dim=1, keepdim=True)
     codes = torch.empty(blocks.shape, dtype=code_dtype, device=blocks.device)
     scale, zp = torch.empty_like(lo, dtype=sdt), torch.empty_like(lo, dtype=sdt)
-    finite = (torch.isfinite(lo) & torch.isfinite(hi)).all()
+    finite = all_finite(lo, hi)
     if not bool(finite):
         return scale, zp, codes, finite  # the caller raises
     step = max(1, _CHUNK_ELEMENTS // blocks.shape[1])
@@ -280,7 +280,8 @@ def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool],
         raise NonFiniteError(f"tensor {name!r} has NaN or Inf values", tensor=name)
 
     return QuantizedTensor(
-        codes=unblock(codes, tuple(x.shape), gran), scale=scale.reshape(sshape), zero_point=zp.reshape(sshape), shape=tuple(x.shape), dtype=scheme.dtype, orig_dtype=x.dtype,
+        codes=unblock(codes, tuple(x.shape), gran), scale=scale.reshape(sshape), zero_point=zp.reshape(sshape),
+        shape=tuple(x.shape), dtype=scheme.dtype, orig_dtype=x.dtype,
         granularity=scheme.granularity, axis=axis, group_size=scheme.group_size, symmetric=False, method="hqq",
         observer=scheme.observer, zero_point_domain="float")
 
