@@ -219,6 +219,25 @@ def test_hqq_start_search_and_refits_lower_the_squared_error() -> None:
     assert float((dequantize(new) - x).square().sum()) < float((dequantize(ref) - x).square().sum())
 
 
+def test_hqq_search_along_either_dimension_agrees() -> None:
+    """The search on the blocks' transposed view (what the compiled kernel computes on: blocks along dim 0)
+    gives each block the scale and zero point it gets along dim 1, but for last-bit differences in the sums."""
+    from quantd.engine.methods.hqq import _betas, _search, shrink_ratios
+
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(300, 64, generator=g) * torch.rand(300, 1, generator=g)
+    kw = {"levels": 15.0, "ratios": shrink_ratios(0.15, 3), "refits": 2, "betas": _betas(1000.0, 1.01, 2),
+          "p": 0.7, "scale_dtype": torch.float16, "qmin": 0.0}
+    rows = _search(w, w.amin(1, keepdim=True), w.amax(1, keepdim=True), **kw)
+    wt = w.t()
+    cols = _search(wt, wt.amin(0, keepdim=True), wt.amax(0, keepdim=True), dim=0, **kw)
+    assert cols[0].shape == (1, 300) and cols[1].shape == (1, 300) and cols[2].shape == (64, 300)
+    assert float((cols[0].t() != rows[0]).float().mean()) < 0.02
+    assert torch.allclose(cols[1].t(), rows[1], rtol=1e-3, atol=1e-3)
+    same = (cols[0].t() == rows[0]).squeeze(1)
+    assert torch.equal(cols[2].t()[same], rows[2][same])  # v = w / scale
+
+
 def _heavy_tailed(rows: int, cols: int, seed: int, df: int = 3) -> torch.Tensor:
     """Student-t weights (``df`` degrees of freedom, scale 0.02): a few large values in every block."""
     g = torch.Generator().manual_seed(seed)

@@ -77,9 +77,9 @@ _LOG2_SHIFT = 0.0430357
 _INF_BITS = float(0x7F800000)  # +Inf's bits, exact in float32
 
 
-def _sums(y: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``[Σq, Σq², Σqy]`` of each row of ``y[B, K]`` and its codes ``q``: ``[3, B]``."""
-    return torch.stack((q.sum(dim=1), torch.linalg.vecdot(q, q), torch.linalg.vecdot(q, y)))
+def _sums(y: torch.Tensor, q: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[Σq, Σq², Σqy]`` of each block of ``y`` (its elements along ``dim``) and its codes ``q``: ``[3, B]``."""
+    return torch.stack((q.sum(dim=dim), torch.linalg.vecdot(q, q, dim=dim), torch.linalg.vecdot(q, y, dim=dim)))
 
 
 def _fit(sums: torch.Tensor, sy: torch.Tensor, vy: torch.Tensor, a0: torch.Tensor, k: int
@@ -96,26 +96,27 @@ def _fit(sums: torch.Tensor, sy: torch.Tensor, vy: torch.Tensor, a0: torch.Tenso
     return a, (sy - a * sq) / k, vy - 2.0 * a * cqy + a * a * vq
 
 
-def _start(y: torch.Tensor, ratios: tuple[float, ...], refits: int, levels: float
+def _start(y: torch.Tensor, ratios: tuple[float, ...], refits: int, levels: float, dim: int = 1
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The range search and refits on ``y[B, K]`` (each row's range ``[−½, ½]`` at most): slope and offset of
-    ``y ≈ a·(q − c0) + b`` per row, ``[B, 1]`` each, ``q ∈ [0, levels]``, ``c0 = ⌊levels/2⌋`` (codes near 0
-    keep the sums small). The candidates' fits are computed together, from their stacked sums."""
-    k = y.shape[1]
+    """The range search and refits on the blocks of ``y`` (``[B, K]``, ``dim`` 1, or ``[K, B]``, ``dim`` 0;
+    each block's range ``[−½, ½]`` at most): slope and offset of ``y ≈ a·(q − c0) + b`` per block, kept
+    dimensions of size 1 along ``dim``, ``q ∈ [0, levels]``, ``c0 = ⌊levels/2⌋`` (codes near 0 keep the sums
+    small). The candidates' fits are computed together, from their stacked sums."""
+    k = y.shape[dim]
     c0 = float(int(levels) // 2)
-    sy = y.sum(dim=1)
-    vy = torch.linalg.vecdot(y, y) - sy * sy / k
+    sy = y.sum(dim=dim)
+    vy = torch.linalg.vecdot(y, y, dim=dim) - sy * sy / k
     offset = y.new_tensor(levels / 2 - c0)
-    sums = torch.stack([_sums(y, torch.add(offset, y, alpha=levels / r).round_().clamp_(-c0, levels - c0))
+    sums = torch.stack([_sums(y, torch.add(offset, y, alpha=levels / r).round_().clamp_(-c0, levels - c0), dim)
                         for r in ratios])  # the candidates: [−r/2, r/2] onto [0, levels]; [C, 3, B]
     slopes = torch.tensor(ratios, dtype=y.dtype, device=y.device).unsqueeze(1) / levels
     a, b, err = _fit(sums, sy, vy, slopes, k)
     pick = err.argmin(dim=0, keepdim=True)
     a, b = a.gather(0, pick).squeeze(0), b.gather(0, pick).squeeze(0)
     for _ in range(refits):  # codes nearest to the fit, then the fit of those codes
-        q = ((y - b.unsqueeze(1)) / a.unsqueeze(1)).round_().clamp_(-c0, levels - c0)
-        a, b, _ = _fit(_sums(y, q), sy, vy, a, k)
-    return a.unsqueeze(1), (b - a * c0).unsqueeze(1)
+        q = ((y - b.unsqueeze(dim)) / a.unsqueeze(dim)).round_().clamp_(-c0, levels - c0)
+        a, b, _ = _fit(_sums(y, q, dim), sy, vy, a, k)
+    return a.unsqueeze(dim), (b - a * c0).unsqueeze(dim)
 
 
 def _power_at_most(a: torch.Tensor, c: float, top: float) -> torch.Tensor:
@@ -129,14 +130,15 @@ def _power_at_most(a: torch.Tensor, c: float, top: float) -> torch.Tensor:
 
 
 def _iterate(v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, betas: tuple[float, ...], levels: float,
-             p: float, stored: tuple[torch.dtype, float] | None = None) -> torch.Tensor:
-    """The zero point of least mean absolute error, per row of ``v = W / scale``, among the ``len(betas)``
+             p: float, stored: tuple[torch.dtype, float] | None = None, dim: int = 1) -> torch.Tensor:
+    """The zero point of least mean absolute error, per block of ``v = W / scale`` (its elements along
+    ``dim``), among the ``len(betas)``
     half-quadratic iterates from ``zero`` (one ``β`` per step; the last iterate's error is measured, no step
     is taken from it). With ``stored = (dtype, qmin)`` each iterate is first rounded to what storing it in the
     code domain keeps (``(z + qmin)`` in ``dtype``), so that the zero point chosen is the one stored. The step's
     weights take the power to within 10 % (:func:`_power_at_most`, a multiply-add where ``pow`` costs a
     logarithm and an exponential): they only steer the step, and each iterate is judged by its exact error."""
-    k = v.shape[1]
+    k = v.shape[dim]
     best, best_err = zero, torch.full_like(zero, float("inf"))
     for t, beta in enumerate(betas):
         if stored is not None:
@@ -145,7 +147,7 @@ def _iterate(v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, betas: tu
         q = torch.round(d).clamp_(0.0, levels)
         d = d.sub_(q)  # W/s + z − W_q: the error in code units
         a = d.abs()
-        err = a.sum(dim=1, keepdim=True)
+        err = a.sum(dim=dim, keepdim=True)
         better = err < best_err
         best = torch.where(better, zero, best)
         best_err = torch.where(better, err, best_err)
@@ -153,27 +155,27 @@ def _iterate(v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, betas: tu
             # d − W_e/s = d · min(1, |e|^(p−2)/β) with e = s·d; |e| = 0 gives inf, clamped: d·1 = 0
             a = a.mul_(scale)
             w = _power_at_most(a, p - 2.0, beta)
-            zero = zero - torch.linalg.vecdot(d, w).unsqueeze(1) / (beta * k)
+            zero = zero - torch.linalg.vecdot(d, w, dim=dim).unsqueeze(dim) / (beta * k)
     return best
 
 
 def _search(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, levels: float, ratios: tuple[float, ...],
-            refits: int, betas: tuple[float, ...], p: float, scale_dtype: torch.dtype, qmin: float,
+            refits: int, betas: tuple[float, ...], p: float, scale_dtype: torch.dtype, qmin: float, dim: int = 1,
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The search of a chunk of blocks ``w[B, K]`` with min ``lo`` and max ``hi`` ``[B, 1]``: the scale
-    (float32 values of ``scale_dtype``), the offset-domain zero point (float32, before its rounding to
-    ``scale_dtype``) and ``w / scale``."""
+    """The search of a chunk of blocks ``w`` (``[B, K]``, ``dim`` 1, or its transpose, ``dim`` 0) with min
+    ``lo`` and max ``hi`` (``[B, 1]`` or ``[1, B]``): the scale (float32 values of ``scale_dtype``), the
+    offset-domain zero point (float32, before its rounding to ``scale_dtype``) and ``w / scale``."""
     flat = hi <= lo  # a constant block: its range is widened to 0, so that its value is a code's
     lo, hi = torch.where(flat, lo.clamp(max=0.0), lo), torch.where(flat, hi.clamp(min=0.0), hi)
     width = hi - lo
     width = torch.where(width > 0, width, 1.0)  # all zeros: any positive width
     mid = (lo + hi) * 0.5
-    a, b = _start((w - mid).div_(width), ratios, refits, levels)
+    a, b = _start((w - mid).div_(width), ratios, refits, levels, dim)
     scale = round_up_to(a * width, scale_dtype).float().clamp_min(smallest_positive(scale_dtype))
     zero = -(mid + b * width) / scale
     zero = torch.where(flat, zero.round(), zero)  # exact codes for constant blocks (x̂ = their value)
     v = w / scale
-    return scale, _iterate(v, scale, zero, betas, levels, p, (scale_dtype, qmin)), v
+    return scale, _iterate(v, scale, zero, betas, levels, p, (scale_dtype, qmin), dim), v
 
 
 @functools.cache
@@ -183,15 +185,21 @@ def _fused_fn(levels: float, ratios: tuple[float, ...], refits: int, betas: tupl
     """The whole method on a chunk of blocks ``w[B, K]`` as one function of the chunk (what the compiled
     kernel fuses, its loops unrolled): min and max, :func:`_search`, the zero point rounded to what is stored
     and the codes from it. Returns ``scale, zero_point`` (``[B, 1]`` in ``scale_dtype``), ``codes`` and whether
-    every value is finite (a 0-d bool: NaN and Inf show in the minima and maxima)."""
+    every value is finite (a 0-d bool: NaN and Inf show in the minima and maxima).
+
+    It computes on the blocks' transposed view ``[K, B]`` (Inductor reads ``w`` where it lies; no copy is
+    made). Where a stage stores a per-element result (``w / scale``, read again by the codes), Inductor then
+    tiles the loop 16 blocks by 16 elements and sums each block in its own vector lane, rather than reducing
+    a vector across its lanes for every block and sum: the kernel takes about 15 % less time."""
 
     def hqq_fused(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+        w = w.t().contiguous()
+        lo, hi = w.amin(dim=0, keepdim=True), w.amax(dim=0, keepdim=True)
         s, z, v = _search(w, lo, hi, levels=levels, ratios=ratios, refits=refits, betas=betas, p=p,
-                          scale_dtype=scale_dtype, qmin=qmin)
+                          scale_dtype=scale_dtype, qmin=qmin, dim=0)
         z = (z + qmin).to(scale_dtype)  # the code domain, as stored
         codes = torch.round(v + z.float()).clamp(qmin, qmax).to(code_dtype)
-        return s.to(scale_dtype), z, codes, all_finite(lo, hi)
+        return s.to(scale_dtype).t(), z.t(), codes.t().contiguous(), all_finite(lo, hi)
 
     return hqq_fused
 
