@@ -132,9 +132,8 @@ def _power_at_most(a: torch.Tensor, c: float, top: float) -> torch.Tensor:
 def _iterate(v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, betas: tuple[float, ...], levels: float,
              p: float, stored: tuple[torch.dtype, float] | None = None, dim: int = 1) -> torch.Tensor:
     """The zero point of least mean absolute error, per block of ``v = W / scale`` (its elements along
-    ``dim``), among the ``len(betas)``
-    half-quadratic iterates from ``zero`` (one ``β`` per step; the last iterate's error is measured, no step
-    is taken from it). With ``stored = (dtype, qmin)`` each iterate is first rounded to what storing it in the
+    ``dim``), among the ``len(betas)`` half-quadratic iterates from ``zero`` (one ``β`` per step; the last
+    iterate's error is measured, no step is taken from it). With ``stored = (dtype, qmin)`` each iterate is first rounded to what storing it in the
     code domain keeps (``(z + qmin)`` in ``dtype``), so that the zero point chosen is the one stored. The step's
     weights take the power to within 10 % (:func:`_power_at_most`, a multiply-add where ``pow`` costs a
     logarithm and an exponential): they only steer the step, and each iterate is judged by its exact error."""
@@ -187,10 +186,11 @@ def _fused_fn(levels: float, ratios: tuple[float, ...], refits: int, betas: tupl
     and the codes from it. Returns ``scale, zero_point`` (``[B, 1]`` in ``scale_dtype``), ``codes`` and whether
     every value is finite (a 0-d bool: NaN and Inf show in the minima and maxima).
 
-    It computes on the blocks' transposed view ``[K, B]`` (Inductor reads ``w`` where it lies; no copy is
-    made). Where a stage stores a per-element result (``w / scale``, read again by the codes), Inductor then
-    tiles the loop 16 blocks by 16 elements and sums each block in its own vector lane, rather than reducing
-    a vector across its lanes for every block and sum: the kernel takes about 15 % less time."""
+    It computes on the blocks' transposed view ``[K, B]``; the compiled kernel reads ``w`` where it lies (no
+    copy is made, and ``.contiguous()`` keeps the codes' loop a single plain pass). Where a stage stores a
+    per-element result (``w / scale``, read again by the codes), Inductor then tiles the loop 16 blocks by 16
+    elements and sums each block in its own vector lane, rather than reducing a vector across its lanes for
+    every block and sum: the kernel takes about 15 % less time."""
 
     def hqq_fused(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         w = w.t().contiguous()
