@@ -15,7 +15,10 @@ other sentences (generated below, none shared with the evaluation set):
 - the ``hqq`` library (``Quantizer.quantize``, optimize=True) against quantd's ``hqq``: cosine and time;
 - llm-compressor's GPTQ and AWQ (``oneshot``, sequential pipeline over ``BertLayer``), run in a subprocess
   with its own package directory (``--llmc-path``) because its pins (transformers ≤ 5.17, compressed-tensors
-  0.19) conflict with quantd's dev environment.
+  0.19) conflict with quantd's dev environment. That directory, with the torch of the constraints file (datasets
+  5 and dill 0.4.1 fail to fingerprint its calibration dataset, hence the two bounds)::
+
+    pip install --target DIR -c constraints.txt "llmcompressor==0.14.0.1" "datasets<5" "dill<0.4.1"
 
     python bench/methods.py [--quick] [--llmc-path /path/to/llmcompressor/site] [--model-aware-only] [--hqq-only]
 
@@ -375,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     private_inductor_cache()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="asym g64 only, no llm-compressor, 1 repeat")
-    ap.add_argument("--repeats", type=int, default=2, help="timed repeats of the HQQ comparison")
+    ap.add_argument("--repeats", type=int, default=9,
+                    help="timed repeats of the HQQ comparison (a call of quantd's takes tens of milliseconds: a "
+                         "median of few is mostly noise)")
     ap.add_argument("--llmc-path", default=os.environ.get("QUANTD_BENCH_LLMC_PATH"),
                     help="a directory with llmcompressor and its pinned dependencies (pip install --target)")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor")
@@ -419,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.model_aware_only:
             payload["hqq"] = _section("HQQ: quantd vs the hqq library",
                                       lambda: run_hqq_library(probe, repeats, weights))
+            payload["hqq_repeats"] = repeats
         payload["agnostic"] = _section("quantd, calibration file recorded once", lambda: run_agnostic(
             probe, weights, calibration, tmp, schemes, groups))
         payload["sequential"] = _section("quantd, sequential calibration", lambda: run_sequential(

@@ -893,8 +893,11 @@ def methods_section(data: dict[str, Any]) -> list[str]:
                      rows))
     hqq = [r for r in data.get("hqq") or [] if isinstance(r, dict) and "unavailable" not in r]
     if hqq:
+        run = data.get("hqq_run")
+        n = run.get("repeats") if isinstance(run, dict) else data.get("hqq_repeats")
         out += ["", "HQQ int4 affine g64 on every Linear weight, the method calls alone (quantize and dequantize; "
-                    "median of repeats after the process's first call, timed apart (with the compiled kernels it "
+                    f"median of {f'{n} ' if n else ''}repeats after the process's first call, timed apart (with the "
+                    "compiled kernels it "
                     "includes their cold compile), and two untimed calls, for both libraries) and quantd's whole "
                     "in-process job, against the `hqq` library's `Quantizer` in the same run:", ""]
         out += _hqq_run_lines(data)
