@@ -286,8 +286,10 @@ def _quantize_affine(t: _Affine, x: torch.Tensor, importance: torch.Tensor | Non
     d, dmin, q, err = _affine_settle(t, x, ew, _f16_round(max_scale / t.levels), _f16_round(max_min / t.levels), ls, lm)
     # ggml's _impl: make_qp_quants over the sub-scales and sub-mins, weighted by each sub-block's Σw
     sw = sum_last(w.reshape(nb, -1, t.sub))
-    d2, ls2 = qp_search(scales.clamp(min=0), sw, t.levels)
-    m2, lm2 = qp_search(mins.clamp(min=0), sw, t.levels)
+    # the sub-scales and the sub-mins in one search (rows are independent): half the search's ops, which on
+    # these small tensors cost per op rather than per element
+    dm, lsm = qp_search(torch.cat([scales, mins]).clamp(min=0), torch.cat([sw, sw]), t.levels)
+    d2, m2, ls2, lm2 = dm[:nb], dm[nb:], lsm[:nb], lsm[nb:]
     cand = _affine_settle(t, x, ew, _f16_round(d2), _f16_round(m2), ls2, lm2)
     take = cand[3] < err
     d, dmin, ls, lm, q = _pick(take, (d, dmin, ls, lm, q), (cand[0], cand[1], ls2, lm2, cand[2]))
