@@ -390,11 +390,11 @@ def dequantize(qt: QuantizedTensor, *, dtype: torch.dtype = torch.float32) -> to
     if info.kind == "nf4":
         cb = NF4_CODEBOOK_F32.to(device=qt.codes.device, dtype=work)
         values = cb[blocks.long()] * scale
-    else:
-        values = blocks.to(work)
+    else:  # one new tensor, then in place: the same arithmetic, a third of the allocations and first touches
+        values = blocks.to(work, copy=True)
         if qt.zero_point is not None:
-            values = values - qt.zero_point.reshape(-1, 1).to(work)
-        values = values * scale
+            values.sub_(qt.zero_point.reshape(-1, 1).to(work))
+        values.mul_(scale)
     return unblock(values, qt.shape, gran).to(dtype)
 
 
