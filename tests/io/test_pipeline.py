@@ -360,6 +360,32 @@ def test_calibration_samples_are_observed_first(tmp_path: Path, model_file: Path
     assert not (tmp_path / "bad.safetensors").exists() and not (tmp_path / "bad.safetensors.tmp").exists()
 
 
+@pytest.mark.slow
+def test_warm_up_leaves_nothing_to_compile_for_other_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the warm-up, weights of other shapes (square or not, of fewer or more than 4096 blocks) find their
+    kernels built: nothing compiles again inside a job (Dynamo is told to fail on any recompile)."""
+    import torch._dynamo
+
+    from quantd.engine import kernels
+    from quantd.io.pipeline import _measure, warm_up
+
+    schemes = [Scheme(dtype="int4", symmetric=False, granularity="group", group_size=64, method="hqq"),
+               Scheme(dtype="int8", symmetric=True, granularity="channel")]
+    torch._dynamo.reset()  # the variants earlier tests built for their shapes do not count
+    kernels.KERNELS.reset(available=True)
+    try:
+        assert warm_up(schemes) is not None
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        g = torch.Generator().manual_seed(3)
+        for shape in [(384, 384), (384, 1536), (64, 4096), (4608, 512)]:
+            w = torch.randn(*shape, generator=g)
+            for scheme in schemes:
+                _measure(w, scheme, "w")
+        assert kernels.KERNELS._broken is None, kernels.KERNELS._broken
+    finally:
+        kernels.KERNELS.reset()
+
+
 def test_warm_up_builds_the_kernels_of_its_schemes(compiled: None) -> None:
     from quantd.engine import kernels
     from quantd.io.pipeline import warm_up

@@ -293,12 +293,18 @@ def warm_up(schemes: Sequence[Scheme] = WARMUP_SCHEMES) -> float | None:
     if not kernels.KERNELS.available():
         return None
     t0 = time.perf_counter()
-    # Just large enough to take the compiled path, in whole groups of up to 256.
-    side = max(256, -(-(math.isqrt(max(kernels.MIN_ELEMENTS, 1) - 1) + 1) // 256) * 256)
-    x = torch.randn(side, side, generator=torch.Generator().manual_seed(0))
-    for scheme in schemes:
-        _, qt = _measure(x, scheme, "warm-up")
-        encode_quantized(qt, "warm-up")
+    g = torch.Generator().manual_seed(0)
+    # Two weights, so that a kernel is built in both the variants Inductor makes of it: up to 4096 blocks
+    # (serial loops) and more (parallel). The small one is just large enough to take the compiled path, in whole
+    # groups of up to 256; the large one has more than 4096 rows (per-channel blocks). Neither is square:
+    # Dynamo would take two equal sizes for one (its "duck sizing") and build kernels for square weights only,
+    # so that the first weight of another shape would compile them again, inside its job.
+    cols = 1024
+    rows = max(1, -(-max(kernels.MIN_ELEMENTS, 1) // cols))
+    for x in (torch.randn(rows, cols, generator=g), torch.randn(4352, 256, generator=g)):
+        for scheme in schemes:
+            _, qt = _measure(x, scheme, "warm-up")
+            encode_quantized(qt, "warm-up")
     return time.perf_counter() - t0
 
 
