@@ -133,10 +133,11 @@ def _iterate(v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, betas: tu
              p: float, stored: tuple[torch.dtype, float] | None = None, dim: int = 1) -> torch.Tensor:
     """The zero point of least mean absolute error, per block of ``v = W / scale`` (its elements along
     ``dim``), among the ``len(betas)`` half-quadratic iterates from ``zero`` (one ``β`` per step; the last
-    iterate's error is measured, no step is taken from it). With ``stored = (dtype, qmin)`` each iterate is first rounded to what storing it in the
-    code domain keeps (``(z + qmin)`` in ``dtype``), so that the zero point chosen is the one stored. The step's
-    weights take the power to within 10 % (:func:`_power_at_most`, a multiply-add where ``pow`` costs a
-    logarithm and an exponential): they only steer the step, and each iterate is judged by its exact error."""
+    iterate's error is measured, no step is taken from it). With ``stored = (dtype, qmin)`` each iterate is
+    first rounded to what storing it in the code domain keeps (``(z + qmin)`` in ``dtype``), so that the zero
+    point chosen is the one stored. The step's weights take the power to within 10 % (:func:`_power_at_most`,
+    a multiply-add where ``pow`` costs a logarithm and an exponential): they only steer the step, and each
+    iterate is judged by its exact error."""
     k = v.shape[dim]
     best, best_err = zero, torch.full_like(zero, float("inf"))
     for t, beta in enumerate(betas):
