@@ -187,30 +187,3 @@ def test_q3_coordinate_descent_matches_ggml_loop_per_sub_block() -> None:
     ref = np.array([_make_q3_quants_reference(row, 4) for row in x], dtype=np.float32)
     close = np.isclose(ours, ref, rtol=1e-5, atol=0)
     assert close.mean() > 0.99, f"{(~close).sum()} of {len(ref)} sub-blocks differ"
-
-
-def _double_plus(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return 2 * x + y
-
-
-def test_bound_kernel_runs_compiled_in_a_loop_and_falls_back_to_eager(compiled: None) -> None:
-    """KERNELS.bound (the k-quant searches' candidate loops) yields a direct caller of the compiled function
-    with the eager result; a failing call gives None (the caller runs eager) and switches the kernels off."""
-    from quantd.engine import kernels
-
-    x, y = torch.arange(4096.0), torch.ones(4096)
-    with kernels.KERNELS.bound("test_double_plus", _double_plus, (), x, y) as run:
-        assert run is not None
-        for k in range(3):
-            out = run(x + k, y)
-            assert out is not None and torch.equal(out, _double_plus(x + k, y))
-        assert run(x, torch.ones(3)) is None  # a shape the function cannot take: it fails, eager from here on
-    assert kernels.KERNELS._broken is not None
-    kernels.KERNELS.reset(available=True)  # the fixture checks that nothing else broke
-
-
-def test_bound_kernel_is_none_when_compiling_is_off(eager: None) -> None:
-    from quantd.engine import kernels
-
-    with kernels.KERNELS.bound("test_double_plus", _double_plus, (), torch.zeros(4096), torch.zeros(4096)) as run:
-        assert run is None

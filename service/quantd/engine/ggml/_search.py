@@ -11,8 +11,8 @@ than another pass over the elements.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,50 +37,43 @@ def _signed_absmax(xt: torch.Tensor) -> torch.Tensor:
     return xt.gather(0, idx).squeeze(0)
 
 
-@contextlib.contextmanager
-def _compiled_loop(name: str, fn: Callable[..., Any], key: tuple[Any, ...], args: tuple[Any, ...]
-                   ) -> Iterator[Callable[..., Any] | None]:
-    """A search's candidate step compiled for the loop over its candidates (``KERNELS.bound``), or None:
-    the eager step (CUDA, small tensors, compiling off)."""
-    if not wants_kernels(args[0]):
-        yield None
-        return
-    with kernels.KERNELS.bound(name, fn, key, *args) as step_fn:
-        yield step_fn
+def _sum(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Σ over the elements of each sub-block: dim 0 of ``[n, S]`` (:func:`sum_rows`) or dim 1 of ``[S, n]``
+    (kept, ``[S, 1]``)."""
+    return sum_rows(t) if dim == 0 else t.sum(dim, keepdim=True)
 
 
 def _affine_codes_sums(xt: torch.Tensor, wt: torch.Tensor, wx: torch.Tensor, m: torch.Tensor, iscale: torch.Tensor,
-                       nmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes ``q = clamp(nearest_int((x − m)·iscale), 0, nmax)`` of the columns of ``xt`` ``[n, S]`` and
-    their sums ``(Σwq, Σwq², Σwxq)`` ``[S]``."""
+                       nmax: int, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes ``q = clamp(nearest_int((x − m)·iscale), 0, nmax)`` of the sub-blocks of ``xt`` (their elements
+    along ``dim``) and their sums ``(Σwq, Σwq², Σwxq)``."""
     q = nearest_int((xt - m) * iscale).clamp(0, nmax)
     wq = wt * q
-    return q, sum_rows(wq), sum_rows(wq * q), sum_rows(q * wx)
+    return q, _sum(wq, dim), _sum(wq * q, dim), _sum(q * wx, dim)
 
 
 def _affine_error(xt: torch.Tensor, wt: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, m: torch.Tensor,
-                  sums: tuple[torch.Tensor, ...], use_mad: bool) -> torch.Tensor:
+                  sums: tuple[torch.Tensor, ...], use_mad: bool, dim: int = 0) -> torch.Tensor:
     """The weighted error of ``x̂ = scale·q + m``: absolute (``use_mad``), or squared from the sums
     ``(Σw, Σwx, Σwx², Σwq, Σwq², Σwxq)`` (Σw(scale·q + m − x)² expanded)."""
     if use_mad:
-        return sum_rows(wt * (scale * q + m - xt).abs())
+        return _sum(wt * (scale * q + m - xt).abs(), dim)
     sum_w, sum_x, sum_x2, sum_l, sum_l2, sum_xl = sums
     return (scale * scale * sum_l2 + 2 * scale * m * sum_l - 2 * scale * sum_xl + m * m * sum_w
             - 2 * m * sum_x + sum_x2)
 
 
-def affine_step(xt: torch.Tensor, wt: torch.Tensor, wx: torch.Tensor, stats: torch.Tensor, best: torch.Tensor,
-                best_scale: torch.Tensor, best_min: torch.Tensor, factor: torch.Tensor, nmax: int, use_mad: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One candidate of ``make_qkx2_quants`` for every column of ``xt`` ``[n, S]``: ``iscale = factor /
-    (max − best_min)``, its codes, the weighted least-squares scale and min (min clamped to ≤ 0), and the
-    new best ``(error, scale, min)`` where it is lower. ``stats`` ``[4, S]``: ``Σw, Σwx, Σwx², max``.
-    One compiled graph per candidate where the kernels run: a single pass over the elements."""
-    sum_w, sum_x, sum_x2, mx = stats.unbind(0)
+def _affine_candidate(xt: torch.Tensor, wt: torch.Tensor, wx: torch.Tensor, stats: tuple[torch.Tensor, ...],
+                      best: torch.Tensor, best_scale: torch.Tensor, best_min: torch.Tensor, factor: torch.Tensor | float,
+                      nmax: int, use_mad: bool, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One candidate of ``make_qkx2_quants`` for every sub-block: ``iscale = factor / (max − best_min)``, its
+    codes, the weighted least-squares scale and min (min clamped to ≤ 0), and the new best ``(error, scale,
+    min)`` where it is lower. ``stats``: ``Σw, Σwx, Σwx², max`` per sub-block."""
+    sum_w, sum_x, sum_x2, mx = stats
     rng = mx - best_min
     one = torch.ones_like(rng)
     iscale = factor / torch.where(rng > 0, rng, one)
-    q, sum_l, sum_l2, sum_xl = _affine_codes_sums(xt, wt, wx, best_min, iscale, nmax)
+    q, sum_l, sum_l2, sum_xl = _affine_codes_sums(xt, wt, wx, best_min, iscale, nmax, dim)
     det = sum_w * sum_l2 - sum_l * sum_l
     ok = det > 0
     det = torch.where(ok, det, one)
@@ -89,9 +82,50 @@ def affine_step(xt: torch.Tensor, wt: torch.Tensor, wx: torch.Tensor, stats: tor
     pos = this_min > 0
     this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
     this_scale = torch.where(pos, sum_xl / _nonzero(sum_l2), this_scale)
-    err = _affine_error(xt, wt, q, this_scale, this_min, (sum_w, sum_x, sum_x2, sum_l, sum_l2, sum_xl), use_mad)
+    err = _affine_error(xt, wt, q, this_scale, this_min, (sum_w, sum_x, sum_x2, sum_l, sum_l2, sum_xl), use_mad,
+                        dim)
     take = ok & (err < best)
     return torch.where(take, err, best), torch.where(take, this_scale, best_scale), torch.where(take, this_min, best_min)
+
+
+def _affine_start(xt: torch.Tensor, wt: torch.Tensor, nmax: int, use_mad: bool, dim: int
+                  ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor]:
+    """The search's start on the sub-blocks of ``xt`` (elements along ``dim``): ``(Σw, Σwx, Σwx², max)``,
+    ``w·x``, the min-max candidate's error, scale and min, and which sub-blocks are flat (``max == min``)."""
+    wx = wt * xt
+    mn = xt.amin(dim, keepdim=dim == 1).clamp(max=0)
+    mx = xt.amax(dim, keepdim=dim == 1)
+    flat = mx <= mn
+    stats = (_sum(wt, dim), _sum(wx, dim), _sum(wx * xt, dim), mx)
+    iscale = nmax / torch.where(flat, torch.ones_like(mn), mx - mn)
+    q, *sums = _affine_codes_sums(xt, wt, wx, mn, iscale, nmax, dim)
+    best = _affine_error(xt, wt, q, 1 / iscale, mn, (*stats[:3], *sums), use_mad, dim)
+    return stats, wx, best, 1 / iscale, mn, flat
+
+
+def _affine_factors(nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple[float, ...]:
+    """The candidates' ``rmin + rdelta·is + nmax``, is = 0…nstep, each as C computes it in float32."""
+    return tuple(_f32(_f32(rmin + _f32(rdelta * step)) + nmax) for step in range(nstep + 1))
+
+
+@functools.cache
+def _affine_rows_fn(nmax: int, factors: tuple[float, ...], use_mad: bool) -> Callable[..., Any]:
+    """The whole search on the rows of ``x`` ``[S, n]`` (one sub-block a row) as one function: what the
+    compiled kernel fuses, every candidate unrolled. Row by row, a sub-block's elements stay in registers or
+    L1 across its candidates; a kernel per candidate streams the chunk through the cache once per candidate,
+    and takes about twice as long."""
+
+    def ggml_affine_search(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        stats, wx, best, best_scale, best_min, flat = _affine_start(x, w, nmax, use_mad, 1)
+        mn = best_min
+        for factor in factors:
+            best, best_scale, best_min = _affine_candidate(x, w, wx, stats, best, best_scale, best_min, factor, nmax,
+                                                           use_mad, 1)
+        scale = torch.where(flat, torch.zeros_like(best_scale), best_scale)
+        return scale.squeeze(1), torch.where(flat, -mn, -best_min).squeeze(1)
+
+    return ggml_affine_search
 
 
 def affine_search(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
@@ -101,73 +135,99 @@ def affine_search(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdel
     ``iscale = (rmin + rdelta·is + nmax) / (max − min)`` (relative to the best min so far, as in ggml) is
     rounded, scale and min fitted by weighted least squares (min clamped to ≤ 0), and the candidate of least
     weighted error kept (first on ties; ``use_mad``: absolute error). Returns ``(scale, the_min)`` ``[S]``;
-    rows with ``max == min`` get scale 0."""
+    rows with ``max == min`` get scale 0.
+
+    Where the kernels run, the whole search is one compiled call on the rows (:func:`_affine_rows_fn`);
+    eager, it runs on the columns of ``x.T`` (a sum over a sub-block is then ``n`` contiguous vector adds),
+    one set of ops per candidate."""
+    factors = _affine_factors(nmax, rmin, rdelta, nstep)
+    if wants_kernels(x):
+        x, w = x.contiguous(), w.contiguous()
+        torch._dynamo.mark_static(x, 1)
+        torch._dynamo.mark_static(w, 1)
+        fn = _affine_rows_fn(nmax, factors, use_mad)
+        out = kernels.KERNELS.call(f"ggml_affine_search_{id(fn)}", fn, (x.shape[1],), x, w)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
     xt = x.T.contiguous()
     wt = w.T.contiguous()
-    wx = wt * xt
-    mn = xt.amin(0).clamp(max=0)
-    mx = xt.amax(0)
-    flat = mx <= mn
-    sum_w = sum_rows(wt)
-    sum_x = sum_rows(wx)
-    sum_x2 = sum_rows(wx * xt)
-    iscale = nmax / torch.where(flat, torch.ones_like(mn), mx - mn)
-    q, *sums = _affine_codes_sums(xt, wt, wx, mn, iscale, nmax)
-    best_scale, best_min = 1 / iscale, mn
-    best = _affine_error(xt, wt, q, best_scale, best_min, (sum_w, sum_x, sum_x2, *sums), use_mad)
-    stats = torch.stack([sum_w, sum_x, sum_x2, mx])
-
-    def args(step: int) -> tuple[Any, ...]:
-        factor = torch.tensor(_f32(_f32(rmin + _f32(rdelta * step)) + nmax), device=x.device)
-        return (xt, wt, wx, stats, best, best_scale, best_min, factor, nmax, use_mad)
-
-    with _compiled_loop("ggml_affine_step", affine_step, (nmax, use_mad, xt.shape[0]), args(0)) as step_fn:
-        for step in range(nstep + 1):
-            a = args(step)
-            out = None if step_fn is None else step_fn(*a)
-            best, best_scale, best_min = affine_step(*a) if out is None else out
+    stats, wx, best, best_scale, best_min, flat = _affine_start(xt, wt, nmax, use_mad, 0)
+    mn = best_min
+    for factor in factors:
+        best, best_scale, best_min = _affine_candidate(xt, wt, wx, stats, best, best_scale, best_min,
+                                                       torch.tensor(factor, device=x.device), nmax, use_mad, 0)
     return torch.where(flat, torch.zeros_like(best_scale), best_scale), torch.where(flat, -mn, -best_min)
 
 
-def symmetric_step(xt: torch.Tensor, wt: torch.Tensor, wx: torch.Tensor, mxv: torch.Tensor, best: torch.Tensor,
-                   scale: torch.Tensor, factor: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One candidate of ``make_qx_quants`` for every column of ``xt`` ``[n, S]``: codes of ``iscale =
+def _symmetric_candidate(xt: torch.Tensor, wt: torch.Tensor, wx: torch.Tensor, mxv: torch.Tensor, best: torch.Tensor,
+                         scale: torch.Tensor, factor: torch.Tensor | float, nmax: int, dim: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One candidate of ``make_qx_quants`` for every sub-block (elements along ``dim``): codes of ``iscale =
     factor / max``, clamped to ``[−nmax, nmax − 1]``, and the new best ``(Σwxl)²/Σwl²`` and its scale
     ``Σwxl / Σwl²`` where it is higher (ggml's test ``sumlx² > best·suml2``)."""
     q = nearest_int(xt * (factor / mxv)).clamp(-nmax, nmax - 1)
-    slx, sl2 = sum_rows(q * wx), sum_rows(wt * q * q)
+    slx, sl2 = _sum(q * wx, dim), _sum(wt * q * q, dim)
     take = (sl2 > 0) & (slx * slx > best * sl2)
     scale = torch.where(take, slx / _nonzero(sl2), scale)
     return torch.where(take, scale * slx, best), scale
+
+
+def _symmetric_start(xt: torch.Tensor, wt: torch.Tensor, nmax: int, dim: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w·x``, the value of largest magnitude (1 where all are zero), which sub-blocks are all zero, and the
+    first candidate's ``(Σwxl)²/Σwl²`` and scale (``iscale = −nmax / max``)."""
+    wx = wt * xt
+    idx = xt.abs().argmax(dim=dim, keepdim=True)  # the first of the largest magnitudes (ggml: amax < fabsf(v))
+    mxv = xt.gather(dim, idx)
+    if dim == 0:
+        mxv = mxv.squeeze(0)
+    zero = mxv.abs() < GROUP_MAX_EPS
+    mxv = torch.where(zero, torch.ones_like(mxv), mxv)
+    q = nearest_int(xt * (-nmax / mxv)).clamp(-nmax, nmax - 1)
+    sumlx, suml2 = _sum(q * wx, dim), _sum(wt * q * q, dim)
+    scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
+    return wx, mxv, zero, scale * sumlx, scale
+
+
+# make_qx_quants' candidates: iscale = −(nmax + 0.1·is) / max, is = −9…9 but 0 (the start)
+_SYMMETRIC_STEPS = tuple(step for step in range(-9, 10) if step != 0)
+
+
+@functools.cache
+def _symmetric_rows_fn(nmax: int) -> Callable[..., Any]:
+    """The whole :func:`symmetric_search` on the rows of ``x`` ``[S, n]`` as one function (the compiled
+    kernel; see :func:`_affine_rows_fn`)."""
+    factors = tuple(-_f32(nmax + _f32(0.1 * step)) for step in _SYMMETRIC_STEPS)
+
+    def ggml_symmetric_search(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        wx, mxv, zero, best, scale = _symmetric_start(x, w, nmax, 1)
+        for factor in factors:
+            best, scale = _symmetric_candidate(x, w, wx, mxv, best, scale, factor, nmax, 1)
+        return torch.where(zero, torch.zeros_like(scale), scale).squeeze(1)
+
+    return ggml_symmetric_search
 
 
 def symmetric_search(x: torch.Tensor, w: torch.Tensor, nmax: int) -> torch.Tensor:
     """``make_qx_quants(n, nmax, x, L, rmse_type=1, w)`` over the rows of ``x`` ``[S, n]``: codes
     ``l ∈ [−nmax, nmax − 1]`` with ``x ≈ scale·l``. Candidates ``iscale = −(nmax + 0.1·is) / max`` (``max``:
     the value of largest magnitude; is = −9…9), each with its weighted least-squares scale; the one
-    maximising ``(Σwxl)² / Σwl²`` (least weighted error) wins. Returns ``scale`` ``[S]`` (0: all-zero rows)."""
+    maximising ``(Σwxl)² / Σwl²`` (least weighted error) wins. Returns ``scale`` ``[S]`` (0: all-zero rows).
+    Compiled, one call on the rows; eager, one set of ops per candidate on the columns of ``x.T``."""
+    if wants_kernels(x):
+        fn = _symmetric_rows_fn(nmax)
+        x, w = x.contiguous(), w.contiguous()
+        torch._dynamo.mark_static(x, 1)
+        torch._dynamo.mark_static(w, 1)
+        out = kernels.KERNELS.call(f"ggml_symmetric_search_{id(fn)}", fn, (x.shape[1],), x, w)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
     xt = x.T.contiguous()
     wt = w.T.contiguous()
-    wx = wt * xt
-    mxv = _signed_absmax(xt)
-    zero = mxv.abs() < GROUP_MAX_EPS
-    mxv = torch.where(zero, torch.ones_like(mxv), mxv)
-    q = nearest_int(xt * (-nmax / mxv)).clamp(-nmax, nmax - 1)
-    sumlx, suml2 = sum_rows(q * wx), sum_rows(wt * q * q)
-    scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
-    best = scale * sumlx
-
-    def args(step: int) -> tuple[Any, ...]:
+    wx, mxv, zero, best, scale = _symmetric_start(xt, wt, nmax, 0)
+    for step in _SYMMETRIC_STEPS:
         factor = torch.tensor(-_f32(nmax + _f32(0.1 * step)), device=x.device)
-        return (xt, wt, wx, mxv, best, scale, factor, nmax)
-
-    with _compiled_loop("ggml_symmetric_step", symmetric_step, (nmax, xt.shape[0]), args(-9)) as step_fn:
-        for step in range(-9, 10):
-            if step == 0:
-                continue
-            a = args(step)
-            out = None if step_fn is None else step_fn(*a)
-            best, scale = symmetric_step(*a) if out is None else out
+        best, scale = _symmetric_candidate(xt, wt, wx, mxv, best, scale, factor, nmax, 0)
     return torch.where(zero, torch.zeros_like(scale), scale)
 
 

@@ -149,32 +149,6 @@ class _Compiled:
             log.warning("compiled kernels disabled, using eager torch: %s", self._broken.splitlines()[0][:300])
             return None
 
-    @contextlib.contextmanager
-    def bound(self, name: str, fn: Callable[..., T], key: tuple[Any, ...], *args: Any,
-              options: dict[str, Any] | None = None) -> Iterator[Callable[..., T | None] | None]:
-        """For a loop that calls one kernel many times on tensors of the same layout (a search's candidates):
-        :meth:`call` once with ``args`` (compiling it if need be), then, for the ``with`` block, a callable
-        that runs the compiled ``fn`` directly, without :meth:`call`'s per-call set-up (the recompile limit is
-        raised once for the block), and returns None (the caller runs eager) if it fails. None when the
-        kernel is not available."""
-        if self.call(name, fn, key, *args, options=options) is None:
-            yield None
-            return
-        compiled = self._fns[name]
-
-        def run(*a: Any) -> T | None:
-            if self._broken is not None:
-                return None
-            try:
-                return compiled(*a)  # type: ignore[no-any-return]
-            except Exception as e:  # as in call(): fall back to eager, never fail the job
-                self._broken = f"{type(e).__name__}: {e}"
-                log.warning("compiled kernels disabled, using eager torch: %s", self._broken.splitlines()[0][:300])
-                return None
-
-        with _recompile_limit():
-            yield run
-
     def reset(self, *, available: bool | None = None) -> None:
         """Forget the failure state (and optionally force availability): for tests."""
         self._broken = None
