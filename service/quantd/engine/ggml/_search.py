@@ -310,13 +310,9 @@ def q3_search(x: torch.Tensor, nmax: int) -> torch.Tensor:
     return torch.where(zero, torch.zeros_like(scale), scale)
 
 
-def qp_search(v: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``make_qp_quants(n, nmax, v, L, w)`` over the rows of ``v`` ``[NB, n]`` (non-negative sub-block
-    scales or mins, weighted by their sub-blocks' total weight): integer ``L ∈ [0, nmax]`` and a scale with
-    ``v ≈ scale·L``. The best of nine grids ``iscale = (nmax + 0.1·is) / max`` by weighted error, then up
-    to 5 sweeps of coordinate descent over the positions. Returns ``(scale [NB], L [NB, n])``."""
-    vt = v.T.contiguous()
-    wt = w.T.contiguous()
+def _qp_grid(vt: torch.Tensor, wt: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_qp_quants``' grid on the columns of ``vt`` ``[n, R]``: the codes of the best of nine
+    ``iscale = (nmax + 0.1·is) / max`` by weighted error, and which columns are all zero."""
     mx = vt.amax(0).clamp(min=0)
     zero = mx < GROUP_MAX_EPS
     mx = torch.where(zero, torch.ones_like(mx), mx)
@@ -327,13 +323,55 @@ def qp_search(v: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor
         if step == 0:
             continue
         cand = _f32(_f32(0.1 * step) + nmax) / mx
-        qc = nearest_int(vt * cand).clamp_(max=nmax)
+        qc = nearest_int(vt * cand).clamp(max=nmax)
         err = sum_rows(wt * (vt - qc / cand) ** 2)
         take = err < best
         best = torch.where(take, err, best)
         iscale = torch.where(take, cand, iscale)
-    q = nearest_int(vt * iscale).clamp_(max=nmax)
-    sumlx, suml2 = _coordinate_descent(vt, wt, q, None, nmax, need_sl2=True)
+    return nearest_int(vt * iscale).clamp(max=nmax), zero
+
+
+def _qp_result(q: torch.Tensor, sumlx: torch.Tensor, suml2: torch.Tensor, zero: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
     q = torch.where(zero.unsqueeze(0), torch.zeros_like(q), q)
     return torch.where(zero, torch.zeros_like(scale), scale), q.T.clamp(min=0)
+
+
+@functools.cache
+def _qp_fn(nmax: int, sweeps: int = 5) -> Callable[..., Any]:
+    """The whole :func:`qp_search` as one function (the compiled kernel): the grid, then every sweep on
+    every column. A column that changed nothing in a sweep changes nothing in the next, so this gives the
+    eager search's result, which sweeps only the columns still moving."""
+
+    def ggml_qp_search(v: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        vt, wt = v.t(), w.t()
+        q, zero = _qp_grid(vt, wt, nmax)
+        wx = wt * vt
+        slx, sl2 = (wx * q).sum(0), (wt * q * q).sum(0)
+        for _ in range(sweeps):
+            q, slx, sl2, _ = descent_sweep(vt, wt, wx, q, slx, sl2, None, nmax, True)
+        return _qp_result(q, slx, sl2, zero)
+
+    return ggml_qp_search
+
+
+def qp_search(v: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_qp_quants(n, nmax, v, L, w)`` over the rows of ``v`` ``[NB, n]`` (non-negative sub-block
+    scales or mins, weighted by their sub-blocks' total weight): integer ``L ∈ [0, nmax]`` and a scale with
+    ``v ≈ scale·L``. The best of nine grids ``iscale = (nmax + 0.1·is) / max`` by weighted error, then up
+    to 5 sweeps of coordinate descent over the positions. Returns ``(scale [NB], L [NB, n])``. A few hundred
+    ops on a 32nd of the chunk: compiled, one call."""
+    if wants_kernels(v):
+        fn = _qp_fn(nmax)
+        v, w = v.contiguous(), w.contiguous()
+        torch._dynamo.mark_static(v, 1)
+        torch._dynamo.mark_static(w, 1)
+        out = kernels.KERNELS.call(f"ggml_qp_search_{id(fn)}", fn, (v.shape[1],), v, w)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
+    vt = v.T.contiguous()
+    wt = w.T.contiguous()
+    q, zero = _qp_grid(vt, wt, nmax)
+    sumlx, suml2 = _coordinate_descent(vt, wt, q, None, nmax, need_sl2=True)
+    return _qp_result(q, sumlx, suml2, zero)

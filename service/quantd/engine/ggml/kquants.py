@@ -14,6 +14,8 @@ run over a search's candidate scales and the two refit rounds.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,15 +149,6 @@ def _affine_weights(t: _Affine, x: torch.Tensor, importance: torch.Tensor | None
     return (av + sub.abs()).reshape(x.shape)
 
 
-def _static_blocks(*tensors: torch.Tensor | None) -> None:
-    """Compile the kernels on ``[NB, nsub, sub]`` views for their (few) sub-block layouts as constants: with a
-    symbolic sub-block length Inductor's loops over a sub-block do not vectorise."""
-    for t in tensors:
-        if t is not None:
-            torch._dynamo.mark_static(t, 1)
-            torch._dynamo.mark_static(t, 2)
-
-
 def codes_error(x3: torch.Tensor, step: torch.Tensor, off: torch.Tensor | None, w3: torch.Tensor | None, lo: int,
                 hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes of ``x3`` ``[NB, nsub, sub]`` for each sub-block's step and offset (``[NB, nsub, 1]``; ``x̂ =
@@ -171,17 +164,10 @@ def codes_error(x3: torch.Tensor, step: torch.Tensor, off: torch.Tensor | None, 
 
 def _codes_error(x: torch.Tensor, step: torch.Tensor, off: torch.Tensor | None, weight: torch.Tensor | None,
                  lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`codes_error` of ``x`` ``[NB, 256]`` (codes as ``[NB, 256]``): one compiled pass where the
-    kernels run."""
+    """:func:`codes_error` of ``x`` ``[NB, 256]`` (codes as ``[NB, 256]``)."""
     nb = x.shape[0]
     x3 = x.view(nb, step.shape[1], -1)
-    args = (x3, step, off, None if weight is None else weight.view(x3.shape), lo, hi)
-    out = None
-    if wants_kernels(x):
-        _static_blocks(x3, step, off, args[3])
-        out = kernels.KERNELS.call("ggml_codes_error", codes_error,
-                                   (lo, hi, x3.shape[2], off is None, weight is None), *args)
-    q, err = codes_error(*args) if out is None else out
+    q, err = codes_error(x3, step, off, None if weight is None else weight.view(x3.shape), lo, hi)
     return q.reshape(nb, -1), err
 
 
@@ -200,14 +186,6 @@ def refit_sums(x3: torch.Tensor, q3: torch.Tensor, w3: torch.Tensor | None) -> t
     return sum_last(wq), sum_last(wq * q3), sum_last(wq * x3)
 
 
-def _refit_sums(x3: torch.Tensor, q3: torch.Tensor, w3: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    out = None
-    if wants_kernels(x3):
-        _static_blocks(x3, q3, w3)
-        out = kernels.KERNELS.call("ggml_refit_sums", refit_sums, (x3.shape[2], w3 is None), x3, q3, w3)
-    return refit_sums(x3, q3, w3) if out is None else out
-
-
 def _affine_refit(t: _Affine, x: torch.Tensor, weight: torch.Tensor | None, q: torch.Tensor, d: torch.Tensor,
                   dmin: torch.Tensor, ls: torch.Tensor, lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Least-squares ``d``, ``dmin`` for the codes ``q``: minimise Σ w (d·A − dmin·B − x)² with
@@ -217,7 +195,7 @@ def _affine_refit(t: _Affine, x: torch.Tensor, weight: torch.Tensor | None, q: t
     q3 = q.view(nb, -1, t.sub)
     s_w = torch.full_like(ls, float(t.sub)) if weight is None else sum_last(weight.view(nb, -1, t.sub))
     s_wx = sum_last(x3) if weight is None else sum_last(weight.view(nb, -1, t.sub) * x3)
-    s_wq, s_wq2, s_wqx = _refit_sums(x3, q3, None if weight is None else weight.view(nb, -1, t.sub))
+    s_wq, s_wq2, s_wqx = refit_sums(x3, q3, None if weight is None else weight.view(nb, -1, t.sub))
     saa = sum_last(ls * ls * s_wq2)
     sab = sum_last(ls * lm * s_wq)
     sbb = sum_last(lm * lm * s_w)
@@ -235,10 +213,44 @@ def _affine_refit(t: _Affine, x: torch.Tensor, weight: torch.Tensor | None, q: t
     return torch.where(ok, _f16_round(new_d), d), torch.where(ok, _f16_round(new_m), dmin)
 
 
+def _settled(name: str, fn: Callable[..., tuple[torch.Tensor, ...]], x: torch.Tensor, ew: torch.Tensor | None,
+             *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``fn(x, ew, *args)`` (a settle: codes, refits, picks) as one compiled call where the kernels run (the
+    super-blocks' and sub-scales' widths static, so that the loops over a sub-block vectorise), else eager.
+    The float16 roundings of the refitted super-scales stay in the kernel (``emulate_precision_casts``): the
+    codes are computed from the values that are stored."""
+    if wants_kernels(x):
+        for v in (x, ew, *args):
+            if v is not None and v.dim() == 2:
+                torch._dynamo.mark_static(v, 1)
+        out = kernels.KERNELS.call(name, fn, (ew is None, len(args)), x, ew, *args, options=_SETTLE_OPTIONS)
+        if out is not None:
+            return out
+    return fn(x, ew, *args)
+
+
+_SETTLE_OPTIONS = {"emulate_precision_casts": True}
+
+
+@functools.cache
+def _bind(fn: Callable[..., tuple[torch.Tensor, ...]], setting: object) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``fn`` with its type setting bound, one function per setting (what :func:`_settled` compiles)."""
+    return functools.partial(fn, setting)
+
+
 def _affine_settle(t: _Affine, x: torch.Tensor, ew: torch.Tensor | None, d: torch.Tensor, dmin: torch.Tensor,
-                   ls: torch.Tensor, lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ls: torch.Tensor, lm: torch.Tensor, *incumbent: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`affine_settle` (compiled where the kernels run)."""
+    return _settled(f"ggml_affine_settle_{t.sub}_{t.nmax}", _bind(affine_settle, t), x, ew, d, dmin, ls, lm,
+                    *incumbent)
+
+
+def affine_settle(t: _Affine, x: torch.Tensor, ew: torch.Tensor | None, d: torch.Tensor, dmin: torch.Tensor,
+                  ls: torch.Tensor, lm: torch.Tensor, *incumbent: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Codes for one choice of super- and sub-scales, then the least-squares refit of ``d``/``dmin``, kept
-    per super-block where it lowers the error. Returns ``d``, ``dmin``, codes, error ``[NB]``."""
+    per super-block where it lowers the error. Returns ``d``, ``dmin``, codes, error ``[NB]``; or, given an
+    ``incumbent`` ``(d, dmin, ls, lm, codes, error)``, per super-block the better of the two as ``d``,
+    ``dmin``, ``ls``, ``lm``, codes."""
     q, best = _affine_codes(t, x, ew, d, dmin, ls, lm)
     cq, cd, cm = q, d, dmin
     for _ in range(_REFIT_ROUNDS):
@@ -249,7 +261,9 @@ def _affine_settle(t: _Affine, x: torch.Tensor, ew: torch.Tensor | None, d: torc
         d = torch.where(take, cd, d)
         dmin = torch.where(take, cm, dmin)
         q = blend(take.unsqueeze(1), cq, q)
-    return d, dmin, q, best
+    if not incumbent:
+        return d, dmin, q, best
+    return _pick(best < incumbent[5], incumbent[:5], (d, dmin, ls, lm, q))
 
 
 def _pick(take: torch.Tensor, a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -290,9 +304,7 @@ def _quantize_affine(t: _Affine, x: torch.Tensor, importance: torch.Tensor | Non
     # these small tensors cost per op rather than per element
     dm, lsm = qp_search(torch.cat([scales, mins]).clamp(min=0), torch.cat([sw, sw]), t.levels)
     d2, m2, ls2, lm2 = dm[:nb], dm[nb:], lsm[:nb], lsm[nb:]
-    cand = _affine_settle(t, x, ew, _f16_round(d2), _f16_round(m2), ls2, lm2)
-    take = cand[3] < err
-    d, dmin, ls, lm, q = _pick(take, (d, dmin, ls, lm, q), (cand[0], cand[1], ls2, lm2, cand[2]))
+    d, dmin, ls, lm, q = _affine_settle(t, x, ew, _f16_round(d2), _f16_round(m2), ls2, lm2, d, dmin, ls, lm, q, err)
     return d, dmin, ls, lm, q
 
 
@@ -308,7 +320,7 @@ def _sym_refit(x: torch.Tensor, weight: torch.Tensor | None, sub: int, d: torch.
                q: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
     x3 = x.view(nb, -1, sub)
-    _, s_wq2, s_wqx = _refit_sums(x3, q.view(nb, -1, sub), None if weight is None else weight.view(nb, -1, sub))
+    _, s_wq2, s_wqx = refit_sums(x3, q.view(nb, -1, sub), None if weight is None else weight.view(nb, -1, sub))
     saa = sum_last(sc * sc * s_wq2)
     sax = sum_last(sc * s_wqx)
     return torch.where(saa > 0, _f16_round(sax / _safe(saa)), d)
@@ -319,8 +331,17 @@ def _sym_codes(x: torch.Tensor, ew: torch.Tensor | None, d: torch.Tensor, sc: to
     return _codes_error(x, (d.unsqueeze(1) * sc).unsqueeze(2), None, ew, -nmax, nmax - 1)
 
 
-def _sym_settle(x: torch.Tensor, ew: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor, nmax: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sym_settle(x: torch.Tensor, ew: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor, nmax: int,
+                *incumbent: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`sym_settle` (compiled where the kernels run)."""
+    return _settled(f"ggml_sym_settle_{nmax}", _bind(sym_settle, nmax), x, ew, d, sc, *incumbent)
+
+
+def sym_settle(nmax: int, x: torch.Tensor, ew: torch.Tensor | None, d: torch.Tensor, sc: torch.Tensor,
+               *incumbent: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Codes for ``d`` and the sub-scales ``sc``, then the least-squares refit of ``d`` (two rounds), kept per
+    super-block where it lowers the error. Returns ``d``, codes, error ``[NB]``; or, given an ``incumbent``
+    ``(d, sc, codes, error)``, per super-block the better of the two as ``d``, ``sc``, codes."""
     q, best = _sym_codes(x, ew, d, sc, nmax)
     cq, cd = q, d
     for _ in range(_REFIT_ROUNDS):
@@ -330,7 +351,9 @@ def _sym_settle(x: torch.Tensor, ew: torch.Tensor | None, d: torch.Tensor, sc: t
         best = torch.where(take, err, best)
         d = torch.where(take, cd, d)
         q = blend(take.unsqueeze(1), cq, q)
-    return d, q, best
+    if not incumbent:
+        return d, q, best
+    return _pick(best < incumbent[3], incumbent[:3], (d, sc, q))
 
 
 def _quantize_symmetric(x: torch.Tensor, importance: torch.Tensor | None, *, nmax: int, sc_min: int, sc_max: int
@@ -367,9 +390,7 @@ def _quantize_symmetric(x: torch.Tensor, importance: torch.Tensor | None, *, nma
     d2 = _f16_round(symmetric_search(scales, sw, -sc_min))
     sc2 = nearest_int(scales / _safe(d2).unsqueeze(1)).clamp_(sc_min, sc_max)
     sc2 = torch.where((d2 == 0).unsqueeze(1), torch.zeros_like(sc2), sc2)
-    cd, cq, cerr = _sym_settle(x, ew, d2, sc2, nmax)
-    take = cerr < err
-    d, sc, q = _pick(take, (d, sc, q), (cd, sc2, cq))
+    d, sc, q = _sym_settle(x, ew, d2, sc2, nmax, d, sc, q, err)
     return d, sc, q
 
 
