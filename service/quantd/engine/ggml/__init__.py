@@ -21,6 +21,7 @@ import torch
 from quantd.errors import ConfigError
 
 from . import kquants, legacy
+from ._common import wants_kernels
 
 BlockQuantizer = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 BlockDequantizer = Callable[[torch.Tensor], torch.Tensor]
@@ -160,7 +161,12 @@ def quantize(x: torch.Tensor, t: GGMLType, *, importance: torch.Tensor | None = 
         w = None if imp is None else imp.expand(k, n).reshape(-1, t.block_size)
         out[r0:r0 + k] = t.quantize_blocks(blocks, w).reshape(k, -1)
 
-    map_chunks(run, range(0, rows, step), x.device)  # chunks write disjoint rows of ``out``
+    starts = range(0, rows, step)
+    if t.block_size == kquants.QK_K and wants_kernels(x2):
+        for r0 in starts:  # the compiled kernels hold the GIL: chunk threads would take turns
+            run(r0)
+    else:
+        map_chunks(run, starts, x.device)  # chunks write disjoint rows of ``out``
     return GGMLQuantized(t, shape, out)
 
 
