@@ -235,8 +235,8 @@ def descent_sweep(x_a: torch.Tensor, w_a: torch.Tensor, wx_a: torch.Tensor, q_a:
                   sl2_a: torch.Tensor, lo: int | None, hi: int, need_sl2: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sweep of :func:`_coordinate_descent` over the ``n`` positions of the columns of ``[n, S]``: the
-    new codes, ``Σwxq``, ``Σwq²`` and which columns changed. All element-wise across columns: compiled, one
-    pass."""
+    new codes, ``Σwxq``, ``Σwq²`` and which columns changed. All element-wise across columns (in the compiled
+    searches, one pass)."""
     changed = torch.zeros_like(slx_a, dtype=torch.bool)
     rows = []
     for i in range(x_a.shape[0]):
@@ -271,13 +271,7 @@ def _coordinate_descent(xt: torch.Tensor, wt: torch.Tensor, q: torch.Tensor, lo:
     cols: torch.Tensor | None = None  # the columns still moving (None: all)
     x_a, w_a, wx_a, q_a, slx_a, sl2_a = xt, wt, wx, q, sumlx, suml2
     for _ in range(sweeps):
-        args = (x_a, w_a, wx_a, q_a, slx_a, sl2_a, lo, hi, need_sl2)
-        out = None
-        if wants_kernels(x_a):
-            for t in args[:4]:
-                torch._dynamo.mark_static(t, 0)  # the positions' loop unrolled in the graph
-            out = kernels.KERNELS.call("ggml_descent_sweep", descent_sweep, (lo, hi, need_sl2, x_a.shape[0]), *args)
-        q_a, slx_a, sl2_a, changed = descent_sweep(*args) if out is None else out
+        q_a, slx_a, sl2_a, changed = descent_sweep(x_a, w_a, wx_a, q_a, slx_a, sl2_a, lo, hi, need_sl2)
         if cols is None:
             q.copy_(q_a)
             sumlx, suml2 = slx_a, sl2_a
@@ -294,20 +288,57 @@ def _coordinate_descent(xt: torch.Tensor, wt: torch.Tensor, q: torch.Tensor, lo:
     return sumlx, suml2
 
 
+def _q3_start(xt: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_q3_quants``' start on the columns of ``xt`` ``[n, S]``: the codes of ``iscale = −nmax / max``,
+    and which columns are all zero."""
+    mxv = _signed_absmax(xt)
+    zero = mxv.abs() < GROUP_MAX_EPS
+    mxv = torch.where(zero, torch.ones_like(mxv), mxv)
+    return nearest_int(xt * (-nmax / mxv)).clamp(-nmax, nmax - 1), zero
+
+
+def _q3_scale(sumlx: torch.Tensor, suml2: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
+    return torch.where(zero, torch.zeros_like(scale), scale)
+
+
+@functools.cache
+def _q3_fn(nmax: int, sweeps: int = 5) -> Callable[..., Any]:
+    """The whole :func:`q3_search` as one function (the compiled kernel): every sweep on every column, which
+    gives the eager search's result (see :func:`_qp_fn`). The sweeps are element-wise across columns, so the
+    kernel is one pass over the sub-blocks with each one's codes and sums in registers."""
+
+    def ggml_q3_search(x: torch.Tensor) -> torch.Tensor:
+        xt = x.t()
+        wt = xt * xt
+        q, zero = _q3_start(xt, nmax)
+        wx = wt * xt
+        slx, sl2 = (wx * q).sum(0), (wt * q * q).sum(0)
+        for _ in range(sweeps):
+            q, slx, sl2, _ = descent_sweep(xt, wt, wx, q, slx, sl2, -nmax, nmax - 1, False)
+        return _q3_scale(slx, sl2, zero)
+
+    return ggml_q3_search
+
+
 def q3_search(x: torch.Tensor, nmax: int) -> torch.Tensor:
     """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` over the rows of ``x`` ``[S, n]``: codes from
     ``iscale = −nmax / max``, then up to 5 sweeps of coordinate descent, each position of every row moved
     to the code that the others' least-squares scale asks for when that raises ``(Σwxl)² / Σwl²``
-    (``w = x²``). The sweep runs over the ``n`` positions, all rows at once. Returns ``scale`` ``[S]``."""
+    (``w = x²``). The sweep runs over the ``n`` positions, all rows at once. Returns ``scale`` ``[S]``.
+    Compiled, one call."""
+    if wants_kernels(x):
+        fn = _q3_fn(nmax)
+        x = x.contiguous()
+        torch._dynamo.mark_static(x, 1)
+        out = kernels.KERNELS.call(f"ggml_q3_search_{id(fn)}", fn, (x.shape[1],), x)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
     xt = x.T.contiguous()
     wt = xt * xt
-    mxv = _signed_absmax(xt)
-    zero = mxv.abs() < GROUP_MAX_EPS
-    mxv = torch.where(zero, torch.ones_like(mxv), mxv)
-    q = nearest_int(xt * (-nmax / mxv)).clamp_(-nmax, nmax - 1)
+    q, zero = _q3_start(xt, nmax)
     sumlx, suml2 = _coordinate_descent(xt, wt, q, -nmax, nmax - 1, need_sl2=False)
-    scale = torch.where(suml2 > 0, sumlx / _nonzero(suml2), torch.zeros_like(suml2))
-    return torch.where(zero, torch.zeros_like(scale), scale)
+    return _q3_scale(sumlx, suml2, zero)
 
 
 def _qp_grid(vt: torch.Tensor, wt: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
