@@ -11,8 +11,9 @@ with the same ggml decoder and compared with the same float32 input. Writes ``be
 quantd runs twice per mix: with its compiled CPU kernels (``QUANTD_COMPILE``; built once before the timed
 runs, the first runs that build them timed on their own as ``kernel_warmup_s``) and on the eager torch ops. A third, instrumented
 run gives the ``profile``: where quantd's time goes per mix (reading and converting the input, the finite
-check, each k-quant stage, the statistics, writing), in seconds; the stages inside the quantizer run on the
-chunk threads and are summed over them (thread-seconds).
+check, each k-quant stage, the statistics, writing), in seconds. With the compiled kernels a k-quant tensor's
+chunks run in turn, each kernel on all threads (wall seconds); the legacy types' chunks run on the chunk
+threads, their stages summed over them (thread-seconds).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def tensor_errors(src: Path, out: Path) -> dict[str, dict[str, Any]]:
     return errs
 
 
-# The quantizer's stages the profile times (module, function, stage), inner ones on the chunk threads.
+# The quantizer's stages the profile times (module, function, stage), inner ones per chunk.
 _INNER_STAGES = [
     ("quantd.engine.ggml.kquants", "_affine_weights", "k-quant weights (imatrix weighting included)"),
     ("quantd.engine.ggml.kquants", "affine_search", "k-quant scale search (make_qkx2_quants)"),

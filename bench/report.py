@@ -762,8 +762,9 @@ def _gguf_paths_table(data: dict[str, Any]) -> list[str]:
                 for k in stages]
         prow.append(["(whole instrumented run)"] + [fmt(r["profile_run_s"], ".3f") for r in data["mixes"]])
         out += ["", "Where quantd's time goes (seconds, one instrumented run per mix with the compiled kernels; "
-                "the stages inside the quantizer run on the chunk threads and are summed over them; *wall*: "
-                "the main thread's wait for the quantizer):", "",
+                "with them a tensor's chunks run in turn, each kernel on all threads, so a stage's seconds "
+                "are wall time (the legacy types' chunks run side by side on the chunk threads, their stages "
+                "summed over the threads); *wall*: the main thread's wait for the quantizer):", "",
                 table(["stage"] + [r["mix"] for r in data["mixes"]], prow)]
     return out
 
