@@ -215,7 +215,7 @@ def _buffer_sums(a: torch.Tensor, b: torch.Tensor, *, abs_x: bool = True) -> tor
     return torch.stack([n_t, sum_x, m2, sum_x2, sum_h2, sum_xh, sum_e2, sum_abs_e, max_abs_e, max_abs_x])
 
 
-def _moments(x: torch.Tensor, x_hat: torch.Tensor) -> _Moments:
+def moments(x: torch.Tensor, x_hat: torch.Tensor) -> _Moments:
     """All sums in one pass over ``x`` and ``x_hat`` and one host sync at the end.
 
     Chunks' means and centred sums merge as ``M2 = Σ m2_c + Σ n_c (mean_c − mean)²`` (the parallel
@@ -251,7 +251,7 @@ def _merge(s: torch.Tensor) -> _Moments:
                     max_abs_e=mx[_MAX_ABS_E], max_abs_x=None if math.isnan(mx[_MAX_ABS_X]) else mx[_MAX_ABS_X])
 
 
-def _outlier_count(x: torch.Tensor, mean: float, threshold: float) -> int:
+def outlier_count(x: torch.Tensor, mean: float, threshold: float) -> int:
     """``#{|x − mean| > threshold}`` in float64, chunked, one host sync. For float32, bfloat16 and float16
     ``x`` the same count by two float32 comparisons against the ends of the interval that is not outlying
     (``kernels.stats._float32_interval``), with no float64 copy."""
@@ -299,7 +299,7 @@ def _chunk_rows(blocks: int, width: int) -> int:
 
 
 def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None:
-    """The sums of :func:`_moments` against ``dequantize(qt, dtype=float64)`` without materialising it:
+    """The sums of :func:`moments` against ``dequantize(qt, dtype=float64)`` without materialising it:
     each chunk's ``x̂`` is decoded with dequantize's float64 formula in registers by the fused kernel, or
     eager into a cache-sized buffer. None when the codes' blocks are not row-major (the caller
     dequantizes)."""
@@ -412,14 +412,14 @@ def _check_shapes(x: torch.Tensor, x_hat: torch.Tensor, qt: QuantizedTensor) -> 
 def error_stats(x: torch.Tensor, x_hat: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
     """CONTRACT §4 statistics of ``x_hat`` (the dequantized ``qt``) against the original ``x``."""
     _check_shapes(x, x_hat, qt)
-    return _stats(x, qt, _moments(x, x_hat))
+    return _stats(x, qt, moments(x, x_hat))
 
 
 def _stats(x: torch.Tensor, qt: QuantizedTensor, m: _Moments) -> ErrorStats:
     numel = x.numel()
     std = math.sqrt(m.m2 / numel)
     threshold = OUTLIER_STDS * std
-    outliers = _outlier_count(x, m.mean, threshold)
+    outliers = outlier_count(x, m.mean, threshold)
     mse = m.sum_e2 / numel
     signal = m.sum_x2 / numel
     if mse == 0.0:
