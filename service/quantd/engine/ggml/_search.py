@@ -37,6 +37,15 @@ def _signed_absmax(xt: torch.Tensor) -> torch.Tensor:
     return xt.gather(0, idx).squeeze(0)
 
 
+def _on_rows(fn: Callable[..., Any], *rows: torch.Tensor) -> Any:
+    """``fn(*rows)`` (a whole search, one sub-block or sub-scale row a row) as one compiled call, the rows'
+    width static so that the loops over a row vectorise; None when it cannot run (the caller runs eager)."""
+    rows = tuple(r.contiguous() for r in rows)
+    for r in rows:
+        torch._dynamo.mark_static(r, 1)
+    return kernels.KERNELS.call(f"{fn.__name__}_{id(fn)}", fn, (rows[0].shape[1],), *rows)
+
+
 def _sum(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Σ over the elements of each sub-block: dim 0 of ``[n, S]`` (:func:`sum_rows`) or dim 1 of ``[S, n]``
     (kept, ``[S, 1]``)."""
@@ -141,14 +150,8 @@ def affine_search(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdel
     eager, it runs on the columns of ``x.T`` (a sum over a sub-block is then ``n`` contiguous vector adds),
     one set of ops per candidate."""
     factors = _affine_factors(nmax, rmin, rdelta, nstep)
-    if wants_kernels(x):
-        x, w = x.contiguous(), w.contiguous()
-        torch._dynamo.mark_static(x, 1)
-        torch._dynamo.mark_static(w, 1)
-        fn = _affine_rows_fn(nmax, factors, use_mad)
-        out = kernels.KERNELS.call(f"ggml_affine_search_{id(fn)}", fn, (x.shape[1],), x, w)
-        if out is not None:
-            return out  # type: ignore[no-any-return]
+    if wants_kernels(x) and (out := _on_rows(_affine_rows_fn(nmax, factors, use_mad), x, w)) is not None:
+        return out  # type: ignore[no-any-return]
     xt = x.T.contiguous()
     wt = w.T.contiguous()
     stats, wx, best, best_scale, best_min, flat = _affine_start(xt, wt, nmax, use_mad, 0)
@@ -214,14 +217,8 @@ def symmetric_search(x: torch.Tensor, w: torch.Tensor, nmax: int) -> torch.Tenso
     the value of largest magnitude; is = −9…9), each with its weighted least-squares scale; the one
     maximising ``(Σwxl)² / Σwl²`` (least weighted error) wins. Returns ``scale`` ``[S]`` (0: all-zero rows).
     Compiled, one call on the rows; eager, one set of ops per candidate on the columns of ``x.T``."""
-    if wants_kernels(x):
-        fn = _symmetric_rows_fn(nmax)
-        x, w = x.contiguous(), w.contiguous()
-        torch._dynamo.mark_static(x, 1)
-        torch._dynamo.mark_static(w, 1)
-        out = kernels.KERNELS.call(f"ggml_symmetric_search_{id(fn)}", fn, (x.shape[1],), x, w)
-        if out is not None:
-            return out  # type: ignore[no-any-return]
+    if wants_kernels(x) and (out := _on_rows(_symmetric_rows_fn(nmax), x, w)) is not None:
+        return out  # type: ignore[no-any-return]
     xt = x.T.contiguous()
     wt = w.T.contiguous()
     wx, mxv, zero, best, scale = _symmetric_start(xt, wt, nmax, 0)
@@ -327,13 +324,8 @@ def q3_search(x: torch.Tensor, nmax: int) -> torch.Tensor:
     to the code that the others' least-squares scale asks for when that raises ``(Σwxl)² / Σwl²``
     (``w = x²``). The sweep runs over the ``n`` positions, all rows at once. Returns ``scale`` ``[S]``.
     Compiled, one call."""
-    if wants_kernels(x):
-        fn = _q3_fn(nmax)
-        x = x.contiguous()
-        torch._dynamo.mark_static(x, 1)
-        out = kernels.KERNELS.call(f"ggml_q3_search_{id(fn)}", fn, (x.shape[1],), x)
-        if out is not None:
-            return out  # type: ignore[no-any-return]
+    if wants_kernels(x) and (out := _on_rows(_q3_fn(nmax), x)) is not None:
+        return out  # type: ignore[no-any-return]
     xt = x.T.contiguous()
     wt = xt * xt
     q, zero = _q3_start(xt, nmax)
@@ -393,14 +385,8 @@ def qp_search(v: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor
     ``v ≈ scale·L``. The best of nine grids ``iscale = (nmax + 0.1·is) / max`` by weighted error, then up
     to 5 sweeps of coordinate descent over the positions. Returns ``(scale [NB], L [NB, n])``. A few hundred
     ops on a 32nd of the chunk: compiled, one call."""
-    if wants_kernels(v):
-        fn = _qp_fn(nmax)
-        v, w = v.contiguous(), w.contiguous()
-        torch._dynamo.mark_static(v, 1)
-        torch._dynamo.mark_static(w, 1)
-        out = kernels.KERNELS.call(f"ggml_qp_search_{id(fn)}", fn, (v.shape[1],), v, w)
-        if out is not None:
-            return out  # type: ignore[no-any-return]
+    if wants_kernels(v) and (out := _on_rows(_qp_fn(nmax), v, w)) is not None:
+        return out  # type: ignore[no-any-return]
     vt = v.T.contiguous()
     wt = w.T.contiguous()
     q, zero = _qp_grid(vt, wt, nmax)
