@@ -37,13 +37,16 @@ def _signed_absmax(xt: torch.Tensor) -> torch.Tensor:
     return xt.gather(0, idx).squeeze(0)
 
 
-def _on_rows(fn: Callable[..., Any], *rows: torch.Tensor) -> Any:
-    """``fn(*rows)`` (a whole search, one sub-block or sub-scale row a row) as one compiled call, the rows'
-    width static so that the loops over a row vectorise; None when it cannot run (the caller runs eager)."""
+def _on_rows(fn: Callable[..., Any], *rows: torch.Tensor, dim: int = 1) -> Any:
+    """``fn(*rows)`` (a whole search) as one compiled call on contiguous copies, the sub-blocks' length (``dim``)
+    static; None when it cannot run (the caller runs eager). The searches that reduce over a sub-block take
+    one a row (``dim`` 1: the loops over a row vectorise). ``make_q3_quants``' descent, element-wise across
+    sub-blocks, takes them as columns (``dim`` 0: a position's values side by side, so that the loop over
+    sub-blocks vectorises; given a transposed view, Inductor reads it where it lies, element by element)."""
     rows = tuple(r.contiguous() for r in rows)
     for r in rows:
-        torch._dynamo.mark_static(r, 1)
-    return kernels.KERNELS.call(f"{fn.__name__}_{id(fn)}", fn, (rows[0].shape[1],), *rows)
+        torch._dynamo.mark_static(r, dim)
+    return kernels.KERNELS.call(f"{fn.__name__}_{id(fn)}", fn, (rows[0].shape[dim],), *rows)
 
 
 def _sum(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -305,8 +308,7 @@ def _q3_fn(nmax: int, sweeps: int = 5) -> Callable[..., Any]:
     gives the eager search's result (see :func:`_qp_fn`). The sweeps are element-wise across columns, so the
     kernel is one pass over the sub-blocks with each one's codes and sums in registers."""
 
-    def ggml_q3_search(x: torch.Tensor) -> torch.Tensor:
-        xt = x.t()
+    def ggml_q3_search(xt: torch.Tensor) -> torch.Tensor:  # [n, S]: a position's values side by side
         wt = xt * xt
         q, zero = _q3_start(xt, nmax)
         wx = wt * xt
@@ -324,7 +326,7 @@ def q3_search(x: torch.Tensor, nmax: int) -> torch.Tensor:
     to the code that the others' least-squares scale asks for when that raises ``(Σwxl)² / Σwl²``
     (``w = x²``). The sweep runs over the ``n`` positions, all rows at once. Returns ``scale`` ``[S]``.
     Compiled, one call."""
-    if wants_kernels(x) and (out := _on_rows(_q3_fn(nmax), x)) is not None:
+    if wants_kernels(x) and (out := _on_rows(_q3_fn(nmax), x.T, dim=0)) is not None:
         return out  # type: ignore[no-any-return]
     xt = x.T.contiguous()
     wt = xt * xt
