@@ -12,7 +12,7 @@ GROUP_MAX_EPS = 1e-15
 
 def wants_kernels(x: torch.Tensor) -> bool:
     """Whether the k-quant searches take the compiled kernels for ``x``: only when ``QUANTD_COMPILE=1`` asks
-    for them. Their kernels take minutes to build on a cold cache (they gain about 2.4× on the benchmark's
+    for them. Their kernels take minutes to build on a cold cache (they gain about 2.8× on the benchmark's
     Q4_K_M model, ``bench/gguf_vs_llamacpp.py``), so under the default setting no GGUF job waits on a
     compile."""
     return kernels.compile_setting() == "on" and kernels.KERNELS.wants(x, small=True)
