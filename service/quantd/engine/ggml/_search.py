@@ -3,8 +3,10 @@
 Each search is a loop of ggml-quants.c (``make_qkx2_quants``/``make_qkx3_quants``, ``make_qx_quants``,
 ``make_q3_quants``, ``make_qp_quants``) with its body evaluated for all sub-blocks in one tensor op per
 step: the Python loops run over candidate scales or over the positions of a sub-block, never over blocks
-or rows. Sub-blocks are laid out element-major (``[n, S]``: ``x.T``), so a sum over a sub-block is ``n``
-contiguous vector adds. Rounding is ggml's ``nearest_int`` (round half to even). Squared
+or rows. Eager, sub-blocks are laid out element-major (``[n, S]``: ``x.T``), so a sum over a sub-block is
+``n`` contiguous vector adds. Where the compiled kernels run, each search is instead one compiled call per
+chunk with all its candidates or sweeps unrolled (:func:`_on_rows`). Rounding is ggml's ``nearest_int``
+(round half to even). Squared
 errors of candidates come from the weighted sums the fit already has (Σw(sq + m − x)² expanded) rather
 than another pass over the elements.
 """
