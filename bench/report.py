@@ -1045,35 +1045,6 @@ def benchmarks_page(quick: bool = False) -> str:
     return "\n".join(md)
 
 
-def _oneshot_readme(data: dict[str, Any] | None) -> list[str]:
-    """The README's one-shot lines: each model and scheme's CLI run (fresh process, median) against the same
-    run's load-and-save floor and fastest peer, and a new server's first answered request."""
-    if data is None:
-        return []
-    rows = []
-    for r in data["runs"]:
-        if r["what"] != "quantd" or r.get("setting") != "auto":
-            continue
-        same = [x for x in data["runs"] if x["model"] == r["model"]]
-        floor = next(x for x in same if x["what"] == "floor")
-        peers = [x for x in same if x["scheme"] == r["scheme"] and x["what"] not in ("quantd", "floor")]
-        best = min(peers, key=lambda x: x["median_s"]) if peers else None
-        rows.append([r["model"], r["scheme"], fmt(r["median_s"], ".2f"), fmt(floor["median_s"], ".2f"),
-                     fmt(r["vs_floor"], ".2f") + "×",
-                     "" if best is None else f"{best['median_s']:.2f} ({best['what']})"])
-    out = [f"`quantd quantize` end to end, a fresh process from start to exit (seconds, median of {data['rounds']} "
-           "interleaved rounds), against a process that only loads the file and saves it back and against the "
-           "fastest peer doing the same quantization end to end (plain torch, torchao), same run. "
-           + machine_line(data["machine"]), "",
-           table(["model", "scheme", "quantd s", "load-and-save s", "× load-and-save", "fastest peer s"], rows), ""]
-    serve = [r["first_quantize_s"] for r in data.get("serve_first_request") or [] if r["first_quantize_s"] is not None]
-    if serve:
-        out += [f"A new `quantd serve` answers its first `/v1/quantize` {min(serve):.2f}–{max(serve):.2f} s after the "
-                "process starts (on a data dir whose kernels an earlier run built; requests never wait for a "
-                "build, they run eager until it ends).", ""]
-    return out
-
-
 def readme_block(quick: bool = False) -> str:
     """The README's one table: quantd against the fastest peer library, from peers.json."""
     peers = results_for("peers.json", quick)
@@ -1091,7 +1062,6 @@ def readme_block(quick: bool = False) -> str:
             table(["scheme", "quantd GB/s", "fastest peer GB/s", "speed-up", "quantd emb. cos",
                    "best peer emb. cos"], headline),
             "",
-            *_oneshot_readme(results_for("oneshot.json", quick)),
             "Every table, with its machine and the commands that produce it: "
             "[docs/benchmarks.md](docs/benchmarks.md).",
         ])
