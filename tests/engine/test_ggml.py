@@ -3,6 +3,8 @@ quantizers, the k-quants decodable by gguf-py and no worse than llama.cpp's own 
 
 from __future__ import annotations
 
+from typing import Any
+
 import gguf
 import numpy as np
 import pytest
@@ -82,8 +84,21 @@ def test_kquant_error_is_no_worse_than_llama_cpp(name: str, kind: str, path: str
     """The whole tensor's mse (and, with an importance matrix, its importance-weighted mse) at most
     llama.cpp's on the same tensor, through the eager ops and through the compiled search kernels."""
     request.getfixturevalue(path)
+    ran: list[str] = []  # the compiled calls that returned a result
     if path == "compiled":  # the k-quant searches compile only when QUANTD_COMPILE=1 asks for them
-        request.getfixturevalue("monkeypatch").setenv("QUANTD_COMPILE", "1")
+        from quantd.engine import kernels
+
+        monkeypatch = request.getfixturevalue("monkeypatch")
+        monkeypatch.setenv("QUANTD_COMPILE", "1")
+        call = kernels.KERNELS.call
+
+        def recorded(kernel: str, *args: Any, **kwargs: Any) -> Any:
+            out = call(kernel, *args, **kwargs)
+            if out is not None:
+                ran.append(kernel)
+            return out
+
+        monkeypatch.setattr(kernels.KERNELS, "call", recorded)
     if ggml_library() is None:
         pytest.skip("llama-cpp-python (ggml's library) is not installed: no llama.cpp quantizer to compare with")
     x = _data(kind, (64, 1024), seed=3)
@@ -97,6 +112,8 @@ def test_kquant_error_is_no_worse_than_llama_cpp(name: str, kind: str, path: str
         ggml_quantize(x, t.type_id, t.row_bytes(1024), imp)))).numpy()
     ours = ggml.dequantize(ggml.quantize(torch.from_numpy(x), t, importance=torch.from_numpy(imp))).numpy()
     assert (imp * (ours - x) ** 2).mean() <= (imp * (ref - x) ** 2).mean()
+    if path == "compiled":  # the searches and settles ran compiled, not eager
+        assert any("search" in k for k in ran) and any("settle" in k for k in ran), ran
 
 
 def test_importance_moves_error_to_unimportant_columns() -> None:
