@@ -189,14 +189,22 @@ class WarmUp:
     error: str | None = None
     seconds: float | None = None
     thread: threading.Thread | None = None
+    # The GGUF k-quant kernels, built after the others (``gguf``): set when that build has ended too.
+    gguf_done: threading.Event = field(default_factory=threading.Event)
+    gguf_error: str | None = None
+    gguf_seconds: float | None = None
 
 
-def start_warm_up(activity: RequestActivity | None = None) -> WarmUp:
+def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True) -> WarmUp:
     """Build the engine's compiled CPU kernels for the common schemes in a background thread at a lower OS
     priority; with ``activity`` (a server's requests), once no request has been in flight for
     :data:`WARM_UP_QUIET_S` (at the latest :data:`WARM_UP_MAX_WAIT_S` after this call). Until it ends, the
     kernels are held by it (``KERNELS.hold``): requests and jobs meanwhile run on the eager path instead of
-    waiting for a compile. Logs when it starts, when it begins building, and when it ends."""
+    waiting for a compile. Logs when it starts, when it begins building, and when it ends.
+
+    With ``gguf``, the same thread then builds the GGUF k-quant searches' kernels (minutes on a cold cache,
+    under a minute from the disk cache) without holding the others: jobs of other formats take their compiled
+    kernels meanwhile, and GGUF jobs run eager until that build ends, then compiled."""
     from quantd.engine.kernels import KERNELS
 
     state = WarmUp()
@@ -211,6 +219,7 @@ def start_warm_up(activity: RequestActivity | None = None) -> WarmUp:
         if KERNELS.available():
             log.info("kernel warm-up building the compiled kernels")
         start = time.perf_counter()
+        took = None
         try:
             took = warm_up()
         except Exception as e:  # a failed warm-up only means the first real tensor compiles (or runs eager)
@@ -225,6 +234,9 @@ def start_warm_up(activity: RequestActivity | None = None) -> WarmUp:
         finally:
             KERNELS.release()
             state.done.set()
+        if gguf and took is not None and state.error is None:
+            _warm_up_gguf(state)
+        state.gguf_done.set()
 
     state.thread = threading.Thread(target=run, name="quantd-warmup", daemon=True)
     if KERNELS.available():
@@ -233,6 +245,21 @@ def start_warm_up(activity: RequestActivity | None = None) -> WarmUp:
                  "requests run eager until it ends", WARM_UP_QUIET_S if activity is not None else 0)
     state.thread.start()
     return state
+
+
+def _warm_up_gguf(state: WarmUp) -> None:
+    """The GGUF part of :func:`start_warm_up`, in its thread."""
+    from quantd.io.outputs.gguf import warm_up_gguf
+
+    log.info("kernel warm-up building the GGUF k-quant kernels; GGUF jobs run eager until it ends")
+    try:
+        state.gguf_seconds = warm_up_gguf()
+    except Exception as e:  # GGUF jobs then stay on the eager path
+        state.gguf_error = f"{type(e).__name__}: {e}"
+        log.exception("GGUF kernel warm-up failed")
+    else:
+        if state.gguf_seconds is not None:
+            log.info("GGUF k-quant kernels ready", extra={"warmup_s": round(state.gguf_seconds, 1)})
 
 
 def run_worker(settings: Settings) -> None:
@@ -247,5 +274,5 @@ def run_worker(settings: Settings) -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     keep_kernel_cache_in(settings.data_dir)
     if settings.warmup:
-        start_warm_up()
+        start_warm_up(gguf=settings.warmup_gguf)
     run_jobs_worker(jobs_config(settings, workers=settings.workers or None))

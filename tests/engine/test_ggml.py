@@ -204,3 +204,39 @@ def test_q3_coordinate_descent_matches_ggml_loop_per_sub_block() -> None:
     ref = np.array([_make_q3_quants_reference(row, 4) for row in x], dtype=np.float32)
     close = np.isclose(ours, ref, rtol=1e-5, atol=0)
     assert close.mean() > 0.99, f"{(~close).sum()} of {len(ref)} sub-blocks differ"
+
+
+def test_kquant_kernels_under_auto_wait_for_a_warm_up_to_build_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under QUANTD_COMPILE=auto the k-quant searches take no compiled kernel until a warm-up has built them
+    (no job waits on a minutes-long compile); the warm-up's own thread takes them while it builds; from its end
+    every thread does. ``off`` never, ``1`` always."""
+    import threading
+
+    from quantd.engine import kernels
+    from quantd.engine.ggml._common import KQUANT_KERNELS, building_kernels, wants_kernels
+
+    x = torch.zeros(64, 1024)
+    monkeypatch.setattr(KQUANT_KERNELS, "built", threading.Event())
+    kernels.KERNELS.reset(available=True)
+    try:
+        monkeypatch.setenv("QUANTD_COMPILE", "auto")
+        assert not wants_kernels(x)
+        elsewhere: list[bool] = []
+        with building_kernels():
+            assert wants_kernels(x) and KQUANT_KERNELS.warming.is_set()
+            other = threading.Thread(target=lambda: elsewhere.append(wants_kernels(x)))
+            other.start()
+            other.join()
+        assert elsewhere == [False]  # another thread (a job) stays eager while the warm-up builds
+        assert not KQUANT_KERNELS.warming.is_set() and wants_kernels(x)
+        monkeypatch.setenv("QUANTD_COMPILE", "0")
+        assert not wants_kernels(x)
+        monkeypatch.setattr(KQUANT_KERNELS, "built", threading.Event())
+        monkeypatch.setenv("QUANTD_COMPILE", "1")
+        assert wants_kernels(x)
+        with pytest.raises(RuntimeError), building_kernels():  # a failed build leaves them unbuilt
+            raise RuntimeError("compile failed")
+        monkeypatch.setenv("QUANTD_COMPILE", "auto")
+        assert not wants_kernels(x) and not KQUANT_KERNELS.built.is_set()
+    finally:
+        kernels.KERNELS.reset()

@@ -425,3 +425,48 @@ def test_weights_beyond_the_float16_scales_are_refused_naming_the_tensor(tmp_pat
     x[:] = 1e6  # within q8_0's range (scale 1e6 / 127 < 65504)
     report = _run(_one_tensor_gguf(tmp_path / "ok.gguf", x), tmp_path / "out.gguf", scheme={"dtype": "q8_0"})
     assert report.summary.tensors_quantized == 1  # type: ignore[attr-defined]
+
+
+def test_the_gguf_warm_up_builds_every_kquant_search_and_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm_up_gguf`` asks for the compiled search and settle of every k-quant type, with and without an
+    importance matrix, on both weights; from then on a GGUF job under QUANTD_COMPILE=auto asks for them too.
+    (The kernels answer None here, so that everything runs eager: what is asked is the point, not a build.)"""
+    import threading
+
+    from quantd.engine import kernels
+    from quantd.engine.ggml._common import KQUANT_KERNELS
+    from quantd.io.outputs.gguf import warm_up_gguf
+
+    asked: list[tuple[str, bool]] = []
+
+    def call(name: str, fn, key, *args, **kwargs):  # type: ignore[no-untyped-def]
+        asked.append((name, len(args) > 1 and args[1] is not None))
+        return None
+
+    monkeypatch.setenv("QUANTD_COMPILE", "auto")
+    monkeypatch.setattr(KQUANT_KERNELS, "built", threading.Event())
+    monkeypatch.setattr(kernels.KERNELS, "call", call)
+    kernels.KERNELS.reset(available=True)
+    try:
+        assert warm_up_gguf() is not None and KQUANT_KERNELS.built.is_set()
+        names = {n for n, _ in asked}
+        for kind in ("affine", "symmetric", "q3", "qp"):
+            assert any(n.startswith(f"ggml_{kind}_search_") for n in names), (kind, names)
+        for sub_nmax in ("32_15", "16_3", "32_31"):  # q4_k, q2_k, q5_k: sub-block size and levels
+            assert f"ggml_affine_settle_{sub_nmax}" in names, (sub_nmax, names)
+        assert any(n.startswith("ggml_sym_settle_") for n in names), names
+        assert {w for n, w in asked if "settle" in n} == {False, True}  # with and without importance
+        asked.clear()
+        x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(8))
+        from quantd.engine import ggml
+
+        ggml.quantize(x, ggml.GGML_TYPES["q4_k"])  # a job's tensor, after the warm-up: asks for the kernels
+        assert any("search" in n for n, _ in asked) and any("settle" in n for n, _ in asked), asked
+    finally:
+        kernels.KERNELS.reset()
+
+
+def test_the_gguf_warm_up_is_skipped_when_the_kernels_are_off(eager: None) -> None:
+    from quantd.io.outputs.gguf import warm_up_gguf
+
+    assert warm_up_gguf() is None

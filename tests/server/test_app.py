@@ -22,8 +22,10 @@ async def test_healthz_and_readyz_with_an_embedded_worker(server):
     r = await server.client.get("/readyz")
     assert r.status_code == 200, r.text
     checks = r.json()["checks"]
-    assert checks == {"database": True, "storage": True, "workers": 1, "kernels": checks["kernels"]}
+    assert checks == {"database": True, "storage": True, "workers": 1, "kernels": checks["kernels"],
+                      "gguf_kernels": checks["gguf_kernels"]}
     assert checks["kernels"] in ("compiled", "eager")  # no warm-up in these tests
+    assert checks["gguf_kernels"] in ("compiled", "eager")  # compiled only with QUANTD_COMPILE=1
 
 
 async def test_readyz_is_503_without_any_worker(make_server):
@@ -210,7 +212,7 @@ async def test_kernel_warm_up_starts_with_the_app_when_enabled(make_server, monk
     from quantd import runtime
 
     started: list[int] = []
-    monkeypatch.setattr(runtime, "start_warm_up", lambda activity=None: started.append(1))
+    monkeypatch.setattr(runtime, "start_warm_up", lambda activity=None, gguf=True: started.append(1))
     async with make_server(warmup=warmup) as server:
         assert (await server.client.get("/healthz")).status_code == 200
     assert started == ([1] if warmup else [])
@@ -224,7 +226,9 @@ async def test_requests_run_eager_while_the_warm_up_builds_the_kernels(make_serv
     import anyio
     import torch
 
+    import quantd.io.outputs.gguf
     import quantd.io.pipeline
+    from quantd.engine.ggml._common import KQUANT_KERNELS
     from quantd.engine.kernels import KERNELS
 
     from .conftest import CONFIG, st_bytes
@@ -237,9 +241,21 @@ async def test_requests_run_eager_while_the_warm_up_builds_the_kernels(make_serv
         assert gate.wait(60)
         return 0.5
 
+    gguf_gate, gguf_building = threading.Event(), threading.Event()
+
+    def slow_gguf_warm_up() -> float:  # the GGUF phase: the other kernels are free meanwhile
+        from quantd.engine.ggml._common import building_kernels
+
+        with building_kernels():
+            gguf_building.set()
+            assert gguf_gate.wait(60)
+        return 0.5
+
     calls: list[str] = []
     real_call = KERNELS.call
     monkeypatch.setattr(quantd.io.pipeline, "warm_up", slow_warm_up)
+    monkeypatch.setattr(quantd.io.outputs.gguf, "warm_up_gguf", slow_gguf_warm_up)
+    monkeypatch.setattr(KQUANT_KERNELS, "built", threading.Event())
     monkeypatch.setattr(KERNELS, "call", lambda name, *a, **k: calls.append(name) or real_call(name, *a, **k))
     monkeypatch.setattr("quantd.engine.kernels.MIN_ELEMENTS", 0)  # the request's small tensor would take them
     KERNELS.reset(available=True)
@@ -257,15 +273,22 @@ async def test_requests_run_eager_while_the_warm_up_builds_the_kernels(make_serv
                 assert calls == []  # answered on the eager path, no compiled kernel asked for
                 assert not KERNELS.wants(torch.empty(1 << 20))  # not this thread's while the warm-up holds them
                 gate.set()
+                assert await anyio.to_thread.run_sync(gguf_building.wait, 60)
+                checks = (await server.client.get("/readyz")).json()["checks"]
+                assert checks["kernels"] == "compiled" and checks["gguf_kernels"] == "warming", checks
+                assert KERNELS.wants(torch.empty(1 << 20))  # jobs take the other kernels meanwhile
+                gguf_gate.set()
                 deadline = time.monotonic() + 60
-                while KERNELS.warming and time.monotonic() < deadline:
+                while not KQUANT_KERNELS.built.is_set() and time.monotonic() < deadline:
                     await anyio.sleep(0.05)  # poll under a deadline
-                assert (await server.client.get("/readyz")).json()["checks"]["kernels"] == "compiled"
+                assert (await server.client.get("/readyz")).json()["checks"]["gguf_kernels"] == "compiled"
     finally:
         gate.set()
+        gguf_gate.set()
         KERNELS.reset()
     messages = [rec.getMessage() for rec in caplog.records if rec.name == "quantd.runtime"]
     assert messages[0].startswith("kernel warm-up started") and "compiled CPU kernels ready" in messages
+    assert "GGUF k-quant kernels ready" in messages
 
 
 async def test_the_warm_up_builds_once_no_api_request_is_in_flight(make_server, monkeypatch):
@@ -283,11 +306,11 @@ async def test_the_warm_up_builds_once_no_api_request_is_in_flight(make_server, 
     activities: list[runtime.RequestActivity] = []
     real_start = runtime.start_warm_up
 
-    def start(activity: runtime.RequestActivity | None = None) -> runtime.WarmUp:
+    def start(activity: runtime.RequestActivity | None = None, gguf: bool = True) -> runtime.WarmUp:
         assert activity is not None
         activity.enter()  # stands for a request in flight from the start
         activities.append(activity)
-        return real_start(activity)
+        return real_start(activity, gguf=False)
 
     monkeypatch.setattr(runtime, "WARM_UP_QUIET_S", 0.3)
     monkeypatch.setattr(runtime, "start_warm_up", start)

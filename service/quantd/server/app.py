@@ -126,7 +126,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         _register_gauges(metrics, state)
         app.state.quantd = state
         if settings.warmup:
-            runtime.start_warm_up(activity)
+            runtime.start_warm_up(activity, gguf=settings.warmup_gguf)
         log.info("quantd started", extra={"data_dir": str(settings.data_dir), "auth": bool(keys),
                                           "embedded_workers": embedded_worker_count(settings),
                                           "sync_device": device})

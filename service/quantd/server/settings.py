@@ -111,6 +111,10 @@ class Settings(BaseSettings):
     warmup: bool = Field(default=True, description=(
         "compile the engine's CPU kernels for the common schemes in the background at start; requests and "
         "jobs run on the eager path until it ends (never waiting on a compile), and /readyz reports it"))
+    warmup_gguf: bool = Field(default=True, description=(
+        "after that warm-up, build the GGUF k-quant searches' kernels too (minutes on a cold kernel cache, "
+        "under a minute from the cache in the data dir); GGUF jobs run eager until they are built, then compiled "
+        "(with QUANTD_COMPILE=auto they compile in no other case)"))
 
     database_url: SecretStr | None = Field(default=None, description=(
         "the job store: sqlite:///PATH (default: quantd.db in the data dir) or postgresql://USER:PASSWORD@HOST/DB, "

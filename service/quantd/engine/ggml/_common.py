@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 
 from quantd.engine import kernels
@@ -10,12 +14,48 @@ from quantd.engine import kernels
 GROUP_MAX_EPS = 1e-15
 
 
-def wants_kernels(x: torch.Tensor) -> bool:
-    """Whether the k-quant searches take the compiled kernels for ``x``: only when ``QUANTD_COMPILE=1`` asks
-    for them. Their kernels take minutes to build on a cold cache (they gain about 2.8× on the benchmark's
-    Q4_K_M model, ``bench/gguf_vs_llamacpp.py``), so under the default setting no GGUF job waits on a
+class _KQuantKernels:
+    """Whether the k-quant kernels are built in this process: a warm-up (:func:`building_kernels`) built them,
+    so that under ``QUANTD_COMPILE=auto`` the searches take them from then on without a job waiting on a
     compile."""
-    return kernels.compile_setting() == "on" and kernels.KERNELS.wants(x, small=True)
+
+    def __init__(self) -> None:
+        self.built = threading.Event()
+        self.warming = threading.Event()  # a warm-up is building them
+        self.local = threading.local()  # .building: this thread is that warm-up
+
+
+KQUANT_KERNELS = _KQuantKernels()
+
+
+@contextlib.contextmanager
+def building_kernels() -> Iterator[None]:
+    """In the calling thread, the k-quant searches take the compiled kernels (and compile them) whatever
+    ``QUANTD_COMPILE`` says; when the block ends without an error the kernels count as built for every
+    thread (:func:`wants_kernels` under ``auto``)."""
+    KQUANT_KERNELS.local.building = True
+    KQUANT_KERNELS.warming.set()
+    try:
+        yield
+    finally:
+        KQUANT_KERNELS.local.building = False
+        KQUANT_KERNELS.warming.clear()
+    if kernels.KERNELS.available():  # not fallen back to eager while building
+        KQUANT_KERNELS.built.set()
+
+
+def wants_kernels(x: torch.Tensor) -> bool:
+    """Whether the k-quant searches take the compiled kernels for ``x``. Their kernels take minutes to build
+    on a cold cache (they gain about 2.8× on the benchmark's Q4_K_M model, ``bench/gguf_vs_llamacpp.py``), so
+    no job waits on that compile: with ``QUANTD_COMPILE=1`` always; under ``auto`` (the default) once a
+    server's or worker's warm-up has built them in this process (:func:`building_kernels`), and in that
+    warm-up; otherwise never."""
+    setting = kernels.compile_setting()
+    if setting == "off":
+        return False
+    if setting == "auto" and not (KQUANT_KERNELS.built.is_set() or getattr(KQUANT_KERNELS.local, "building", False)):
+        return False
+    return kernels.KERNELS.wants(x, small=True)
 
 
 def f16_bytes(v: torch.Tensor) -> torch.Tensor:

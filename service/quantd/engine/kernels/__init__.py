@@ -125,6 +125,10 @@ class _Compiled:
         if not self.available() or name in self._exhausted or not self._mine():
             return None
         key = (*key, torch.get_num_threads())  # Dynamo recompiles when the thread count changes
+        # Views are passed as plain tensors on their storage (no copy): Dynamo guards on a view's base, so the
+        # same shapes cut from a 1-D file buffer and from a 2-D tensor would otherwise be two variants, and a
+        # job's tensors would compile again after a warm-up built them.
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) and a._is_view() else a for a in args)
         try:
             with _recompile_limit():
                 if (name, *key) in self._warm:

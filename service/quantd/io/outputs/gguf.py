@@ -165,6 +165,35 @@ def _quantize_one(x: torch.Tensor, scheme: Scheme, name: str, imp: torch.Tensor 
     return ggml_error_stats(x, q, in_bits=in_bits, name=name), q.data
 
 
+# The k-quant types whose searches compile (the legacy types have no compiled search).
+_KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+# The warm-up's weights (rows, row length).
+WARM_UP_SHAPES = ((12, 1024), (1152, 512))
+
+
+def warm_up_gguf() -> float | None:
+    """Build the k-quant searches' compiled kernels (or load them from Inductor's disk cache): every k-quant
+    type, with and without an importance matrix, and the GGUF statistics, on two non-square weights (a few
+    hundred sub-blocks, and more than a chunk: Inductor's serial and parallel variants, and no kernel
+    specialised to square sizes). After it, a model's tensors of any shape find their kernels built. From
+    its end, under ``QUANTD_COMPILE=auto``, GGUF jobs in this process take the compiled path. Seconds taken,
+    or None when the compiled kernels are off."""
+    from quantd.engine import kernels
+    from quantd.engine.ggml._common import building_kernels
+
+    if not kernels.KERNELS.available():
+        return None
+    t0 = time.perf_counter()
+    g = torch.Generator().manual_seed(0)
+    with building_kernels():
+        for x in (torch.randn(shape, generator=g) for shape in WARM_UP_SHAPES):
+            imp = torch.rand(1, x.shape[1], generator=g) + 0.5
+            for dtype in _KQUANTS:
+                for importance in (None, imp):
+                    _quantize_one(x, Scheme(dtype=dtype), "warm-up", importance, 32)  # type: ignore[arg-type]
+    return time.perf_counter() - t0
+
+
 def _not_gguf(fmt: str) -> ConfigError:
     return ConfigError(f'output "gguf" needs a GGUF input (as llama.cpp\'s convert_hf_to_gguf.py writes): a {fmt} '
                        'file has no architecture or tokenizer metadata for llama.cpp', field="output")

@@ -30,13 +30,18 @@ async def healthz() -> dict[str, str]:
                         "kernels": {"type": "string", "enum": ["compiled", "warming", "eager"], "description": (
                             "the engine's CPU kernels: compiled; warming (being built in the background, "
                             "requests run eager meanwhile and never wait on them); or eager (compiling off "
-                            "or unavailable)")}}}}},
+                            "or unavailable)")},
+                        "gguf_kernels": {"type": "string", "enum": ["compiled", "warming", "eager"],
+                                         "description": (
+                            "the GGUF k-quant searches' kernels: compiled (built by the warm-up, or "
+                            "QUANTD_COMPILE=1); warming (GGUF jobs run eager meanwhile); or eager")}}}}},
                 "example": {"status": "ready", "checks": {"database": True, "storage": True, "workers": 1,
-                                                          "kernels": "compiled"}}}}},
+                                                          "kernels": "compiled", "gguf_kernels": "compiled"}}}}},
                 **problem_responses(503)})
 async def readyz(state: StateDep) -> JSONResponse:
     checks: dict[str, Any] = await anyio.to_thread.run_sync(state.jobs.ready)
     checks["kernels"] = kernels_state()
+    checks["gguf_kernels"] = gguf_kernels_state()
     workers = int(checks.get("workers", 0))
     if checks.get("database") and checks.get("storage") and workers > 0:
         return JSONResponse({"status": "ready", "checks": checks})
@@ -55,6 +60,18 @@ def kernels_state() -> str:
     if KERNELS.warming:
         return "warming"
     return "compiled" if KERNELS.available() else "eager"
+
+
+def gguf_kernels_state() -> str:
+    """``compiled``, ``warming`` or ``eager``: see ``/readyz``'s schema."""
+    from quantd.engine.ggml._common import KQUANT_KERNELS
+    from quantd.engine.kernels import KERNELS, compile_setting
+
+    if not KERNELS.available():
+        return "eager"
+    if KQUANT_KERNELS.built.is_set() or compile_setting() == "on":
+        return "compiled"
+    return "warming" if KQUANT_KERNELS.warming.is_set() else "eager"
 
 
 @router.get("/metrics", summary="Prometheus text exposition", response_class=PlainTextResponse,
