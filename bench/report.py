@@ -749,8 +749,14 @@ def _gguf_paths_table(data: dict[str, Any]) -> list[str]:
              fmt(r["eager_worst_ratio"], ".4f"), fmt(r["numel_weighted_mse_ratio"], ".4f")]
             for r in data["mixes"]]
     warm = data.get("kernel_warmup_s")
-    out = [f"quantd s: with the compiled CPU kernels (built before the timed runs: the three runs that built "
-           f"them took {fmt(warm, '.1f')} s); eager s: `QUANTD_COMPILE=0`. Each the fastest of "
+    if "kernel_warmup_cached_s" in data:  # built by a server's GGUF warm-up (warm_up_gguf)
+        built = (f"as a server or worker runs GGUF jobs once its warm-up has built them: that warm-up took "
+                 f"{fmt(warm, '.1f')} s on a cold kernel cache and {fmt(data['kernel_warmup_cached_s'], '.1f')} s "
+                 f"in a new process on the cache it filled; the timed runs compiled "
+                 f"{data.get('graphs_compiled_after_warmup', '?')} more graphs")
+    else:
+        built = f"built before the timed runs: the three runs that built them took {fmt(warm, '.1f')} s"
+    out = [f"quantd s: with the compiled CPU kernels ({built}); eager s: `QUANTD_COMPILE=0`. Each the fastest of "
            f"{data.get('repeats', 2)} runs. *speed vs*: llama.cpp's seconds over quantd's (above 1: quantd faster). "
            "Error ratios are of the compiled path's output; *eager worst*: the eager path's worst tensor.", "",
            table(["mix", "quantd s", "eager s", "llama.cpp 1t s", f"llama.cpp {n}t s", "speed vs 1t",

@@ -539,6 +539,34 @@ def test_a_kernel_past_its_recompile_limit_runs_eager_alone(monkeypatch: pytest.
     assert torch.equal(fresh.call("other", lambda v: v * 3.0, (), x), x * 3)
 
 
+def test_a_view_compiles_once_whatever_its_base_and_keeps_its_static_dims() -> None:
+    """A kernel called on views of one shape cut from bases of other sizes (a file buffer, a 2-D tensor)
+    compiles once (Dynamo would guard on the bases' sizes), and a dim marked static on a view stays static (a
+    new width is a new variant)."""
+    from torch._dynamo.utils import counters
+
+    from quantd.engine import kernels
+
+    if not kernels.KERNELS.available():
+        pytest.skip("no compiler")
+    fresh = kernels._Compiled()
+    fresh.reset(available=True)
+
+    def two(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.sum(1) + y.sum(1)
+
+    def graphs_after(x: torch.Tensor, y: torch.Tensor) -> int:
+        torch._dynamo.mark_static(x, 1)
+        torch._dynamo.mark_static(y, 1)
+        assert torch.equal(fresh.call("two", two, (), x, y), x.sum(1) + y.sum(1))
+        return int(counters["stats"]["unique_graphs"])
+
+    first = graphs_after(torch.arange(48.0).view(6, 8), torch.arange(48.0).view(6, 8))  # bases of one size
+    assert graphs_after(torch.arange(80.0).view(10, 8), torch.arange(80.0).view(10, 8)) == first  # dynamic length
+    assert graphs_after(torch.arange(48.0).view(6, 8), torch.arange(96.0)[:48].view(6, 8)) == first  # other bases
+    assert graphs_after(torch.ones(7, 10)[1:], torch.ones(7, 10)[1:]) == first + 1  # a static dim changed
+
+
 def test_recompile_limit_raised_per_thread_for_a_kernel_call() -> None:
     """Each kernel call raises Dynamo's recompile limit for its own thread and restores it on leaving, whatever
     order overlapping calls of other threads leave in."""

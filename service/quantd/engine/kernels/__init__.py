@@ -76,6 +76,19 @@ def _recompile_limit() -> Iterator[None]:
         config.recompile_limit = old
 
 
+def _unviewed(a: Any) -> Any:
+    """A view as a plain tensor on the same storage (no copy), with the dims ``mark_static`` marked on it still
+    marked; anything else as it is. Dynamo guards on a view's base, so the same shapes cut from a 1-D file
+    buffer and from a 2-D tensor would otherwise be two variants, and a job's tensors would compile again
+    after a warm-up built their kernels."""
+    if not (isinstance(a, torch.Tensor) and a._is_view()):
+        return a
+    plain = a.detach()
+    for dim in getattr(a, "_dynamo_static_indices", ()):  # where mark_static records its marks
+        torch._dynamo.mark_static(plain, dim)
+    return plain
+
+
 class _Compiled:
     """Lazily compiled kernels, one lock for compiling, and the switch back to eager."""
 
@@ -125,10 +138,7 @@ class _Compiled:
         if not self.available() or name in self._exhausted or not self._mine():
             return None
         key = (*key, torch.get_num_threads())  # Dynamo recompiles when the thread count changes
-        # Views are passed as plain tensors on their storage (no copy): Dynamo guards on a view's base, so the
-        # same shapes cut from a 1-D file buffer and from a 2-D tensor would otherwise be two variants, and a
-        # job's tensors would compile again after a warm-up built them.
-        args = tuple(a.detach() if isinstance(a, torch.Tensor) and a._is_view() else a for a in args)
+        args = tuple(_unviewed(a) for a in args)
         try:
             with _recompile_limit():
                 if (name, *key) in self._warm:
