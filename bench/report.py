@@ -752,8 +752,8 @@ def _gguf_paths_table(data: dict[str, Any]) -> list[str]:
     if "kernel_warmup_cached_s" in data:  # built by a server's GGUF warm-up (warm_up_gguf)
         built = (f"as a server or worker runs GGUF jobs once its warm-up has built them: that warm-up took "
                  f"{fmt(warm, '.1f')} s on a cold kernel cache and {fmt(data['kernel_warmup_cached_s'], '.1f')} s "
-                 f"in a new process on the cache it filled; the timed runs compiled "
-                 f"{data.get('graphs_compiled_after_warmup', '?')} more graphs")
+                 f"in a new process on the cache it filled; graphs the timed runs still compiled: "
+                 f"{data.get('graphs_compiled_after_warmup', '?')}")
     else:
         built = f"built before the timed runs: the three runs that built them took {fmt(warm, '.1f')} s"
     out = [f"quantd s: with the compiled CPU kernels ({built}); eager s: `QUANTD_COMPILE=0`. Each the fastest of "

@@ -446,6 +446,7 @@ def test_the_gguf_warm_up_builds_every_kquant_search_and_settle(monkeypatch: pyt
     monkeypatch.setenv("QUANTD_COMPILE", "auto")
     monkeypatch.setattr(KQUANT_KERNELS, "built", threading.Event())
     monkeypatch.setattr(kernels.KERNELS, "call", call)
+    monkeypatch.setattr("quantd.io.outputs.gguf.WARM_UP_SHAPES", ((96, 512), (12, 256)))  # eager here: small
     kernels.KERNELS.reset(available=True)
     try:
         assert warm_up_gguf() is not None and KQUANT_KERNELS.built.is_set()

@@ -167,17 +167,20 @@ def _quantize_one(x: torch.Tensor, scheme: Scheme, name: str, imp: torch.Tensor 
 
 # The k-quant types whose searches compile (the legacy types have no compiled search).
 _KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
-# The warm-up's weights (rows, row length).
-WARM_UP_SHAPES = ((12, 1024), (1152, 512))
+# The warm-up's weights (rows, row length), the largest first: Inductor fixes a kernel's code (its tiling and
+# vectorisation) from the sizes of its first call, and kernels first built on a few super-blocks ran a model's
+# tensors about 20 % slower. The second is exactly one statistics chunk (its size-1 dim is a variant of its own),
+# the third a few dozen super-blocks.
+WARM_UP_SHAPES = ((1536, 1024), (256, 1024), (12, 1024))
 
 
 def warm_up_gguf() -> float | None:
     """Build the k-quant searches' compiled kernels (or load them from Inductor's disk cache): every k-quant
-    type, with and without an importance matrix, and the GGUF statistics, on two non-square weights (a few
-    hundred sub-blocks, and more than a chunk: Inductor's serial and parallel variants, and no kernel
-    specialised to square sizes). After it, a model's tensors of any shape find their kernels built. From
-    its end, under ``QUANTD_COMPILE=auto``, GGUF jobs in this process take the compiled path. Seconds taken,
-    or None when the compiled kernels are off."""
+    type, with and without an importance matrix, and the GGUF statistics, on the non-square weights of
+    :data:`WARM_UP_SHAPES` (no kernel specialised to square sizes). After it, a model's tensors of any shape
+    find their kernels built (``bench/gguf_vs_llamacpp.py`` counts the graphs its timed runs still compile).
+    From its end, under ``QUANTD_COMPILE=auto``, GGUF jobs in this process take the compiled path. Seconds
+    taken, or None when the compiled kernels are off."""
     from quantd.engine import kernels
     from quantd.engine.ggml._common import building_kernels
 
