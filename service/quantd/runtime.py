@@ -273,6 +273,9 @@ def run_worker(settings: Settings) -> None:
     configure_logging(settings.log_level)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     keep_kernel_cache_in(settings.data_dir)
+    config = jobs_config(settings, workers=settings.workers or None)
     if settings.warmup:
-        start_warm_up(gguf=settings.warmup_gguf)
-    run_jobs_worker(jobs_config(settings, workers=settings.workers or None))
+        from quantd.jobs import worker_devices
+
+        start_warm_up(gguf=settings.warmup_gguf and "cpu" in worker_devices(config))  # CPU engines only
+    run_jobs_worker(config)

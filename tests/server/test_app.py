@@ -218,6 +218,26 @@ async def test_kernel_warm_up_starts_with_the_app_when_enabled(make_server, monk
     assert started == ([1] if warmup else [])
 
 
+async def test_the_gguf_kernels_are_warmed_only_for_cpu_engines(make_server, monkeypatch):
+    """GGUF's compiled k-quant kernels run on CPU tensors only: a server whose workers and synchronous
+    endpoints all use CUDA does not build them."""
+    import quantd.jobs
+    import quantd.server.app
+    from quantd import runtime
+
+    ggufs: list[bool] = []
+    monkeypatch.setattr(runtime, "start_warm_up", lambda activity=None, gguf=True: ggufs.append(gguf))
+    async with make_server(warmup=True) as server:  # CPU
+        assert (await server.client.get("/healthz")).status_code == 200
+    async with make_server(warmup=True, warmup_gguf=False) as server:
+        assert (await server.client.get("/healthz")).status_code == 200
+    monkeypatch.setattr(quantd.server.app, "sync_device", lambda device: "cuda:0")
+    monkeypatch.setattr(quantd.jobs, "worker_devices", lambda config: ["cuda:0", "cuda:1"])
+    async with make_server(warmup=True) as server:  # stands for a GPU host
+        assert (await server.client.get("/healthz")).status_code == 200
+    assert ggufs == [True, False, False]
+
+
 async def test_requests_run_eager_while_the_warm_up_builds_the_kernels(make_server, monkeypatch, caplog):
     """The warm-up holds the compiled kernels: a request meanwhile runs eager instead of waiting on a
     compile, /readyz says so, and the log says when the warm-up starts and ends."""

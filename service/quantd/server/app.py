@@ -126,7 +126,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         _register_gauges(metrics, state)
         app.state.quantd = state
         if settings.warmup:
-            runtime.start_warm_up(activity, gguf=settings.warmup_gguf)
+            from quantd.jobs import worker_devices
+
+            # GGUF's k-quant kernels serve CPU engines only: CUDA workers run GGUF jobs on the eager ops.
+            cpu = device == "cpu" or (service.config.workers != 0
+                                      and "cpu" in await anyio.to_thread.run_sync(worker_devices, service.config))
+            runtime.start_warm_up(activity, gguf=settings.warmup_gguf and cpu)
         log.info("quantd started", extra={"data_dir": str(settings.data_dir), "auth": bool(keys),
                                           "embedded_workers": embedded_worker_count(settings),
                                           "sync_device": device})

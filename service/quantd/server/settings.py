@@ -112,7 +112,8 @@ class Settings(BaseSettings):
         "compile the engine's CPU kernels for the common schemes in the background at start; requests and "
         "jobs run on the eager path until it ends (never waiting on a compile), and /readyz reports it"))
     warmup_gguf: bool = Field(default=True, description=(
-        "after that warm-up, build the GGUF k-quant searches' kernels too (minutes on a cold kernel cache, "
+        "after that warm-up, build the GGUF k-quant searches' kernels too where GGUF jobs run on CPU (minutes "
+        "on a cold kernel cache, "
         "under a minute from the cache in the data dir); GGUF jobs run eager until they are built, then compiled "
         "(with QUANTD_COMPILE=auto they compile in no other case)"))
 
