@@ -37,16 +37,41 @@ def _data(kind: str, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
 KINDS = ["uniform", "gaussian", "heavy", "zero", "ties"]
 
 
+def _record_compiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """With QUANTD_COMPILE=1 (the k-quant searches and legacy quantizers compile only when asked to), the
+    names of the compiled calls that returned a result."""
+    from quantd.engine import kernels
+
+    monkeypatch.setenv("QUANTD_COMPILE", "1")
+    call = kernels.KERNELS.call
+    ran: list[str] = []
+
+    def recorded(kernel: str, *args: Any, **kwargs: Any) -> Any:
+        out = call(kernel, *args, **kwargs)
+        if out is not None:
+            ran.append(kernel)
+        return out
+
+    monkeypatch.setattr(kernels.KERNELS, "call", recorded)
+    return ran
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", LEGACY)
-def test_legacy_types_are_byte_identical_to_ggml_reference(name: str, kind: str, dtype: torch.dtype) -> None:
+def test_legacy_types_are_byte_identical_to_ggml_reference(name: str, kind: str, dtype: torch.dtype, path: str,
+                                                           request: pytest.FixtureRequest) -> None:
+    """Through the eager ops and through the one fused compiled pass alike."""
+    request.getfixturevalue(path)
+    ran = _record_compiled_calls(request.getfixturevalue("monkeypatch")) if path == "compiled" else []
     x = torch.from_numpy(_data(kind, (48, 256))).to(dtype)
     t = ggml.GGML_TYPES[name]
     ours = ggml.quantize(x, t).data.numpy()
     ref = gguf.quants.quantize(x.float().numpy(), GGMLQuantizationType(t.type_id))
     assert ours.shape == ref.shape
     assert np.array_equal(ours, ref)
+    assert ran == ([f"ggml_quantize_{name}"] if path == "compiled" else [])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -84,21 +109,7 @@ def test_kquant_error_is_no_worse_than_llama_cpp(name: str, kind: str, path: str
     """The whole tensor's mse (and, with an importance matrix, its importance-weighted mse) at most
     llama.cpp's on the same tensor, through the eager ops and through the compiled search kernels."""
     request.getfixturevalue(path)
-    ran: list[str] = []  # the compiled calls that returned a result
-    if path == "compiled":  # the k-quant searches compile only when QUANTD_COMPILE=1 asks for them
-        from quantd.engine import kernels
-
-        monkeypatch = request.getfixturevalue("monkeypatch")
-        monkeypatch.setenv("QUANTD_COMPILE", "1")
-        call = kernels.KERNELS.call
-
-        def recorded(kernel: str, *args: Any, **kwargs: Any) -> Any:
-            out = call(kernel, *args, **kwargs)
-            if out is not None:
-                ran.append(kernel)
-            return out
-
-        monkeypatch.setattr(kernels.KERNELS, "call", recorded)
+    ran = _record_compiled_calls(request.getfixturevalue("monkeypatch")) if path == "compiled" else []
     if ggml_library() is None:
         pytest.skip("llama-cpp-python (ggml's library) is not installed: no llama.cpp quantizer to compare with")
     x = _data(kind, (64, 1024), seed=3)

@@ -427,10 +427,11 @@ def test_weights_beyond_the_float16_scales_are_refused_naming_the_tensor(tmp_pat
     assert report.summary.tensors_quantized == 1  # type: ignore[attr-defined]
 
 
-def test_the_gguf_warm_up_builds_every_kquant_search_and_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_gguf_warm_up_builds_every_ggml_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """``warm_up_gguf`` asks for the compiled search and settle of every k-quant type, with and without an
-    importance matrix, on both weights; from then on a GGUF job under QUANTD_COMPILE=auto asks for them too.
-    (The kernels answer None here, so that everything runs eager: what is asked is the point, not a build.)"""
+    importance matrix, and every legacy type's quantizer; from then on a GGUF job under QUANTD_COMPILE=auto
+    asks for them too. (The kernels answer None here, so that everything runs eager: what is asked is the
+    point, not a build.)"""
     import threading
 
     from quantd.engine import kernels
@@ -446,7 +447,7 @@ def test_the_gguf_warm_up_builds_every_kquant_search_and_settle(monkeypatch: pyt
     monkeypatch.setenv("QUANTD_COMPILE", "auto")
     monkeypatch.setattr(KQUANT_KERNELS, "built", threading.Event())
     monkeypatch.setattr(kernels.KERNELS, "call", call)
-    monkeypatch.setattr("quantd.io.outputs.gguf.WARM_UP_SHAPES", ((96, 512), (12, 256)))  # eager here: small
+    monkeypatch.setattr("quantd.io.outputs.gguf.WARM_UP_SHAPES", ((512, 512), (12, 256)))  # eager here: smaller
     kernels.KERNELS.reset(available=True)
     try:
         assert warm_up_gguf() is not None and KQUANT_KERNELS.built.is_set()
@@ -456,6 +457,7 @@ def test_the_gguf_warm_up_builds_every_kquant_search_and_settle(monkeypatch: pyt
         for sub_nmax in ("32_15", "16_3", "32_31"):  # q4_k, q2_k, q5_k: sub-block size and levels
             assert f"ggml_affine_settle_{sub_nmax}" in names, (sub_nmax, names)
         assert any(n.startswith("ggml_sym_settle_") for n in names), names
+        assert {f"ggml_quantize_{t}" for t in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")} <= names, names
         assert {w for n, w in asked if "settle" in n} == {False, True}  # with and without importance
         asked.clear()
         x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(8))

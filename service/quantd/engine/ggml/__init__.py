@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 
+from quantd.engine import kernels
 from quantd.errors import ConfigError
 
 from . import kquants, legacy
@@ -38,6 +39,9 @@ class GGMLType:
     quantize_blocks: BlockQuantizer  # [N, block_size] float32 (+ importance) → [N, type_size] uint8
     dequantize_blocks: BlockDequantizer  # [N, type_size] uint8 → [N, block_size] float32
     uses_importance: bool
+    # The legacy types' quantizer of [N, block_size] float32 blocks, which compiles as it is: one fused pass
+    # over a whole tensor where the kernels run (the same bytes); None for the k-quants.
+    fused: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def bits_per_weight(self) -> float:
@@ -47,18 +51,19 @@ class GGMLType:
         return n // self.block_size * self.type_size
 
 
-def _legacy(fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockQuantizer:
+def _legacy(name: str, type_id: int, type_size: int, quantize: Callable[[torch.Tensor], torch.Tensor],
+            dequantize: BlockDequantizer) -> GGMLType:
     def q(x: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
-        return fn(x)
-    return q
+        return quantize(x)
+    return GGMLType(name, type_id, legacy.QK, type_size, q, dequantize, False, quantize)
 
 
 GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
-    GGMLType("q4_0", 2, 32, 18, _legacy(legacy.quantize_q4_0), legacy.dequantize_q4_0, False),
-    GGMLType("q4_1", 3, 32, 20, _legacy(legacy.quantize_q4_1), legacy.dequantize_q4_1, False),
-    GGMLType("q5_0", 6, 32, 22, _legacy(legacy.quantize_q5_0), legacy.dequantize_q5_0, False),
-    GGMLType("q5_1", 7, 32, 24, _legacy(legacy.quantize_q5_1), legacy.dequantize_q5_1, False),
-    GGMLType("q8_0", 8, 32, 34, _legacy(legacy.quantize_q8_0), legacy.dequantize_q8_0, False),
+    _legacy("q4_0", 2, 18, legacy.quantize_q4_0, legacy.dequantize_q4_0),
+    _legacy("q4_1", 3, 20, legacy.quantize_q4_1, legacy.dequantize_q4_1),
+    _legacy("q5_0", 6, 22, legacy.quantize_q5_0, legacy.dequantize_q5_0),
+    _legacy("q5_1", 7, 24, legacy.quantize_q5_1, legacy.dequantize_q5_1),
+    _legacy("q8_0", 8, 34, legacy.quantize_q8_0, legacy.dequantize_q8_0),
     GGMLType("q2_k", 10, 256, 84, kquants.quantize_q2_k, kquants.dequantize_q2_k, True),
     GGMLType("q3_k", 11, 256, 110, kquants.quantize_q3_k, kquants.dequantize_q3_k, True),
     GGMLType("q4_k", 12, 256, 144, kquants.quantize_q4_k, kquants.dequantize_q4_k, True),
@@ -162,6 +167,10 @@ def quantize(x: torch.Tensor, t: GGMLType, *, importance: torch.Tensor | None = 
         out[r0:r0 + k] = t.quantize_blocks(blocks, w).reshape(k, -1)
 
     starts = range(0, rows, step)
+    if t.fused is not None and wants_kernels(x2):
+        fused = kernels.KERNELS.call(f"ggml_quantize_{t.name}", t.fused, (), x2.float().reshape(-1, t.block_size))
+        if fused is not None:
+            return GGMLQuantized(t, shape, fused.reshape(rows, -1))
     if t.block_size == kquants.QK_K and wants_kernels(x2):
         for r0 in starts:  # the compiled kernels hold the GIL: chunk threads would take turns
             run(r0)

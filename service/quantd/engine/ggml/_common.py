@@ -45,11 +45,11 @@ def building_kernels() -> Iterator[None]:
 
 
 def wants_kernels(x: torch.Tensor) -> bool:
-    """Whether the k-quant searches take the compiled kernels for ``x``. Their kernels take minutes to build
-    on a cold cache (they gain about 2.9× on the benchmark's Q4_K_M model, ``bench/gguf_vs_llamacpp.py``), so
-    no job waits on that compile: with ``QUANTD_COMPILE=1`` always; under ``auto`` (the default) once a
-    server's or worker's warm-up has built them in this process (:func:`building_kernels`), and in that
-    warm-up; otherwise never."""
+    """Whether the k-quant searches and the legacy types' quantizers take the compiled kernels for ``x``. The
+    k-quants' kernels take minutes to build on a cold cache (they gain about 2.9× on the benchmark's Q4_K_M model,
+    ``bench/gguf_vs_llamacpp.py``), so no job waits on that compile: with ``QUANTD_COMPILE=1`` always; under
+    ``auto`` (the default) once a server's or worker's warm-up has built them in this process
+    (:func:`building_kernels`), and in that warm-up; otherwise never."""
     setting = kernels.compile_setting()
     if setting == "off":
         return False

@@ -165,8 +165,10 @@ def _quantize_one(x: torch.Tensor, scheme: Scheme, name: str, imp: torch.Tensor 
     return ggml_error_stats(x, q, in_bits=in_bits, name=name), q.data
 
 
-# The k-quant types whose searches compile (the legacy types have no compiled search).
+# The ggml types with compiled kernels: the k-quants' searches and settles (with and without an importance
+# matrix), the legacy types' one fused pass (no importance).
 _KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+_LEGACY = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 # The warm-up's weights (rows, row length), the largest first: Inductor fixes a kernel's code (its tiling and
 # vectorisation) from the sizes of its first call, and kernels first built on a few super-blocks ran a model's
 # tensors about 20 % slower. The second is exactly one statistics chunk (its size-1 dim is a variant of its own),
@@ -175,12 +177,12 @@ WARM_UP_SHAPES = ((1536, 1024), (256, 1024), (12, 1024))
 
 
 def warm_up_gguf() -> float | None:
-    """Build the k-quant searches' compiled kernels (or load them from Inductor's disk cache): every k-quant
-    type, with and without an importance matrix, and the GGUF statistics, on the non-square weights of
-    :data:`WARM_UP_SHAPES` (no kernel specialised to square sizes). After it, a model's tensors of any shape
-    find their kernels built (``bench/gguf_vs_llamacpp.py`` counts the graphs its timed runs still compile).
-    From its end, under ``QUANTD_COMPILE=auto``, GGUF jobs in this process take the compiled path. Seconds
-    taken, or None when the compiled kernels are off."""
+    """Build the ggml types' compiled kernels (or load them from Inductor's disk cache): every k-quant type's, with
+    and without an importance matrix, the legacy types' and the GGUF statistics', on the non-square weights of
+    :data:`WARM_UP_SHAPES` (no kernel specialised to square sizes). After it, a model's tensors of any shape find
+    their kernels built (``bench/gguf_vs_llamacpp.py`` counts the graphs its timed runs still compile). From its
+    end, under ``QUANTD_COMPILE=auto``, GGUF jobs in this process take the compiled path. Seconds taken, or None
+    when the compiled kernels are off."""
     from quantd.engine import kernels
     from quantd.engine.ggml._common import building_kernels
 
@@ -191,8 +193,8 @@ def warm_up_gguf() -> float | None:
     with building_kernels():
         for x in (torch.randn(shape, generator=g) for shape in WARM_UP_SHAPES):
             imp = torch.rand(1, x.shape[1], generator=g) + 0.5
-            for dtype in _KQUANTS:
-                for importance in (None, imp):
+            for dtype, imps in [(k, (None, imp)) for k in _KQUANTS] + [(t, (None,)) for t in _LEGACY]:
+                for importance in imps:
                     _quantize_one(x, Scheme(dtype=dtype), "warm-up", importance, 32)  # type: ignore[arg-type]
     return time.perf_counter() - t0
 
