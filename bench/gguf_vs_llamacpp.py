@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import subprocess
 import sys
 import tempfile
@@ -172,8 +173,8 @@ def profiled() -> Iterator[dict[str, float]]:
     for name, t in saved.items():
         fn = getattr(kquants if t.uses_importance else legacy, f"quantize_{name}")
         q = fn if t.uses_importance else (lambda f: (lambda x, imp: f(x)))(fn)
-        ggml.GGML_TYPES[name] = type(t)(t.name, t.type_id, t.block_size, t.type_size, q, t.dequantize_blocks,
-                                         t.uses_importance)
+        # the legacy types' fused quantizer stays the unwrapped one: the compiled kernels trace it
+        ggml.GGML_TYPES[name] = dataclasses.replace(t, quantize_blocks=q)
     try:
         yield acc
     finally:
