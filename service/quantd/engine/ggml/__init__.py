@@ -156,6 +156,10 @@ def quantize(x: torch.Tensor, t: GGMLType, *, importance: torch.Tensor | None = 
             raise ConfigError(f"importance matrix entry has {list(importance.shape)} values, the tensor's rows "
                               f"have {n}", field="calibration", tensor=name)
         imp = importance.to(device=x.device, dtype=torch.float32).reshape(1, n)
+    if t.fused is not None and wants_kernels(x2):
+        fused = kernels.KERNELS.call(f"ggml_quantize_{t.name}", t.fused, (), x2.float().reshape(-1, t.block_size))
+        if fused is not None:
+            return GGMLQuantized(t, shape, fused.reshape(rows, -1))
     out = torch.empty((rows, t.row_bytes(n)), dtype=torch.uint8, device=x.device)
     step = rows_per_chunk(rows, n, KQUANT_CHUNK_ELEMENTS if t.block_size == kquants.QK_K else CHUNK_ELEMENTS)
 
@@ -167,10 +171,6 @@ def quantize(x: torch.Tensor, t: GGMLType, *, importance: torch.Tensor | None = 
         out[r0:r0 + k] = t.quantize_blocks(blocks, w).reshape(k, -1)
 
     starts = range(0, rows, step)
-    if t.fused is not None and wants_kernels(x2):
-        fused = kernels.KERNELS.call(f"ggml_quantize_{t.name}", t.fused, (), x2.float().reshape(-1, t.block_size))
-        if fused is not None:
-            return GGMLQuantized(t, shape, fused.reshape(rows, -1))
     if t.block_size == kquants.QK_K and wants_kernels(x2):
         for r0 in starts:  # the compiled kernels hold the GIL: chunk threads would take turns
             run(r0)
