@@ -189,10 +189,6 @@ class WarmUp:
     error: str | None = None
     seconds: float | None = None
     thread: threading.Thread | None = None
-    # The GGUF k-quant kernels, built after the others (``gguf``): set when that build has ended too.
-    gguf_done: threading.Event = field(default_factory=threading.Event)
-    gguf_error: str | None = None
-    gguf_seconds: float | None = None
 
 
 def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True) -> WarmUp:
@@ -234,9 +230,8 @@ def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True)
         finally:
             KERNELS.release()
             state.done.set()
-        if gguf and took is not None and state.error is None:
-            _warm_up_gguf(state)
-        state.gguf_done.set()
+        if gguf and took is not None:  # built, not failed or off
+            _warm_up_gguf()
 
     state.thread = threading.Thread(target=run, name="quantd-warmup", daemon=True)
     if KERNELS.available():
@@ -247,19 +242,18 @@ def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True)
     return state
 
 
-def _warm_up_gguf(state: WarmUp) -> None:
-    """The GGUF part of :func:`start_warm_up`, in its thread."""
+def _warm_up_gguf() -> None:
+    """The GGUF part of :func:`start_warm_up`, in its thread: a failure leaves GGUF jobs on the eager path."""
     from quantd.io.outputs.gguf import warm_up_gguf
 
     log.info("kernel warm-up building the GGUF k-quant kernels; GGUF jobs run eager until it ends")
     try:
-        state.gguf_seconds = warm_up_gguf()
-    except Exception as e:  # GGUF jobs then stay on the eager path
-        state.gguf_error = f"{type(e).__name__}: {e}"
+        took = warm_up_gguf()
+    except Exception:
         log.exception("GGUF kernel warm-up failed")
-    else:
-        if state.gguf_seconds is not None:
-            log.info("GGUF k-quant kernels ready", extra={"warmup_s": round(state.gguf_seconds, 1)})
+        return
+    if took is not None:
+        log.info("GGUF k-quant kernels ready", extra={"warmup_s": round(took, 1)})
 
 
 def run_worker(settings: Settings) -> None:

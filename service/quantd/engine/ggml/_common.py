@@ -15,9 +15,9 @@ GROUP_MAX_EPS = 1e-15
 
 
 class _KQuantKernels:
-    """Whether the k-quant kernels are built in this process: a warm-up (:func:`building_kernels`) built them,
-    so that under ``QUANTD_COMPILE=auto`` the searches take them from then on without a job waiting on a
-    compile."""
+    """Whether the ggml types' kernels (the k-quants' searches and settles, the legacy types' fused pass) are
+    built in this process: a warm-up (:func:`building_kernels`) built them, so that under
+    ``QUANTD_COMPILE=auto`` they are taken from then on without a job waiting on a compile."""
 
     def __init__(self) -> None:
         self.built = threading.Event()
