@@ -337,19 +337,27 @@ def q3_search(x: torch.Tensor, nmax: int) -> torch.Tensor:
     return _q3_scale(sumlx, suml2, zero)
 
 
-def _qp_grid(vt: torch.Tensor, wt: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.cache
+def _qp_factors(nmax: int) -> tuple[float, ...]:
+    """``make_qp_quants``' grid factors ``nmax + 0.1·is``, is = −4…4 but 0, each as C computes it in float32
+    (computed before tracing: a tensor made inside a compiled function keeps it out of the compiler's cache
+    of traced graphs, and every new process would trace it again)."""
+    return tuple(_f32(_f32(0.1 * step) + nmax) for step in range(-4, 5) if step != 0)
+
+
+def _qp_grid(vt: torch.Tensor, wt: torch.Tensor, nmax: int, factors: tuple[float, ...]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``make_qp_quants``' grid on the columns of ``vt`` ``[n, R]``: the codes of the best of nine
-    ``iscale = (nmax + 0.1·is) / max`` by weighted error, and which columns are all zero."""
+    ``iscale = (nmax + 0.1·is) / max`` by weighted error (``factors``: :func:`_qp_factors`), and which columns
+    are all zero."""
     mx = vt.amax(0).clamp(min=0)
     zero = mx < GROUP_MAX_EPS
     mx = torch.where(zero, torch.ones_like(mx), mx)
     iscale = nmax / mx
     q = nearest_int(vt * iscale)
     best = sum_rows(wt * (vt - q / iscale) ** 2)
-    for step in range(-4, 5):
-        if step == 0:
-            continue
-        cand = _f32(_f32(0.1 * step) + nmax) / mx
+    for factor in factors:
+        cand = factor / mx
         qc = nearest_int(vt * cand).clamp(max=nmax)
         err = sum_rows(wt * (vt - qc / cand) ** 2)
         take = err < best
@@ -370,10 +378,11 @@ def _qp_fn(nmax: int, sweeps: int = 5) -> Callable[..., Any]:
     """The whole :func:`qp_search` as one function (the compiled kernel): the grid, then every sweep on
     every column. A column that changed nothing in a sweep changes nothing in the next, so this gives the
     eager search's result, which sweeps only the columns still moving."""
+    factors = _qp_factors(nmax)
 
     def ggml_qp_search(v: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         vt, wt = v.t(), w.t()
-        q, zero = _qp_grid(vt, wt, nmax)
+        q, zero = _qp_grid(vt, wt, nmax, factors)
         wx = wt * vt
         slx, sl2 = (wx * q).sum(0), (wt * q * q).sum(0)
         for _ in range(sweeps):
@@ -393,6 +402,6 @@ def qp_search(v: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor
         return out  # type: ignore[no-any-return]
     vt = v.T.contiguous()
     wt = w.T.contiguous()
-    q, zero = _qp_grid(vt, wt, nmax)
+    q, zero = _qp_grid(vt, wt, nmax, _qp_factors(nmax))
     sumlx, suml2 = _coordinate_descent(vt, wt, q, None, nmax, need_sl2=True)
     return _qp_result(q, sumlx, suml2, zero)

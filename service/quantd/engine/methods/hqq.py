@@ -106,10 +106,13 @@ def _start(y: torch.Tensor, ratios: tuple[float, ...], refits: int, levels: floa
     c0 = float(int(levels) // 2)
     sy = y.sum(dim=dim)
     vy = torch.linalg.vecdot(y, y, dim=dim) - sy * sy / k
-    offset = y.new_tensor(levels / 2 - c0)
+    # The constants are filled tensors (``full``), not tensors made from Python numbers (``torch.tensor``): a
+    # graph that makes one cannot be kept in the compiler's cache of traced graphs, and each new process would
+    # trace the compiled kernel again (seconds).
+    offset = y.new_full((), levels / 2 - c0)
     sums = torch.stack([_sums(y, torch.add(offset, y, alpha=levels / r).round_().clamp_(-c0, levels - c0), dim)
                         for r in ratios])  # the candidates: [−r/2, r/2] onto [0, levels]; [C, 3, B]
-    slopes = torch.tensor(ratios, dtype=y.dtype, device=y.device).unsqueeze(1) / levels
+    slopes = torch.stack([torch.full_like(sy, r) for r in ratios]) / levels  # each candidate's own slope
     a, b, err = _fit(sums, sy, vy, slopes, k)
     pick = err.argmin(dim=0, keepdim=True)
     a, b = a.gather(0, pick).squeeze(0), b.gather(0, pick).squeeze(0)
