@@ -779,6 +779,44 @@ def _gguf_paths_table(data: dict[str, Any]) -> list[str]:
 # -- the job queue (bench/job_queue.py) -------------------------------------------------------------------
 
 
+def gguf_oneshot_section(data: dict[str, Any]) -> list[str]:
+    """gguf_oneshot.json: ``quantd quantize --gguf-mix`` in a new process per run, eager and compiled (cold and
+    warm kernel cache) and under auto, against llama.cpp on the same files; the fitted break-even sizes."""
+    n = data["threads"]
+    rows = []
+    for r in data["models"]:
+        rows.append([f"{r['model']}: {r['layers']} blocks, vocab {r['vocab']}", f"{r['ggml_weights'] / 1e6:.0f} M",
+                     fmt(r["eager_s"], ".1f"), fmt(r["compiled_cold_cache_s"], ".1f"),
+                     fmt(r["compiled_warm_cache_s"], ".1f"), fmt(r["auto_s"], ".1f"),
+                     fmt(r["llama_cpp_1t_s"], ".1f"), fmt(r.get(f"llama_cpp_{n}t_s"), ".1f")])
+    be = data["break_even_weights"]
+
+    def weights(v: float | None) -> str:
+        return "never" if v is None else f"{v / 1e9:.2f} billion weights"
+
+    fits = data["fit"]
+    return [
+        machine_line(data["machine"], threads=n),
+        "",
+        f"`quantd quantize model.gguf --gguf-mix {data['mix']}` in a new process (import, read, quantize, "
+        "statistics, write; wall seconds), on the llama-architecture float32 models of "
+        "`bench/gguf_vs_llamacpp.py` (width 2048, ffn 5632), against llama.cpp's `llama_model_quantize` on the "
+        "same file. *weights*: those the mix quantizes to ggml types. Cold: `QUANTD_COMPILE=1` on an empty "
+        "kernel cache; warm: again on the cache that run filled; auto: the default.",
+        "",
+        table(["model", "weights", "eager s", "compiled, cold cache s", "compiled, warm cache s", "auto s",
+               "llama.cpp 1t s", f"llama.cpp {n}t s"], rows),
+        "",
+        f"Fitted per path (fixed s + ns per weight): eager {fits['eager_s']['fixed_s']:.1f} s + "
+        f"{fits['eager_s']['ns_per_weight']:.1f} ns; compiled cold {fits['compiled_cold_cache_s']['fixed_s']:.1f} s "
+        f"+ {fits['compiled_cold_cache_s']['ns_per_weight']:.1f} ns; compiled warm "
+        f"{fits['compiled_warm_cache_s']['fixed_s']:.1f} s + {fits['compiled_warm_cache_s']['ns_per_weight']:.1f} ns. "
+        f"The compiled kernels repay their build from {weights(be['cold_cache'])} on a cold cache and from "
+        f"{weights(be['warm_cache'])} on a warm one; under `auto` a one-shot GGUF run compiles from "
+        f"{weights(data['auto_threshold_weights'])} ({n} threads).",
+    ]
+
+
 def queue_section(data: dict[str, Any]) -> list[str]:
     """queue.json (bench/job_queue.py): jobs/min and submit→succeeded latency by job store and worker count."""
     out = [machine_line(data["machine"]), "",
@@ -1007,6 +1045,8 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("A model directory: HTTP job against in-process", "model_dir.json", model_dir_section),
     ("The job queue: SQLite against PostgreSQL", "queue.json", queue_section),
     ("GGUF: quantd against llama.cpp's llama_model_quantize (bench/gguf_vs_llamacpp.py)", "gguf.json", gguf_section),
+    ("GGUF one-shot runs: the CLI end to end, eager and compiled (bench/gguf_oneshot.py)", "gguf_oneshot.json",
+     gguf_oneshot_section),
     ("Methods: RTN, HQQ, GPTQ and AWQ on all-MiniLM-L6-v2", "methods.json", methods_section),
     ("Model-aware calibration: JSONL lines run by the worker, on all-MiniLM-L6-v2", "methods_model_aware.json",
      methods_model_aware_section),

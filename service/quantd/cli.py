@@ -304,11 +304,12 @@ def _chunk_work_only(schemes: Sequence[Scheme | SchemeOverride], *, output: str 
                     for s in schemes))
 
 
-def _prepare_in_process(model: Path, *, chunk_work_only: bool = True) -> None:
+def _prepare_in_process(model: Path, *, chunk_work_only: bool = True, config: QuantConfig | None = None) -> None:
     """Before the CLI's in-process engine runs (and imports torch): glibc's malloc as
     ``QUANTD_KEEP_FREED_MEMORY`` says, Inductor's kernel cache per kind of CPU in its default dir,
-    whether compiled kernels can pay off in this one run over ``model``, and the threads of an eager run
-    whose work is the chunk loops (:func:`_chunk_work_only`): its main thread's own ops single-threaded."""
+    whether compiled kernels can pay off in this one run over ``model`` (quantizing with ``config``), and the
+    threads of an eager run whose work is the chunk loops (:func:`_chunk_work_only`): its main thread's own
+    ops single-threaded."""
     from quantd.runtime import keep_freed_memory_as_configured, keep_kernel_cache_in, use_kernels_for
 
     try:
@@ -316,7 +317,7 @@ def _prepare_in_process(model: Path, *, chunk_work_only: bool = True) -> None:
     except ValueError as e:
         raise UsageError(f"settings: {e}") from None
     keep_kernel_cache_in(None)
-    if not use_kernels_for(model) and chunk_work_only:  # parallel over chunks, no OpenMP join per op
+    if not use_kernels_for(model, config) and chunk_work_only:  # parallel over chunks, no OpenMP join per op
         from quantd.engine.parallel import single_threaded_caller
 
         single_threaded_caller()
@@ -380,7 +381,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     else:
         schemes = [config.scheme, *(r.scheme for r in config.rules if r.scheme is not None)]
         _prepare_in_process(Path(args.input), chunk_work_only=_chunk_work_only(
-            schemes, output=config.output, calibration=args.calibration))
+            schemes, output=config.output, calibration=args.calibration), config=config)
         report = _quantize_in_process(args, config)
     if args.json:
         _print_json(report.model_dump(mode="json"))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from quantd.server.settings import Settings
+    from quantd_client import QuantConfig
 
 log = logging.getLogger("quantd.runtime")
 
@@ -121,17 +122,39 @@ def keep_freed_memory_as_configured() -> bool:
     return keep_freed_memory(enabled)
 
 
-def use_kernels_for(path: Path) -> bool:
-    """Decide, for a one-shot run over the model at ``path``, whether the compiled kernels may run: only with
-    ``QUANTD_COMPILE=1``. Under ``auto`` (the default) a one-shot run stays eager and never imports the
-    compiler stack: importing Dynamo and Inductor and loading the cached kernels costs seconds, more than the
-    kernels save over the eager chunk loops on the models ``bench/oneshot.py`` measures (91 MB and 800 MB).
-    True when they may."""
+# Under QUANTD_COMPILE=auto a one-shot GGUF run compiles its kernels when it quantizes at least this many
+# weights to ggml types per torch thread: there the build on a cold kernel cache (about a minute on 2 cores)
+# costs less than the kernels save over the eager chunk loops (about 30 ns per weight on 2 cores, ~3x).
+# Measured by bench/gguf_oneshot.py (2 cores: the break-even near 1.9 billion weights); per thread, since the
+# quantization's share of the time shrinks with the threads and the build's less so.
+ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD = 1_000_000_000
+
+
+def use_kernels_for(path: Path, config: QuantConfig | None = None) -> bool:
+    """Decide, for a one-shot run over the model at ``path`` (with ``config``, when it quantizes), whether the
+    compiled kernels may run: with ``QUANTD_COMPILE=1`` always; under ``auto`` (the default) only for a GGUF
+    output whose ggml-type weights reach :data:`ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD` per torch thread.
+    Otherwise a one-shot run stays eager and never imports the compiler stack: importing Dynamo and Inductor
+    and loading the cached kernels costs seconds, more than the kernels save over the eager chunk loops on the
+    models ``bench/oneshot.py`` measures (91 MB and 800 MB). True when they may."""
     from quantd.engine.kernels import KERNELS, compile_setting
 
     if compile_setting() == "auto":
-        KERNELS.reset(available=False)
+        if config is not None and config.output == "gguf" and _repays_kernels(path, config):
+            from quantd.engine.ggml._common import take_kernels
+
+            take_kernels()
+        else:
+            KERNELS.reset(available=False)
     return KERNELS.available()
+
+
+def _repays_kernels(path: Path, config: QuantConfig) -> bool:
+    import torch
+
+    from quantd.io.outputs.gguf import ggml_weights
+
+    return ggml_weights(path, config) >= ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD * torch.get_num_threads()
 
 
 # The warm-up builds the kernels once no request has been in flight for this long (the first requests to a new

@@ -368,6 +368,46 @@ def test_one_shot_runs_compile_only_when_asked(tmp_path: Path, monkeypatch: pyte
     KERNELS.reset(available=None)
 
 
+def test_a_large_one_shot_gguf_run_compiles_its_kernels_under_auto(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under auto a one-shot GGUF run takes the compiled ggml kernels when its ggml-type weights reach the
+    threshold per torch thread (the build then costs less than the kernels save), and only then; other
+    outputs, and QUANTD_COMPILE=0, stay eager."""
+    import math
+    import threading
+
+    import torch
+
+    from _gguf_models import write_tiny_llama
+    from quantd import runtime
+    from quantd.engine.ggml import _common
+    from quantd.engine.kernels import KERNELS
+    from quantd.io.gguf_file import GGUFFile
+    from quantd.io.outputs.gguf import ggml_weights
+    from quantd_client import QuantConfig
+
+    src = write_tiny_llama(tmp_path / "tiny-f32.gguf")
+    q4 = QuantConfig(output="gguf", gguf_mix="Q4_K_M")  # type: ignore[arg-type]
+    weights = ggml_weights(src, q4)
+    assert 0 < weights < sum(math.prod(t.ne) for t in GGUFFile(src).tensors)  # the norms stay float
+    assert ggml_weights(src, QuantConfig()) == 0  # no ggml type planned
+    assert ggml_weights(tmp_path, q4) == 0  # not a GGUF file: the run itself says why
+    threads = torch.get_num_threads()
+    for per_thread, config, setting, expected in (
+            (weights // threads, q4, "auto", True),  # reaches the threshold
+            (weights // threads + 1, q4, "auto", False),
+            (0, QuantConfig(), "auto", False),  # safetensors output: eager whatever the size
+            (0, q4, "0", False)):
+        monkeypatch.setenv("QUANTD_COMPILE", setting)
+        monkeypatch.setattr(runtime, "ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD", per_thread)
+        monkeypatch.setattr(_common.KQUANT_KERNELS, "built", threading.Event())
+        KERNELS.reset(available=None)
+        taken = runtime.use_kernels_for(src, config)
+        assert taken == (expected and KERNELS.available()), (per_thread, setting)
+        assert _common.KQUANT_KERNELS.built.is_set() == expected, (per_thread, setting)
+    KERNELS.reset(available=None)
+
+
 def test_int8_defaults_to_per_channel_and_embeddings_stay_in_full_precision(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "m.npz"

@@ -44,6 +44,13 @@ def building_kernels() -> Iterator[None]:
         KQUANT_KERNELS.built.set()
 
 
+def take_kernels() -> None:
+    """From now on in this process the ggml types take the compiled kernels under ``QUANTD_COMPILE=auto``,
+    building on first use those not built yet: for a one-shot run that quantizes enough weights to repay the
+    build (``quantd.runtime.use_kernels_for``)."""
+    KQUANT_KERNELS.built.set()
+
+
 def wants_kernels(x: torch.Tensor) -> bool:
     """Whether the k-quant searches and the legacy types' quantizers take the compiled kernels for ``x``. The
     k-quants' kernels take minutes to build on a cold cache (they gain about 2.8× on the benchmark's Q4_K_M model,

@@ -15,11 +15,12 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from quantd.errors import ConfigError, JobCancelled, MalformedInputError
+from quantd.errors import ConfigError, JobCancelled, MalformedInputError, QuantdError
 from quantd_client import DTYPES, Progress, QuantConfig, Report, Scheme, TensorReport
 
 from ..artifact import OutputTensor
@@ -197,6 +198,29 @@ def warm_up_gguf() -> float | None:
                 for importance in imps:
                     _quantize_one(x, Scheme(dtype=dtype), "warm-up", importance, 32)  # type: ignore[arg-type]
     return time.perf_counter() - t0
+
+
+def ggml_weights(path: str | os.PathLike[str], config: QuantConfig) -> int:
+    """How many weights of the GGUF file at ``path`` ``config`` quantizes to ggml block types, from its header
+    and the plan alone (no tensor is read); 0 for a file that is not a GGUF model or a config it refuses
+    (the run itself then says why)."""
+    from ..formats import detect_format
+
+    try:
+        if detect_format(Path(path)) != "gguf":
+            return 0
+        reader = GGUFReader(Path(path))
+    except (OSError, QuantdError):
+        return 0
+    try:
+        meta = {kv.key: kv.value for kv in reader.file.metadata}
+        plans = plan_gguf(reader.tensors, config, metadata=meta)
+    except QuantdError:
+        return 0
+    finally:
+        reader.close()
+    return sum(math.prod(p.info.shape) for p in plans
+               if p.scheme is not None and DTYPES[p.scheme.dtype].kind == "ggml")
 
 
 def _not_gguf(fmt: str) -> ConfigError:
