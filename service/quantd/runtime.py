@@ -123,10 +123,10 @@ def keep_freed_memory_as_configured() -> bool:
 
 
 # Under QUANTD_COMPILE=auto a one-shot GGUF run compiles its kernels when it quantizes at least this many
-# weights to ggml types per torch thread: there the build on a cold kernel cache (about a minute on 2 cores)
-# costs less than the kernels save over the eager chunk loops (about 30 ns per weight on 2 cores, ~3x).
-# Measured by bench/gguf_oneshot.py (2 cores: the break-even near 1.9 billion weights); per thread, since the
-# quantization's share of the time shrinks with the threads and the build's less so.
+# weights to ggml types per torch thread: from there the build on a cold kernel cache (about a minute on 2
+# cores) costs less than the kernels save over the eager chunk loops (Q4_K_M on 2 cores: 46 against 18 ns per
+# weight). bench/gguf_oneshot.py measures the break-even: 2.1 billion weights on 2 threads. Scaling it by the
+# threads is an estimate, on the safe side: the quantization's time shrinks with the threads, the build's less.
 ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD = 1_000_000_000
 
 

@@ -390,8 +390,15 @@ def test_a_large_one_shot_gguf_run_compiles_its_kernels_under_auto(tmp_path: Pat
     q4 = QuantConfig(output="gguf", gguf_mix="Q4_K_M")  # type: ignore[arg-type]
     weights = ggml_weights(src, q4)
     assert 0 < weights < sum(math.prod(t.ne) for t in GGUFFile(src).tensors)  # the norms stay float
-    assert ggml_weights(src, QuantConfig()) == 0  # no ggml type planned
-    assert ggml_weights(tmp_path, q4) == 0  # not a GGUF file: the run itself says why
+    assert ggml_weights(src, QuantConfig(output="gguf", scheme={"dtype": "float16"})) == 0  # no ggml type
+    # Inputs and configs the run itself refuses (and says why): counted as nothing, never raised here.
+    assert ggml_weights(src, QuantConfig()) == 0  # int4: not a type GGUF holds
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(src.read_bytes()[:100])
+    other = tmp_path / "w.safetensors"
+    __import__("safetensors.torch").torch.save_file({"w": torch.ones(4, 4)}, str(other))
+    for path in (tmp_path, truncated, other, tmp_path / "missing.gguf"):
+        assert ggml_weights(path, q4) == 0, path
     threads = torch.get_num_threads()
     for per_thread, config, setting, expected in (
             (weights // threads, q4, "auto", True),  # reaches the threshold
@@ -406,6 +413,19 @@ def test_a_large_one_shot_gguf_run_compiles_its_kernels_under_auto(tmp_path: Pat
         assert taken == (expected and KERNELS.available()), (per_thread, setting)
         assert _common.KQUANT_KERNELS.built.is_set() == expected, (per_thread, setting)
     KERNELS.reset(available=None)
+
+
+def test_the_quantize_command_decides_its_kernels_with_its_config(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from _gguf_models import write_tiny_llama
+    from quantd import runtime
+
+    seen: list[tuple[Path, object]] = []
+    monkeypatch.setattr(runtime, "use_kernels_for", lambda path, config=None: seen.append((path, config)) or False)
+    src = write_tiny_llama(tmp_path / "tiny-f32.gguf")
+    assert main(["quantize", str(src), "--gguf-mix", "Q8_0", "-o", str(tmp_path / "o.gguf"), "--json"]) == 0
+    [(path, config)] = seen
+    assert path == src and getattr(config, "gguf_mix", None) == "Q8_0" and getattr(config, "output", None) == "gguf"
 
 
 def test_int8_defaults_to_per_channel_and_embeddings_stay_in_full_precision(

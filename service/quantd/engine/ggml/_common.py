@@ -16,8 +16,9 @@ GROUP_MAX_EPS = 1e-15
 
 class _KQuantKernels:
     """Whether the ggml types' kernels (the k-quants' searches and settles, the legacy types' fused pass) are
-    built in this process: a warm-up (:func:`building_kernels`) built them, so that under
-    ``QUANTD_COMPILE=auto`` they are taken from then on without a job waiting on a compile."""
+    taken in this process under ``QUANTD_COMPILE=auto``: ``built`` once a warm-up (:func:`building_kernels`)
+    built them, so that no job waits on a compile, or once a one-shot run large enough to repay the build
+    asked for them (:func:`take_kernels`)."""
 
     def __init__(self) -> None:
         self.built = threading.Event()
@@ -56,7 +57,8 @@ def wants_kernels(x: torch.Tensor) -> bool:
     k-quants' kernels take minutes to build on a cold cache (they gain about 2.8× on the benchmark's Q4_K_M model,
     ``bench/gguf_vs_llamacpp.py``), so no job waits on that compile: with ``QUANTD_COMPILE=1`` always; under
     ``auto`` (the default) once a server's or worker's warm-up has built them in this process
-    (:func:`building_kernels`), and in that warm-up; otherwise never."""
+    (:func:`building_kernels`), and in that warm-up, or once a large one-shot run took them
+    (:func:`take_kernels`); otherwise never."""
     setting = kernels.compile_setting()
     if setting == "off":
         return False

@@ -54,8 +54,8 @@ INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.dynam
 
 def compile_setting() -> str:
     """``QUANTD_COMPILE``: ``off`` (``0``/``false``/``no``), ``on`` (``1``/``true``/``yes``: compile whenever
-    a kernel applies) or ``auto`` (the default: long-lived processes compile, one-shot runs stay eager,
-    ``quantd.runtime.use_kernels_for``)."""
+    a kernel applies) or ``auto`` (the default: long-lived processes compile, one-shot runs stay eager but
+    large GGUF ones, ``quantd.runtime.use_kernels_for``)."""
     setting = os.environ.get("QUANTD_COMPILE", "auto").strip().lower()
     if setting in ("0", "false", "off", "no"):
         return "off"
