@@ -9,7 +9,7 @@ quantizes to ggml types), and the model size from which the compiled kernels rep
 cache. That is what ``QUANTD_COMPILE=auto`` decides a one-shot GGUF run by
 (``quantd.runtime.ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD``). Writes ``bench/results/gguf_oneshot.json``.
 
-    python bench/gguf_oneshot.py [--mix Q4_K_M] [--threads 2]
+    python bench/gguf_oneshot.py [--mix Q4_K_M] [--threads 2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,7 +66,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tmp = Path(tempfile.mkdtemp(prefix="quantd-gguf-oneshot-"))
     config = QuantConfig(output="gguf", gguf_mix=args.mix)  # type: ignore[arg-type]
-    result: dict[str, Any] = {"machine": machine_info(), "mix": args.mix, "threads": args.threads, "models": []}
+    result: dict[str, Any] = {
+        "machine": machine_info(), "mix": args.mix, "threads": args.threads, "repeats": args.repeats,
+        "timing": f"eager, warm cache and auto: the median of {args.repeats} interleaved rounds; cold cache: one "
+                  "run per model (each needs an empty cache), before the rounds",
+        "models": [],
+    }
     try:
         for name, shape in SIZES.items():
             src = write_model(tmp / f"{name}-f32.gguf", **shape)
@@ -76,9 +82,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      ("compiled_cold_cache_s", {"QUANTD_COMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache)}),
                      ("compiled_warm_cache_s", {"QUANTD_COMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache)}),
                      ("auto_s", {"QUANTD_COMPILE": "auto", "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor-auto")}))
-            for key, env in paths:
-                row[key] = cli_run(src, tmp / "out.gguf", args.mix, args.threads, env)
-                log(f"{name}: {key} {row[key]:.1f} s")
+            # The cold run first (it fills the cache the warm runs load), then the other paths in interleaved
+            # rounds, so that a burst of load from other processes hits each of them alike.
+            runs: dict[str, list[float]] = {key: [] for key, _ in paths}
+            rounds = [paths[1:2]] + [[p for p in paths if p[0] != "compiled_cold_cache_s"]] * args.repeats
+            for group in rounds:
+                for key, env in group:
+                    runs[key].append(cli_run(src, tmp / "out.gguf", args.mix, args.threads, env))
+            for key, times in runs.items():
+                row[key], row[key.replace("_s", "_runs_s")] = statistics.median(times), times
+                log(f"{name}: {key} {row[key]:.1f} s ({', '.join(f'{t:.1f}' for t in times)})")
             for n in sorted({1, args.threads}):
                 row[f"llama_cpp_{n}t_s"] = llama_quantize(src, tmp / "llama.gguf", FILE_TYPES[args.mix], nthread=n)
                 log(f"{name}: llama.cpp {n} thread(s) {row[f'llama_cpp_{n}t_s']:.1f} s")
@@ -103,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mix", default="Q4_K_M", choices=list(FILE_TYPES))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each path but the cold one (median kept)")
     ap.add_argument("--out", default="gguf_oneshot.json")
     args = ap.parse_args(argv)
     log(f"wrote {write_results(args.out, run(args))}")

@@ -802,7 +802,8 @@ def gguf_oneshot_section(data: dict[str, Any]) -> list[str]:
         "statistics, write; wall seconds), on the llama-architecture float32 models of "
         "`bench/gguf_vs_llamacpp.py` (width 2048, ffn 5632), against llama.cpp's `llama_model_quantize` on the "
         "same file. *weights*: those the mix quantizes to ggml types. Cold: `QUANTD_COMPILE=1` on an empty "
-        "kernel cache; warm: again on the cache that run filled; auto: the default.",
+        "kernel cache; warm: again on the cache that run filled; auto: the default. Seconds: "
+        + data.get("timing", "one run of each path") + ".",
         "",
         table(["model", "weights", "eager s", "compiled, cold cache s", "compiled, warm cache s", "auto s",
                "llama.cpp 1t s", f"llama.cpp {n}t s"], rows),

@@ -124,8 +124,8 @@ def keep_freed_memory_as_configured() -> bool:
 
 # Under QUANTD_COMPILE=auto a one-shot GGUF run compiles its kernels when it quantizes at least this many
 # weights to ggml types per torch thread: from there the build on a cold kernel cache (about a minute on 2
-# cores) costs less than the kernels save over the eager chunk loops (Q4_K_M on 2 cores: 46 against 18 ns per
-# weight). bench/gguf_oneshot.py measures the break-even: 2.1 billion weights on 2 threads. Scaling it by the
+# cores) costs less than the kernels save over the eager chunk loops (Q4_K_M on 2 cores: 50 against 17 ns per
+# weight). bench/gguf_oneshot.py measures the break-even: about 2 billion weights on 2 threads. Scaling it by the
 # threads is an estimate, on the safe side: the quantization's time shrinks with the threads, the build's less.
 ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD = 1_000_000_000
 

@@ -54,7 +54,7 @@ def take_kernels() -> None:
 
 def wants_kernels(x: torch.Tensor) -> bool:
     """Whether the k-quant searches and the legacy types' quantizers take the compiled kernels for ``x``. The
-    k-quants' kernels take minutes to build on a cold cache (they gain about 2.8× on the benchmark's Q4_K_M model,
+    k-quants' kernels take minutes to build on a cold cache (they gain about 2.6× on the benchmark's Q4_K_M model,
     ``bench/gguf_vs_llamacpp.py``), so no job waits on that compile: with ``QUANTD_COMPILE=1`` always; under
     ``auto`` (the default) once a server's or worker's warm-up has built them in this process
     (:func:`building_kernels`), and in that warm-up, or once a large one-shot run took them
