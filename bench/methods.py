@@ -12,7 +12,8 @@ other sentences (generated below, none shared with the evaluation set):
   it already quantized (the scheme of llm-compressor's sequential pipeline);
 - quantd, model-aware: the model directory quantized with the calibration sentences as a JSONL part, the
   worker running the model block by block (what a job does; AWQ's scales folded where the block allows);
-- the ``hqq`` library (``Quantizer.quantize``, optimize=True) against quantd's ``hqq``: cosine and time;
+- the ``hqq`` library (``Quantizer.quantize``, optimize=True) against quantd's ``hqq``: cosine and time, in
+  this process and again in a new one with quantd's malloc settings for both;
 - llm-compressor's GPTQ and AWQ (``oneshot``, sequential pipeline over ``BertLayer``), run in a subprocess
   with its own package directory (``--llmc-path``) because its pins (transformers ≤ 5.17, compressed-tensors
   0.19) conflict with quantd's dev environment. That directory, with the torch of the constraints file (datasets
@@ -353,6 +354,30 @@ def _section(name: str, fn: Callable[[], Any]) -> Any:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+# The HQQ comparison again in a new process whose glibc malloc is set as quantd's servers and CLI set it
+# (``QUANTD_KEEP_FREED_MEMORY``, before torch starts a thread), for both libraries: the hqq library allocates
+# large temporaries on every iteration, and its time depends on the allocator more than quantd's does.
+_KEPT_MEMORY_PROBE = r"""
+import json, sys
+from quantd.runtime import keep_freed_memory
+assert keep_freed_memory(True)
+sys.path.insert(0, sys.argv[1])
+import torch
+import methods
+torch.manual_seed(0)
+rows = methods.run_hqq_library(methods.EmbeddingProbe(), int(sys.argv[2]))
+print("ROWS" + json.dumps(rows))
+"""
+
+
+def run_hqq_kept_memory(repeats: int) -> list[dict[str, Any]]:
+    """:func:`run_hqq_library`'s method rows from a new process with quantd's malloc settings for both
+    libraries (:data:`_KEPT_MEMORY_PROBE`); the compiled kernels come from this run's kernel cache."""
+    out = subprocess.run([sys.executable, "-c", _KEPT_MEMORY_PROBE, str(Path(__file__).resolve().parent),
+                          str(repeats)], capture_output=True, text=True, timeout=1800, check=True)
+    return list(json.loads(out.stdout.split("ROWS")[-1]))
+
+
 def _hqq_only(name: str, repeats: int) -> int:
     """The HQQ section alone, merged into an existing results file (or a new one)."""
     from common import RESULTS_DIR
@@ -368,6 +393,8 @@ def _hqq_only(name: str, repeats: int) -> int:
 
         save_file({k: v.contiguous() for k, v in probe.weights.items()}, str(weights))
         payload["hqq"] = _section("HQQ: quantd vs the hqq library", lambda: run_hqq_library(probe, repeats, weights))
+    payload["hqq_kept_memory"] = _section("HQQ, both libraries with quantd's malloc settings",
+                                          lambda: run_hqq_kept_memory(repeats))
     payload["hqq_run"] = {"machine": machine, "repeats": repeats,
                           "versions": {"torch": torch.__version__, "hqq": library_version("hqq")}}
     log(f"wrote {write_results(name, payload)}")

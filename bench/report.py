@@ -947,12 +947,22 @@ def methods_section(data: dict[str, Any]) -> list[str]:
                     "includes their cold compile), and two untimed calls, for both libraries) and quantd's whole "
                     "in-process job, against the `hqq` library's `Quantizer` in the same run:", ""]
         out += _hqq_run_lines(data)
-        out.append(table(["library", "emb. cos mean", "seconds", "first call s", "quantd speed-up"],
-                         [[r["library"] + (f" {r['version']}" if r.get("version") else "")
-                           + (f" ({r['scope']})" if r.get("scope") and r["library"] == "quantd" else ""),
-                           fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r.get("seconds"), ".3f"),
-                           fmt(r.get("first_call_s"), ".2f"), fmt(r.get("speedup_vs_hqq"), ".2f")] for r in hqq]))
+        out.append(_hqq_table(hqq))
+        kept = data.get("hqq_kept_memory")
+        kept = [r for r in kept if isinstance(r, dict) and "unavailable" not in r] if isinstance(kept, list) else []
+        if kept:
+            out += ["", "The same method calls in a new process whose glibc malloc is set as quantd's servers and "
+                        "CLI set it (`QUANTD_KEEP_FREED_MEMORY`), for both libraries (first call: the kernels "
+                        "loaded from the run's cache):", "", _hqq_table(kept)]
     return out + _methods_best_vs_llmc(data) + _methods_defaults_vs_llmc(data)
+
+
+def _hqq_table(rows: list[dict[str, Any]]) -> str:
+    return table(["library", "emb. cos mean", "seconds", "first call s", "quantd speed-up"],
+                 [[r["library"] + (f" {r['version']}" if r.get("version") else "")
+                   + (f" ({r['scope']})" if r.get("scope") and r["library"] == "quantd" else ""),
+                   fmt(r.get("embedding_cos_mean"), ".4f"), fmt(r.get("seconds"), ".3f"),
+                   fmt(r.get("first_call_s"), ".2f"), fmt(r.get("speedup_vs_hqq"), ".2f")] for r in rows])
 
 
 def _hqq_run_lines(data: dict[str, Any]) -> list[str]:
