@@ -114,7 +114,7 @@ class Settings(BaseSettings):
     warmup_gguf: bool = Field(default=True, description=(
         "after that warm-up, build the GGUF k-quant searches' kernels too where GGUF jobs run on CPU (minutes "
         "on a cold kernel cache, under a minute from the cache in the data dir); GGUF jobs run eager until they "
-        "are built, then compiled (with QUANTD_COMPILE=auto they compile in no other case)"))
+        "are built, then compiled (with QUANTD_COMPILE=auto a server compiles them in no other case)"))
 
     database_url: SecretStr | None = Field(default=None, description=(
         "the job store: sqlite:///PATH (default: quantd.db in the data dir) or postgresql://USER:PASSWORD@HOST/DB, "

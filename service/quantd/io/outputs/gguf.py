@@ -105,6 +105,11 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
     return plans
 
 
+def plan_file(reader: GGUFReader, config: QuantConfig) -> list[PlannedTensor]:
+    """:func:`plan_gguf` of a GGUF file's tensors, with its metadata (the mixes read the architecture's)."""
+    return plan_gguf(reader.tensors, config, metadata={kv.key: kv.value for kv in reader.file.metadata})
+
+
 def _type_id(scheme: Scheme) -> int:
     from quantd.engine.ggml import GGML_TYPES
 
@@ -166,10 +171,6 @@ def _quantize_one(x: torch.Tensor, scheme: Scheme, name: str, imp: torch.Tensor 
     return ggml_error_stats(x, q, in_bits=in_bits, name=name), q.data
 
 
-# The ggml types with compiled kernels: the k-quants' searches and settles (with and without an importance
-# matrix), the legacy types' one fused pass (no importance).
-_KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
-_LEGACY = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 # The warm-up's weights (rows, row length), the largest first: Inductor fixes a kernel's code (its tiling and
 # vectorisation) from the sizes of its first call, and kernels first built on a few super-blocks ran a model's
 # tensors about 20 % slower. The second is exactly one statistics chunk (its size-1 dim is a variant of its own),
@@ -185,6 +186,7 @@ def warm_up_gguf() -> float | None:
     end, under ``QUANTD_COMPILE=auto``, GGUF jobs in this process take the compiled path. Seconds taken, or None
     when the compiled kernels are off."""
     from quantd.engine import kernels
+    from quantd.engine.ggml import GGML_TYPES
     from quantd.engine.ggml._common import building_kernels
 
     if not kernels.KERNELS.available():
@@ -194,9 +196,9 @@ def warm_up_gguf() -> float | None:
     with building_kernels():
         for x in (torch.randn(shape, generator=g) for shape in WARM_UP_SHAPES):
             imp = torch.rand(1, x.shape[1], generator=g) + 0.5
-            for dtype, imps in [(k, (None, imp)) for k in _KQUANTS] + [(t, (None,)) for t in _LEGACY]:
-                for importance in imps:
-                    _quantize_one(x, Scheme(dtype=dtype), "warm-up", importance, 32)  # type: ignore[arg-type]
+            for t in GGML_TYPES.values():  # the k-quants with and without an importance matrix
+                for importance in (None, imp) if t.uses_importance else (None,):
+                    _quantize_one(x, Scheme(dtype=t.name), "warm-up", importance, 32)  # type: ignore[arg-type]
     return time.perf_counter() - t0
 
 
@@ -213,8 +215,7 @@ def ggml_weights(path: str | os.PathLike[str], config: QuantConfig) -> int:
     except (OSError, QuantdError):
         return 0
     try:
-        meta = {kv.key: kv.value for kv in reader.file.metadata}
-        plans = plan_gguf(reader.tensors, config, metadata=meta)
+        plans = plan_file(reader, config)
     except QuantdError:
         return 0
     finally:
@@ -254,8 +255,7 @@ def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: Quan
     t0 = time.perf_counter() if started is None else started
     reader = gguf_input(reader)
     gf = reader.file
-    meta = {kv.key: kv.value for kv in gf.metadata}
-    plans = plan_gguf(reader.tensors, config, metadata=meta)
+    plans = plan_file(reader, config)
     outs = []
     for p in plans:
         e = reader.entry(p.info.name)
