@@ -117,6 +117,7 @@ def machine_info() -> dict[str, Any]:
         "ram_bytes": ram_bytes,
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "platform": platform.platform(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "loadavg_1_5_15min": list(os.getloadavg()),
@@ -152,7 +153,7 @@ def _wait_warm_up(server: Server, env: dict[str, str], proc: subprocess.Popen[by
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         text = server.log_path.read_text(errors="replace")
-        if "compiled CPU kernels ready" in text or "kernel warm-up failed" in text:
+        if "compiled kernels ready" in text or "kernel warm-up failed" in text:
             return
         time.sleep(0.2)
 

@@ -10,8 +10,13 @@
    tensor + 500 MB.
 2. Requests/s of ``POST /v1/quantize`` with a 1024×1024 float32 tensor from 8 concurrent clients for 20 s.
 
-    python bench/service.py            # full run (≈ 5 min on a 2-core CPU)
-    python bench/service.py --quick    # smoke run: 4 × 2048×2048, one repeat, 5 s of requests
+    python bench/service.py                  # full run (≈ 5 min on a 2-core CPU)
+    python bench/service.py --quick          # smoke run: 4 × 2048×2048, one repeat, 5 s of requests
+    python bench/service.py --device cuda    # both sides on the GPU (results in service_gpu.json)
+
+With ``--device cuda`` the in-process run and the server's worker quantize on the GPU, and the peak GPU memory
+of each (the in-process run's tensors, ``torch.cuda.max_memory_allocated``; the server's whole process, as
+``nvidia-smi`` reports it, its CUDA context included) is recorded beside the host's RSS.
 """
 
 from __future__ import annotations
@@ -61,12 +66,15 @@ from quantd.io.pipeline import quantize_file
 from quantd.runtime import keep_freed_memory_as_configured
 keep_freed_memory_as_configured()  # as the server does (QUANTD_KEEP_FREED_MEMORY)
 cfg = QuantConfig.model_validate(json.loads(sys.argv[4]))
-quantize_file(sys.argv[3], sys.argv[2], cfg, device="cpu")  # warm-up on the small file, untimed
+device = sys.argv[5]
+quantize_file(sys.argv[3], sys.argv[2], cfg, device=device)  # warm-up on the small file, untimed
 t0 = time.perf_counter()
-quantize_file(sys.argv[1], sys.argv[2], cfg, device="cpu")
+quantize_file(sys.argv[1], sys.argv[2], cfg, device=device)
 wall = time.perf_counter() - t0
 hwm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
-print(json.dumps({"wall_s": wall, "peak_rss_bytes": hwm}))
+import torch
+gpu = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+print(json.dumps({"wall_s": wall, "peak_rss_bytes": hwm, "peak_gpu_tensor_bytes": gpu}))
 """
 
 
@@ -107,11 +115,30 @@ def _process_tree(pid: int) -> list[int]:
     return pids
 
 
-class RssSampler:
-    """Samples the server's process tree every 50 ms: the largest VmHWM and the largest summed VmRSS."""
+def _gpu_used_bytes(pids: list[int]) -> int:
+    """GPU memory that ``nvidia-smi`` reports in use by ``pids`` (0 when it is not there or fails)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    used = 0
+    for line in out.splitlines():
+        with contextlib.suppress(ValueError):
+            pid, mib = (int(v) for v in line.split(","))
+            if pid in pids:
+                used += mib << 20
+    return used
 
-    def __init__(self, pid: int) -> None:
+
+class RssSampler:
+    """Samples the server's process tree every 50 ms: the largest VmHWM and the largest summed VmRSS; with
+    ``gpu``, also the largest GPU memory in use by the tree (every 0.5 s, through ``nvidia-smi``)."""
+
+    def __init__(self, pid: int, *, gpu: bool = False) -> None:
         self.pid = pid
+        self.gpu = gpu
+        self.peak_gpu_bytes = 0
         self.peak_hwm_kb = 0
         self.peak_tree_rss_kb = 0
         self.baseline_rss_kb = _status_kb(pid, "VmRSS")
@@ -119,10 +146,14 @@ class RssSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        tick = 0
         while not self._stop.is_set():
             tree = _process_tree(self.pid)
             self.peak_hwm_kb = max([self.peak_hwm_kb, *(_status_kb(p, "VmHWM") for p in tree)])
             self.peak_tree_rss_kb = max(self.peak_tree_rss_kb, sum(_status_kb(p, "VmRSS") for p in tree))
+            if self.gpu and tick % 10 == 0:
+                self.peak_gpu_bytes = max(self.peak_gpu_bytes, _gpu_used_bytes(tree))
+            tick += 1
             self._stop.wait(0.05)
 
     def __enter__(self) -> RssSampler:
@@ -134,10 +165,10 @@ class RssSampler:
         self._thread.join(timeout=5)
 
 
-def run_inprocess(src: Path, dst: Path, warm: Path) -> dict[str, Any]:
+def run_inprocess(src: Path, dst: Path, warm: Path, device: str) -> dict[str, Any]:
     os.sync()  # so that dirty pages of the previous run are not flushed on this run's time
     out = subprocess.run(
-        [sys.executable, "-c", INPROCESS, str(src), str(dst), str(warm), json.dumps(CONFIG)],
+        [sys.executable, "-c", INPROCESS, str(src), str(dst), str(warm), json.dumps(CONFIG), device],
         capture_output=True,
         text=True,
         timeout=900,
@@ -277,7 +308,7 @@ def timed_copy(src: Path, dst: Path) -> float:
     return elapsed
 
 
-def large_file(repeats: int, count: int, side: int) -> dict[str, Any]:
+def large_file(repeats: int, count: int, side: int, device: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="quantd-bench-large-") as tmp:
         src, dst = Path(tmp) / "model.safetensors", Path(tmp) / "inprocess.quantd.safetensors"
         log(f"writing {count} × {side}×{side} float32")
@@ -292,14 +323,16 @@ def large_file(repeats: int, count: int, side: int) -> dict[str, Any]:
         inproc: list[dict[str, Any]] = []
         runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
         peaks: dict[str, tuple[int, int, int]] = {}
+        gpu_peaks: dict[str, int] = {}
         # QUANTD_QUANTIZE_DURING_UPLOAD: "off" quantizes once the upload is stored; "on" tensor by tensor while
         # it streams in (the server's "auto" picks off on fewer than 4 cores without CUDA).
         for mode, http in runs.items():
-            env = {"QUANTD_QUANTIZE_DURING_UPLOAD": mode}
-            with quantd_server(workers=1, env=env) as server, RssSampler(server.process.pid) as rss:
+            env = {"QUANTD_QUANTIZE_DURING_UPLOAD": mode, "QUANTD_DEVICE": device}
+            with quantd_server(workers=1, env=env) as server, RssSampler(server.process.pid,
+                                                                         gpu=device != "cpu") as rss:
                 run_http_job(server, warm, timeout_s=300.0)  # untimed: the worker's one-off start-up
                 for i in range(repeats):  # alternate, so that load from others hits both sides alike
-                    inproc.append(run_inprocess(src, dst, warm))
+                    inproc.append(run_inprocess(src, dst, warm, device))
                     log(f"  in-process #{len(inproc)}: {inproc[-1]['wall_s']:.1f} s")
                     http.append(run_http_job(server, src, timeout_s=900.0))
                     log(
@@ -308,6 +341,7 @@ def large_file(repeats: int, count: int, side: int) -> dict[str, Any]:
                         f"{http[-1]['server_cpu_s']:.1f} s; + {http[-1]['download_s']:.1f} s download)"
                     )
             peaks[mode] = (rss.peak_hwm_kb, rss.baseline_rss_kb, rss.peak_tree_rss_kb)
+            gpu_peaks[mode] = rss.peak_gpu_bytes
         http = runs["off"]
         http_on = runs["on"]
         in_best, http_best = min(r["wall_s"] for r in inproc), min(r["wall_s"] for r in http)
@@ -318,6 +352,7 @@ def large_file(repeats: int, count: int, side: int) -> dict[str, Any]:
         budget = 3 * model["largest_tensor_bytes"] + 500 * 10**6
         http_on_s = statistics.median(r["wall_s"] for r in http_on)
         return {
+            "device": device,
             "model": model,
             "config": CONFIG,
             "repeats": repeats,
@@ -354,6 +389,8 @@ def large_file(repeats: int, count: int, side: int) -> dict[str, Any]:
             "server_baseline_rss_bytes": peaks["off"][1] * 1024,
             "server_peak_tree_rss_bytes": max(p[2] for p in peaks.values()) * 1024,
             "inprocess_peak_rss_bytes": max(r["peak_rss_bytes"] for r in inproc),
+            "inprocess_peak_gpu_tensor_bytes": max((r.get("peak_gpu_tensor_bytes") or 0) for r in inproc) or None,
+            "server_peak_gpu_bytes_by_mode": gpu_peaks if device != "cpu" else None,
             "rss_target_bytes": budget,
             "rss_target": "3 × largest tensor + 500 MB",
         }
@@ -407,12 +444,13 @@ async def _load(url: str, payload: bytes, clients: int, duration_s: float) -> di
     }
 
 
-def sync_throughput(side: int, clients: int, duration_s: float) -> dict[str, Any]:
+def sync_throughput(side: int, clients: int, duration_s: float, device: str) -> dict[str, Any]:
     payload = _tensor_payload(side)
-    with quantd_server(workers=1) as server:
+    with quantd_server(workers=1, env={"QUANTD_DEVICE": device}) as server:
         asyncio.run(_load(server.url, payload, clients, min(2.0, duration_s)))  # warm-up, not recorded
         result = asyncio.run(_load(server.url, payload, clients, duration_s))
-    return {"tensor_shape": [side, side], "payload_bytes": len(payload), "config": CONFIG, **result}
+    return {"tensor_shape": [side, side], "payload_bytes": len(payload), "config": CONFIG, "device": device,
+            **result}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,17 +463,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--out",
         default=None,
-        help="file name under bench/results/ (default service.json, with --quick service_quick.json)",
+        help="file name under bench/results/ (default service.json, service_gpu.json with a CUDA device, "
+        "service_quick.json with --quick)",
     )
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: where both sides quantize (default cpu)")
+    ap.add_argument("--throughput-s", type=float, default=None,
+                    help="seconds of concurrent POST /v1/quantize (default 20, 5 with --quick; 0 skips it)")
     args = ap.parse_args(argv)
-    out = args.out or ("service_quick.json" if args.quick else "service.json")
+    out = args.out or ("service_quick.json" if args.quick else
+                       "service.json" if args.device == "cpu" else "service_gpu.json")
     repeats = args.repeats or (1 if args.quick else 3)
     count, side = (4, 2048) if args.quick else (12, 4096)
     t_start = time.perf_counter()
     payload: dict[str, Any] = {"benchmark": "service", "quick": args.quick, "machine": machine_info()}
     log("== large file: HTTP job vs in-process")
     try:
-        payload["large_file"] = large_file(repeats, count, side)
+        payload["large_file"] = large_file(repeats, count, side, args.device)
         lf = payload["large_file"]
         log(
             f"  ratio {lf['wall_ratio']:.2f} (target ≤ 1.2); "
@@ -445,9 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         payload["large_file"] = {"error": f"{type(exc).__name__}: {exc}"}
         log(f"  failed: {exc}")
+    throughput_s = args.throughput_s if args.throughput_s is not None else (5.0 if args.quick else 20.0)
     log("== POST /v1/quantize, 8 concurrent clients")
     try:
-        payload["sync_throughput"] = sync_throughput(1024, 8, 5.0 if args.quick else 20.0)
+        if throughput_s <= 0:
+            raise RuntimeError("skipped (--throughput-s 0)")
+        payload["sync_throughput"] = sync_throughput(1024, 8, throughput_s, args.device)
         st = payload["sync_throughput"]
         log(f"  {st['requests_per_s']:.1f} req/s, p50 {st['latency_p50_s']}, statuses {st['statuses']}")
     except Exception as exc:

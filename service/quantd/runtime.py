@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from quantd.server.settings import Settings
     from quantd_client import QuantConfig
 
@@ -214,8 +216,10 @@ class WarmUp:
     thread: threading.Thread | None = None
 
 
-def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True) -> WarmUp:
-    """Build the engine's compiled CPU kernels for the common schemes in a background thread at a lower OS
+def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True,
+                  devices: Sequence[str] = ("cpu",)) -> WarmUp:
+    """Build the engine's compiled kernels for the common schemes on ``devices`` (the CPU and each CUDA device
+    that runs jobs) in a background thread at a lower OS
     priority; with ``activity`` (a server's requests), once no request has been in flight for
     :data:`WARM_UP_QUIET_S` (at the latest :data:`WARM_UP_MAX_WAIT_S` after this call). Until it ends, the
     kernels are held by it (``KERNELS.hold``): requests and jobs meanwhile run on the eager path instead of
@@ -240,7 +244,7 @@ def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True)
         start = time.perf_counter()
         took = None
         try:
-            took = warm_up()
+            took = warm_up(devices=devices)
         except Exception as e:  # a failed warm-up only means the first real tensor compiles (or runs eager)
             state.error = f"{type(e).__name__}: {e}"
             log.exception("kernel warm-up failed")
@@ -249,7 +253,7 @@ def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True)
             if took is None:
                 log.info("kernel warm-up skipped: compiled kernels are off")
             else:
-                log.info("compiled CPU kernels ready", extra={"warmup_s": round(took, 1)})
+                log.info("compiled kernels ready", extra={"warmup_s": round(took, 1), "devices": list(devices)})
         finally:
             KERNELS.release()
             state.done.set()
@@ -294,5 +298,6 @@ def run_worker(settings: Settings) -> None:
     if settings.warmup:
         from quantd.jobs import worker_devices
 
-        start_warm_up(gguf=settings.warmup_gguf and "cpu" in worker_devices(config))  # CPU engines only
+        devices = worker_devices(config)
+        start_warm_up(gguf=settings.warmup_gguf and "cpu" in devices, devices=devices)  # GGUF: CPU engines only
     run_jobs_worker(config)

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -212,7 +213,7 @@ async def test_kernel_warm_up_starts_with_the_app_when_enabled(make_server, monk
     from quantd import runtime
 
     started: list[int] = []
-    monkeypatch.setattr(runtime, "start_warm_up", lambda activity=None, gguf=True: started.append(1))
+    monkeypatch.setattr(runtime, "start_warm_up", lambda activity=None, gguf=True, devices=(): started.append(1))
     async with make_server(warmup=warmup) as server:
         assert (await server.client.get("/healthz")).status_code == 200
     assert started == ([1] if warmup else [])
@@ -226,7 +227,7 @@ async def test_the_gguf_kernels_are_warmed_only_for_cpu_engines(make_server, mon
     from quantd import runtime
 
     ggufs: list[bool] = []
-    monkeypatch.setattr(runtime, "start_warm_up", lambda activity=None, gguf=True: ggufs.append(gguf))
+    monkeypatch.setattr(runtime, "start_warm_up", lambda activity=None, gguf=True, devices=(): ggufs.append(gguf))
     async with make_server(warmup=True) as server:  # CPU
         assert (await server.client.get("/healthz")).status_code == 200
     async with make_server(warmup=True, warmup_gguf=False) as server:
@@ -255,7 +256,8 @@ async def test_requests_run_eager_while_the_warm_up_builds_the_kernels(make_serv
 
     gate, building = threading.Event(), threading.Event()
 
-    def slow_warm_up() -> float:  # stands for compiling: holds the kernels until the test lets it finish
+    def slow_warm_up(devices: Sequence[str] = ("cpu",)) -> float:
+        """Stands for compiling: holds the kernels until the test lets it finish."""
         assert KERNELS.wants(torch.empty(1 << 20))  # the warm-up's own thread takes them
         building.set()
         assert gate.wait(60)
@@ -307,7 +309,7 @@ async def test_requests_run_eager_while_the_warm_up_builds_the_kernels(make_serv
         gguf_gate.set()
         KERNELS.reset()
     messages = [rec.getMessage() for rec in caplog.records if rec.name == "quantd.runtime"]
-    assert messages[0].startswith("kernel warm-up started") and "compiled CPU kernels ready" in messages
+    assert messages[0].startswith("kernel warm-up started") and "compiled kernels ready" in messages
     assert "GGUF k-quant kernels ready" in messages
 
 
@@ -326,15 +328,16 @@ async def test_the_warm_up_builds_once_no_api_request_is_in_flight(make_server, 
     activities: list[runtime.RequestActivity] = []
     real_start = runtime.start_warm_up
 
-    def start(activity: runtime.RequestActivity | None = None, gguf: bool = True) -> runtime.WarmUp:
+    def start(activity: runtime.RequestActivity | None = None, gguf: bool = True,
+              devices: Sequence[str] = ("cpu",)) -> runtime.WarmUp:
         assert activity is not None
         activity.enter()  # stands for a request in flight from the start
         activities.append(activity)
-        return real_start(activity, gguf=False)
+        return real_start(activity, gguf=False, devices=devices)
 
     monkeypatch.setattr(runtime, "WARM_UP_QUIET_S", 0.3)
     monkeypatch.setattr(runtime, "start_warm_up", start)
-    monkeypatch.setattr(quantd.io.pipeline, "warm_up", lambda: began.set() or 0.0)
+    monkeypatch.setattr(quantd.io.pipeline, "warm_up", lambda devices=(): began.set() or 0.0)
     KERNELS.reset(available=True)
     try:
         async with make_server(warmup=True) as server:

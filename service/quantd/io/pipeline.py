@@ -284,13 +284,17 @@ WARMUP_SCHEMES = (
 )
 
 
-def warm_up(schemes: Sequence[Scheme] = WARMUP_SCHEMES) -> float | None:
-    """Run one tensor's pipeline (quantize, statistics, packing) per scheme on a small CPU tensor, so that
-    the compiled kernels those schemes need are built (or loaded from Inductor's disk cache) before the
-    first real tensor. Seconds taken, or None when the compiled kernels are off (nothing to warm)."""
+def warm_up(schemes: Sequence[Scheme] = WARMUP_SCHEMES, devices: Sequence[str] = ("cpu",)) -> float | None:
+    """Run one tensor's pipeline (quantize, statistics, packing) per scheme on small tensors on each of
+    ``devices`` whose compiled kernels are on (the workers' devices: a CUDA device's kernels are its own), so
+    that the compiled kernels those schemes need are built (or loaded from Inductor's disk cache) before the
+    first real tensor. Seconds taken, or None when no device's compiled kernels are on (nothing to warm)."""
     from quantd.engine import kernels
 
-    if not kernels.KERNELS.available():
+    targets = [torch.device(d) for d in dict.fromkeys(devices)]
+    targets = [d for d in targets if (kernels.KERNELS.available_cuda() if d.type == "cuda"
+                                      else kernels.KERNELS.available())]
+    if not targets:
         return None
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(0)
@@ -301,10 +305,12 @@ def warm_up(schemes: Sequence[Scheme] = WARMUP_SCHEMES) -> float | None:
     # so that the first weight of another shape would compile them again, inside its job.
     cols = 1024
     rows = max(1, -(-max(kernels.MIN_ELEMENTS, 1) // cols))
-    for x in (torch.randn(rows, cols, generator=g), torch.randn(4352, 256, generator=g)):
-        for scheme in schemes:
-            _, qt = _measure(x, scheme, "warm-up")
-            encode_quantized(qt, "warm-up")
+    for host in (torch.randn(rows, cols, generator=g), torch.randn(4352, 256, generator=g)):
+        for device in targets:
+            x = host.to(device)
+            for scheme in schemes:
+                _, qt = _measure(x, scheme, "warm-up")
+                encode_quantized(qt, "warm-up")
     return time.perf_counter() - t0
 
 

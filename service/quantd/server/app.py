@@ -129,9 +129,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             from quantd.jobs import worker_devices
 
             # GGUF's k-quant kernels serve CPU engines only: CUDA workers run GGUF jobs on the eager ops.
-            cpu = device == "cpu" or (service.config.workers != 0
-                                      and "cpu" in await anyio.to_thread.run_sync(worker_devices, service.config))
-            runtime.start_warm_up(activity, gguf=settings.warmup_gguf and cpu)
+            workers = ([] if service.config.workers == 0
+                       else await anyio.to_thread.run_sync(worker_devices, service.config))
+            devices = list(dict.fromkeys([device, *workers]))  # the sync requests' device and the workers'
+            runtime.start_warm_up(activity, gguf=settings.warmup_gguf and "cpu" in devices, devices=devices)
         log.info("quantd started", extra={"data_dir": str(settings.data_dir), "auth": bool(keys),
                                           "embedded_workers": embedded_worker_count(settings),
                                           "sync_device": device})

@@ -64,7 +64,7 @@ def wants_kernels(x: torch.Tensor) -> bool:
         return False
     if setting == "auto" and not (KQUANT_KERNELS.built.is_set() or getattr(KQUANT_KERNELS.local, "building", False)):
         return False
-    return kernels.KERNELS.wants(x, small=True)
+    return kernels.KERNELS.wants(x, small=True, cuda=False)  # eager on CUDA: no CUDA kernels of theirs
 
 
 def f16_bytes(v: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ def clipped_in_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _clipped_count(a: torch.Tensor, b: torch.Tensor) -> int:
     """:func:`clipped_in_blocks` over all blocks: one compiled pass where the kernels run, else in chunks on
     the chunk threads."""
-    if kernels.KERNELS.wants(a):
+    if kernels.KERNELS.wants(a, cuda=False):
         torch._dynamo.mark_static(a, 1)
         torch._dynamo.mark_static(b, 1)
         out = kernels.KERNELS.call("ggml_clipped", clipped_in_blocks, (a.shape[1],), a, b)

@@ -13,9 +13,12 @@ sums may differ from the eager ones in the last bits (another summation order; t
 relative); the counts are exact.
 
 When they run: on CPU tensors of at least :data:`MIN_ELEMENTS` elements, when a C++ compiler is found and
-``QUANTD_COMPILE`` is not ``0``. CUDA tensors stay on the eager ops. The first call of each kernel compiles
-it (Inductor caches the result on disk for later processes); any failure to compile or run switches the
-process to the eager path for good, with one warning.
+``QUANTD_COMPILE`` is not ``0``; on CUDA tensors of that size when Triton is installed and Inductor can be told
+to keep eager CUDA's arithmetic (:func:`cuda_options`: IEEE division, no fused multiply-add, no flush of
+subnormals), so that a CUDA kernel's codes equal the CPU's bit for bit. The GGUF types and HQQ stay eager on
+CUDA (``cuda=False`` in :meth:`_Compiled.wants`). The first call of each kernel compiles it (Inductor caches
+the result on disk for later processes); any failure to compile or run switches that device's kernels to the
+eager path for good, with one warning.
 """
 
 from __future__ import annotations
@@ -50,6 +53,31 @@ T = TypeVar("T")
 # compiled on a tiny tensor stays serial for every later tensor of any size, in this process and, through
 # Inductor's disk cache, in every later one. Per compiled function (``options``), not a global config patch.
 INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.dynamic_threads": True}
+
+
+# Inductor's settings that make its Triton kernels compute what eager CUDA torch computes: float32 division
+# rounded to nearest (Triton's ``/`` is an approximate division), no multiply-add contracted into one
+# rounding, low-precision intermediates rounded as eager rounds them, and subnormals kept.
+_CUDA_EXACT = ("eager_numerics.division_rounding", "emulate_precision_casts", "eager_numerics.disable_ftz")
+
+
+def cuda_options() -> dict[str, bool] | None:
+    """The Inductor options of the CUDA kernels (:data:`_CUDA_EXACT`, all on), or None when this torch lacks one
+    of them or Triton: then CUDA tensors stay on the eager ops, whose results the CPU's equal."""
+    try:
+        from torch._inductor import config
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return None
+    if not has_triton():
+        return None
+    for key in _CUDA_EXACT:
+        node: Any = config
+        for part in key.split("."):
+            if not hasattr(node, part):
+                return None
+            node = getattr(node, part)
+    return dict.fromkeys(_CUDA_EXACT, True)
 
 
 def compile_setting() -> str:
@@ -97,22 +125,38 @@ class _Compiled:
         self._fns: dict[str, Callable[..., Any]] = {}
         self._warm: set[tuple[Any, ...]] = set()
         self._broken: str | None = None
+        self._broken_cuda: str | None = None  # CUDA's kernels fail apart from the CPU's
         self._available: bool | None = None
+        self._cuda: dict[str, bool] | bool | None = False  # cuda_options(), False until asked
         self._exhausted: set[str] = set()  # kernels past their recompile limit: eager from then on
         self._holder: threading.Thread | None = None  # while set, the only thread that takes the kernels
 
     def available(self) -> bool:
+        """Whether the CPU kernels run: compiling is on, a C++ compiler is found, and none failed."""
         if self._available is None:
             compiler = os.environ.get("CXX") or "c++"
             self._available = compile_setting() != "off" and shutil.which(compiler) is not None
         return self._available and self._broken is None
 
-    def wants(self, x: torch.Tensor, *, small: bool = False) -> bool:
-        """Whether ``x`` takes the compiled kernels: a CPU tensor of at least ``MIN_ELEMENTS`` elements
-        (``SMALL_MIN_ELEMENTS`` for the kernels that pay off on ``small`` ones), when compiling is on and
+    def available_cuda(self) -> bool:
+        """Whether the CUDA kernels run: compiling is on (``QUANTD_COMPILE``, or as :meth:`reset` forced it),
+        :func:`cuda_options` is not None, and none failed."""
+        if self._cuda is False:
+            self._cuda = cuda_options()
+        enabled = compile_setting() != "off" if self._available is None else self._available
+        return enabled and self._cuda is not None and self._broken_cuda is None
+
+    def wants(self, x: torch.Tensor, *, small: bool = False, cuda: bool = True) -> bool:
+        """Whether ``x`` takes the compiled kernels: a tensor of at least ``MIN_ELEMENTS`` elements
+        (``SMALL_MIN_ELEMENTS`` for the kernels that pay off on ``small`` ones) on the CPU, or on CUDA unless
+        the caller's kernels stay eager there (``cuda=False``), when that device's kernels are available and
         no warm-up in another thread holds them."""
         least = min(MIN_ELEMENTS, SMALL_MIN_ELEMENTS) if small else MIN_ELEMENTS
-        return x.device.type == "cpu" and x.numel() >= least and self.available() and self._mine()
+        if x.numel() < least or not self._mine():
+            return False
+        if x.device.type == "cuda":
+            return cuda and self.available_cuda()
+        return x.device.type == "cpu" and self.available()
 
     def hold(self, thread: threading.Thread) -> None:
         """Until :meth:`release`, only ``thread`` (a warm-up building the kernels) takes them; every other
@@ -135,8 +179,15 @@ class _Compiled:
              options: dict[str, Any] | None = None) -> T | None:
         """``fn(*args)`` compiled (with Inductor ``options`` on top of :data:`INDUCTOR_OPTIONS`), or None when
         compiling is off or failed (the caller runs eager)."""
-        if not self.available() or name in self._exhausted or not self._mine():
+        device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        on_cuda = device is not None and device.type == "cuda"
+        if name in self._exhausted or not self._mine() or not (self.available_cuda() if on_cuda
+                                                                 else self.available()):
             return None
+        if on_cuda:  # host constants (a codebook, a threshold) go with the kernel: one graph, one device
+            args = tuple(a.to(device) if isinstance(a, torch.Tensor) and a.device != device else a for a in args)
+            name = f"{name}@cuda"  # a function of its own: the CUDA options, and Dynamo's variants apart
+            options = {**(options or {}), **(self._cuda if isinstance(self._cuda, dict) else {})}
         key = (*key, torch.get_num_threads())  # Dynamo recompiles when the thread count changes
         args = tuple(_unviewed(a) for a in args)
         try:
@@ -159,13 +210,19 @@ class _Compiled:
                         name, RECOMPILE_LIMIT)
             return None
         except Exception as e:  # any compiler or toolchain failure: fall back, never fail the job
-            self._broken = f"{type(e).__name__}: {e}"
-            log.warning("compiled kernels disabled, using eager torch: %s", self._broken.splitlines()[0][:300])
+            reason = f"{type(e).__name__}: {e}"
+            if on_cuda:
+                self._broken_cuda = reason
+            else:
+                self._broken = reason
+            log.warning("compiled kernels disabled on %s, using eager torch: %s", "CUDA" if on_cuda else "the CPU",
+                        reason.splitlines()[0][:300])
             return None
 
     def reset(self, *, available: bool | None = None) -> None:
         """Forget the failure state (and optionally force availability): for tests."""
         self._broken = None
+        self._broken_cuda = None
         self._available = available
         self._exhausted.clear()
 

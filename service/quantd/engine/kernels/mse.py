@@ -105,12 +105,13 @@ def fix_block_length(blocks: torch.Tensor) -> int | None:
     return k
 
 
-def error_args(info: DTypeInfo, dtype: str) -> tuple[torch.Tensor, torch.Tensor, str, tuple[float, int, int]]:
+def error_args(info: DTypeInfo, dtype: str, device: torch.device | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, str, tuple[float, int, int]]:
     """What :func:`candidate_error` takes besides the blocks and candidates for ``dtype``: an integer
-    dtype's code range (:func:`_code_bounds`), the kind of dtype, and an fp8 dtype's largest finite value,
+    dtype's code range (:func:`_code_bounds`, on ``device``), the kind of dtype, and an fp8 dtype's largest finite value,
     mantissa bits and smallest normal exponent."""
     fp8 = (info.max_finite, *fp8_format(dtype)) if info.kind == "fp8" else (0.0, 0, 0)
-    return (*_code_bounds(info.qmin, info.qmax), info.kind, fp8)
+    return (*_code_bounds(info.qmin, info.qmax, device), info.kind, fp8)
 
 
 def candidate_error(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor, zero_point: torch.Tensor,

@@ -5,6 +5,7 @@ Each public function returns None when the kernels are off (the caller then runs
 
 from __future__ import annotations
 
+import functools
 from typing import cast
 
 import torch
@@ -71,18 +72,22 @@ def row_range(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return KERNELS.call("range", _range, (blocks.dtype,), blocks)
 
 
-def _code_bounds(qmin: int | None, qmax: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """An integer dtype's code range as 0-d float32 tensors (zeros for other dtypes). The bounds go into the
-    kernels as tensors, not constants: one compiled kernel serves every bit width (Dynamo recompiles per
-    constant value, and stops compiling a function after a few variants)."""
-    return (torch.tensor(float(qmin or 0), dtype=torch.float32), torch.tensor(float(qmax or 0), dtype=torch.float32))
+@functools.lru_cache(maxsize=256)
+def _code_bounds(qmin: int | None, qmax: int | None, device: torch.device | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An integer dtype's code range as 0-d float32 tensors on ``device`` (the host when None; zeros for other
+    dtypes), made once per range and device (read only). The bounds go into the kernels as tensors, not
+    constants: one compiled kernel serves every bit width (Dynamo recompiles per constant value, and stops
+    compiling a function after a few variants)."""
+    return (torch.tensor(float(qmin or 0), dtype=torch.float32, device=device),
+            torch.tensor(float(qmax or 0), dtype=torch.float32, device=device))
 
 
 def encode_int(blocks: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int,
                out_dtype: torch.dtype) -> torch.Tensor | None:
     """``clamp(round(x / scale) + zero_point, qmin, qmax)`` as ``out_dtype``; scale/zero point are float32
     columns ``[B, 1]``."""
-    lo, hi = _code_bounds(qmin, qmax)
+    lo, hi = _code_bounds(qmin, qmax, blocks.device)
     return KERNELS.call("int", _encode_int, (blocks.dtype, out_dtype), blocks, scale, zero_point, lo, hi, out_dtype)
 
 
@@ -159,7 +164,7 @@ def quantize_minmax(blocks: torch.Tensor, info: DTypeInfo, *, dtype: str, symmet
     :func:`encode_nf4` called one after the other, without the three calls' overheads and temporaries. Returns codes,
     whether every range is finite, scale and zero point (None when symmetric or nf4); None when not
     compiled."""
-    lo_q, hi_q = _code_bounds(info.qmin, info.qmax)
+    lo_q, hi_q = _code_bounds(info.qmin, info.qmax, blocks.device)
     out = KERNELS.call("minmax", _quantize_minmax, (blocks.dtype, dtype, symmetric, scale_dtype, out_dtype),
                        blocks, info.kind, dtype, symmetric, scale_dtype, lo_q, hi_q, out_dtype)
     if out is None:

@@ -127,8 +127,8 @@ def outlier_count(x: torch.Tensor, mean: float, threshold: float) -> torch.Tenso
     flat = x.reshape(-1)
     bounds = _float32_interval(mean, threshold) if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
     if bounds is not None:
-        lo, hi = (torch.tensor(b, dtype=torch.float32) for b in bounds)
+        lo, hi = (torch.full((), b, dtype=torch.float32, device=x.device) for b in bounds)
         return KERNELS.call("outside", _outside, (x.dtype,), flat, lo, hi)
-    m = torch.tensor(mean, dtype=torch.float64)
-    t = torch.tensor(threshold, dtype=torch.float64)
+    m = torch.full((), mean, dtype=torch.float64, device=x.device)
+    t = torch.full((), threshold, dtype=torch.float64, device=x.device)
     return KERNELS.call("outliers", _outliers, (x.dtype,), flat, m, t)

@@ -231,7 +231,7 @@ def _compiled(blocks: torch.Tensor, fused: Callable[..., tuple[torch.Tensor, ...
     """The method by the compiled kernel, one call per :data:`_COMPILED_CHUNK_ELEMENTS` (a call costs more
     than a chunk's arithmetic on small tensors), or None when the kernels are off or the setting unrolls into
     more than :data:`_MAX_FUSED_STAGES` candidates, refits and steps (the caller runs eager)."""
-    if stages > _MAX_FUSED_STAGES or not kernels.KERNELS.wants(blocks, small=True):
+    if stages > _MAX_FUSED_STAGES or not kernels.KERNELS.wants(blocks, small=True, cuda=False):
         return None
     step = max(1, _COMPILED_CHUNK_ELEMENTS // blocks.shape[1])
     name = f"hqq_fused_{id(fused)}"

@@ -226,7 +226,7 @@ def search_step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Te
         out = KERNELS.call(
             name, fn, (x.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype, float(norm), fixed),
             x, lo, hi, b, offsets, e_best, grid.start, grid.step, grid.last, scheme.dtype, scheme.symmetric,
-            scheme.scale_dtype, *error_args(info, scheme.dtype), float(norm), options=NO_REALIZE)
+            scheme.scale_dtype, *error_args(info, scheme.dtype, x.device), float(norm), options=NO_REALIZE)
         if out is not None:
             return out
     idx, scale, inv, zp = stage_candidates(lo, hi, b, offsets, grid, scheme)
