@@ -62,6 +62,7 @@ def _weights(in_dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     x[3, 7] = 0.4  # an outlier, so that ranges, clipping and outlier counts are not all trivial
     x[5, :64] = 0.0  # an all-zero group
     x[9, 100] = 1e-41  # a subnormal: kept, not flushed to zero
+    x[11, :128] = torch.linspace(-3e-39, 2e-39, 128)  # a block of subnormals (with float32 scales: a subnormal scale)
     return x.to(in_dtype)
 
 

@@ -55,15 +55,30 @@ T = TypeVar("T")
 INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {"cpp.dynamic_threads": True}
 
 
-# Inductor's settings that make its Triton kernels compute what eager CUDA torch computes: float32 division
-# rounded to nearest (Triton's ``/`` is an approximate division), no multiply-add contracted into one
-# rounding, low-precision intermediates rounded as eager rounds them, and subnormals kept.
-_CUDA_EXACT = ("eager_numerics.division_rounding", "emulate_precision_casts", "eager_numerics.disable_ftz")
+# Inductor's settings that make its Triton kernels compute what eager CUDA torch computes, each under the names
+# torch releases have given it: float32 division rounded to nearest (Triton's ``/`` is an approximate
+# division); no multiply-add contracted into one rounding, and low-precision intermediates rounded as eager
+# rounds them; subnormals kept, not flushed to zero.
+_CUDA_EXACT: tuple[tuple[str, ...], ...] = (
+    ("eager_numerics.division_rounding", "emulate_divison_rounding", "emulate_division_rounding"),
+    ("emulate_precision_casts",),
+    ("eager_numerics.disable_ftz", "disable_ftz"),
+)
+
+
+def _has_setting(config: Any, key: str) -> bool:
+    node = config
+    for part in key.split("."):
+        if not hasattr(node, part):
+            return False
+        node = getattr(node, part)
+    return isinstance(node, bool)
 
 
 def cuda_options() -> dict[str, bool] | None:
-    """The Inductor options of the CUDA kernels (:data:`_CUDA_EXACT`, all on), or None when this torch lacks one
-    of them or Triton: then CUDA tensors stay on the eager ops, whose results the CPU's equal."""
+    """The Inductor options of the CUDA kernels (each of :data:`_CUDA_EXACT` on, under the name this torch knows),
+    or None when this torch lacks one of them, or Triton: then CUDA tensors stay on the eager ops, whose results
+    the CPU's equal."""
     try:
         from torch._inductor import config
         from torch.utils._triton import has_triton
@@ -71,13 +86,13 @@ def cuda_options() -> dict[str, bool] | None:
         return None
     if not has_triton():
         return None
-    for key in _CUDA_EXACT:
-        node: Any = config
-        for part in key.split("."):
-            if not hasattr(node, part):
-                return None
-            node = getattr(node, part)
-    return dict.fromkeys(_CUDA_EXACT, True)
+    options = {}
+    for names in _CUDA_EXACT:
+        found = next((name for name in names if _has_setting(config, name)), None)
+        if found is None:
+            return None
+        options[found] = True
+    return options
 
 
 def compile_setting() -> str:
