@@ -1,6 +1,6 @@
 """The engine on a CUDA device: RTN against the same run's device-to-device copy of the same weight.
 
-    python bench/gpu.py [--repeats 20] [--out gpu.json]
+    python bench/gpu.py [--repeats 20] [--out gpu.json] [--breakdown] [--shapes 4096x4096] [--dtypes float32]
 
 For a 4096×4096 and an 11008×4096 weight in float32 and bfloat16, and the schemes int8 per channel
 (symmetric) and int4 g128 (affine), each of the engine's CUDA paths (``compiled``: the Triton kernels that
@@ -13,7 +13,8 @@ for
 
 against ``dst.copy_(src)`` of the same weight. Bandwidth is counted in the fewest bytes each step must move
 (the weight read once; codes, or packed codes, scales and zero points written once) and set against the
-copy's (the weight read and written). Times are per call: CUDA events around loops of calls, median of
+copy's (the weight read and written). ``--breakdown`` also records, for the compiled path, each CUDA kernel's
+share of the device time and the host's busiest functions (cProfile). Times are per call: CUDA events around loops of calls, median of
 ``repeats`` loops, with the host's per-call work (Python, guards, the host syncs of the NaN and scale checks)
 included, as a job meets it; ``device_us`` is the CUDA kernels' own time per call (the profiler's sum), the
 host left out. The inputs rotate among copies that together exceed the L2 cache, so no call reads a weight
@@ -89,7 +90,39 @@ def _min_bytes(numel: int, in_bytes: int, scheme: dict[str, Any], *, packed: boo
     return numel * in_bytes + codes + qparams
 
 
-def run_case(shape: tuple[int, int], dtype: torch.dtype, repeats: int) -> dict[str, Any]:
+def _kernel_table(fn: Callable[[int], object], calls: int) -> list[dict[str, Any]]:
+    """The CUDA kernels of ``calls`` calls of ``fn``, busiest first: name, device µs and launches per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fn(i)
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:120], "device_us": float(getattr(e, "self_device_time_total", 0.0)) / calls,
+             "launches": e.count / calls} for e in prof.key_averages()]
+    return sorted((r for r in rows if r["device_us"] > 0), key=lambda r: -r["device_us"])[:10]
+
+
+def _host_profile(fn: Callable[[int], object], calls: int) -> list[str]:
+    """The host functions where ``calls`` calls of ``fn`` spend their time (cProfile, by own time, per call)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]  # type: ignore[attr-defined]
+    return [f"{tt / calls * 1e6:8.1f} µs own {ct / calls * 1e6:8.1f} µs cumulative {nc / calls:6.1f}× "
+            f"{Path(file).name}:{line} {func}" for (file, line, func), (_, nc, tt, ct, _) in rows]
+
+
+def run_case(shape: tuple[int, int], dtype: torch.dtype, repeats: int, *, breakdown: bool = False
+             ) -> dict[str, Any]:
     rows, cols = shape
     numel = rows * cols
     in_bytes = torch.finfo(dtype).bits // 8
@@ -138,6 +171,12 @@ def run_case(shape: tuple[int, int], dtype: torch.dtype, repeats: int) -> dict[s
                     "target": TARGETS[step], "meets_target": frac >= TARGETS[step],
                     "peak_extra_gpu_bytes_per_call": peak,
                 }
+                if breakdown and path == "compiled":
+                    entry[step]["kernels"] = _kernel_table(fn, calls)
+                    entry[step]["host"] = _host_profile(fn, calls)
+                    log("    " + "\n    ".join(f"{k['device_us']:8.1f} µs {k['launches']:.0f}× {k['kernel']}"
+                                               for k in entry[step]["kernels"]))
+                    log("    " + "\n    ".join(entry[step]["host"]))
                 log(f"  {sname} {path} {step}: {wall:.1f} µs/call ({device:.1f} µs on the device), "
                     f"{frac:.2f} of the copy's bandwidth (device time {entry[step]['device_copy_bandwidth_fraction']:.2f})"
                     f"; first call {first:.2f} s")
@@ -159,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=20, help="timed loops per step (median)")
     ap.add_argument("--out", default="gpu.json", help="file name under bench/results/")
+    ap.add_argument("--breakdown", action="store_true", help="per-kernel device times and a host profile too")
+    ap.add_argument("--shapes", default=",".join(f"{r}x{c}" for r, c in SHAPES), help="e.g. 4096x4096,11008x4096")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="e.g. float32,bfloat16")
     args = ap.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure")
         return 0
@@ -172,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                    "triton": _version("triton"), "compiled_kernels": kernels.cuda_options() is not None},
         "targets": TARGETS, "cases": [],
     }
-    for shape in SHAPES:
-        for dtype in DTYPES.values():
-            payload["cases"].append(run_case(shape, dtype, args.repeats))
+    for shape in shapes:
+        for dtype in dtypes:
+            payload["cases"].append(run_case((shape[0], shape[1]), dtype, args.repeats, breakdown=args.breakdown))
             torch.cuda.empty_cache()
     payload["elapsed_s"] = time.perf_counter() - t0
     log(f"wrote {write_results(args.out, payload)} in {payload['elapsed_s']:.0f} s")

@@ -47,6 +47,9 @@ from quantd_client._dtypes import DTypeInfo, dtype_info
 # 4 MiB of float32 per chunk: split over two cores it stays in their L2 (2 MiB each), on one core in
 # L3, across all its passes; larger chunks fall out of cache, smaller ones pay more per-chunk overhead.
 CHUNK_ELEMENTS = 1 << 20
+# On CUDA there is no cache to stay in, and each op fills the device: chunks as large as a temporary may be
+# (64 MiB of float32), for the fewest launches.
+CUDA_CHUNK_ELEMENTS = 1 << 24
 
 # float32 x + 1.5·2²³ rounds x (|x| < 2²²) to an integer, half to even, leaving it in the low mantissa bits.
 _ROUND_MAGIC = 12582912.0
@@ -61,16 +64,22 @@ NF4_CODEBOOK_F32 = torch.tensor(compiled.NF4_LEVELS, dtype=torch.float32)
 NF4_MIDPOINTS: tuple[float, ...] = compiled.NF4_MIDPOINTS
 
 
-def _chunks(rows: int, cols: int) -> Iterator[tuple[slice, slice]]:
-    """Row chunks of about CHUNK_ELEMENTS; a row longer than that is cut into column chunks."""
-    if cols <= CHUNK_ELEMENTS:
-        step = max(1, CHUNK_ELEMENTS // cols)
+def _chunk_elements(device: torch.device) -> int:
+    return CHUNK_ELEMENTS if device.type == "cpu" else CUDA_CHUNK_ELEMENTS
+
+
+def _chunks(rows: int, cols: int, device: torch.device) -> Iterator[tuple[slice, slice]]:
+    """Row chunks of about :func:`_chunk_elements` on ``device``; a row longer than that is cut into column
+    chunks."""
+    limit = _chunk_elements(device)
+    if cols <= limit:
+        step = max(1, limit // cols)
         for r in range(0, rows, step):
             yield slice(r, min(r + step, rows)), slice(0, cols)
     else:
         for r in range(rows):
-            for c in range(0, cols, CHUNK_ELEMENTS):
-                yield slice(r, r + 1), slice(c, min(c + CHUNK_ELEMENTS, cols))
+            for c in range(0, cols, limit):
+                yield slice(r, r + 1), slice(c, min(c + limit, cols))
 
 
 class _Encoder:
@@ -168,7 +177,7 @@ def _quantize_fused_minmax(enc: _Encoder, scheme: Scheme, *, name: str
     info = dtype_info(scheme.dtype)
     zp = (torch.empty(rows, dtype=zero_point_dtype(scheme.dtype), device=dev)
           if info.kind == "int" and not scheme.symmetric else None)
-    chunks = list(_chunks(rows, cols))
+    chunks = list(_chunks(rows, cols, dev))
 
     def one(i: int) -> None:
         rs, cs = chunks[i]
@@ -203,7 +212,7 @@ def _quantize_two_pass(enc: _Encoder, scheme: Scheme, rng: Range | None, *, name
                                scale_dtype=scheme.scale_dtype)
     s_col = scale.float().unsqueeze(1)
     z_col = None if zp is None else zp.float().unsqueeze(1)
-    chunks = list(_chunks(rows, cols))
+    chunks = list(_chunks(rows, cols, enc.blocks.device))
 
     def one(i: int) -> None:
         rs, cs = chunks[i]
@@ -225,9 +234,11 @@ def _encode_compiled(blocks: torch.Tensor, info: DTypeInfo, codes_dtype: torch.d
 
 
 def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, codes_dtype: torch.dtype,
-                       rng: Range | None, *, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """Observe (minmax: one fused pass), choose qparams, encode (one fused pass); None when the kernels
-    are not available, and the caller takes the eager path."""
+                       rng: Range | None, *, name: str
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float | None] | None:
+    """Observe (minmax: one fused pass), choose qparams, encode (one fused pass); codes, scale, zero point and
+    the largest scale when the kernel found it (else None). None when the kernels are not available, and the
+    caller takes the eager path."""
     if rng is not None:  # given by the caller: the weights themselves are not checked by observing
         if not bool(torch.isfinite(blocks).all()):
             raise NonFiniteError("NaN or Inf in the weights", tensor=name)
@@ -238,7 +249,7 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
             return None
         if not whole[1]:
             raise _non_finite_range(name)
-        return whole[0], whole[2], whole[3]
+        return whole[0], whole[2], whole[3], whole[4]
     elif scheme.observer == "minmax":  # NaN/Inf propagate into the range, which is checked below
         rng = compiled.row_range(blocks)
         if rng is None:
@@ -251,16 +262,20 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
     if not finite:
         raise _non_finite_range(name)
     codes = _encode_compiled(blocks, info, codes_dtype, s_col, z_col)
-    return None if codes is None else (codes, scale, zp)
+    return None if codes is None else (codes, scale, zp, None)
 
 
-def _check_scales_fit(blocks: torch.Tensor, scale: torch.Tensor, scheme: Scheme, *, name: str) -> None:
+def _check_scales_fit(blocks: torch.Tensor, scale: torch.Tensor, scheme: Scheme, *, name: str,
+                      top_scale: float | None = None) -> None:
     """A ConfigError (field ``scale_dtype``) when a block's scale needed more than the scale dtype's largest
     value (float16: 65504, e.g. int4 weights beyond ~4.9e5): its scale was clamped there and the block would
     be clipped wholesale. Only blocks whose scale sits at that largest value are looked at (their min-max
-    range, an upper bound of any observer's), so this costs nothing otherwise."""
+    range, an upper bound of any observer's), so this costs nothing otherwise. ``top_scale``: the largest scale,
+    when the caller has it (no reduction and host sync here)."""
     top = torch.finfo(scale.dtype).max
-    if scale.numel() == 0 or float(scale.max()) < top:  # one reduction; nonzero() only when needed
+    if scale.numel() == 0:
+        return
+    if (float(scale.max()) if top_scale is None else top_scale) < top:  # nonzero() only when needed
         return
     at_top = (scale.reshape(-1) >= top).nonzero().reshape(-1)
     sub = blocks.index_select(0, at_top).double()
@@ -337,20 +352,23 @@ def quantize(x: torch.Tensor, scheme: Scheme, *, name: str = "tensor",
     axis = check_applicable(tuple(x.shape), gran, name=name)
     blocks, sshape = block_view(x, gran, name=name)
     codes_dtype = compiled.FP8_TORCH_DTYPES[scheme.dtype] if info.kind == "fp8" else code_dtype(scheme.dtype)
-    done = None
+    done: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    top_scale = None
     small = observer_range is None and scheme.observer == "minmax" and info.kind in ("int", "nf4")
     if kernels.KERNELS.wants(blocks, small=small):
-        done = _quantize_compiled(blocks, scheme, info, codes_dtype, observer_range, name=name)
+        out = _quantize_compiled(blocks, scheme, info, codes_dtype, observer_range, name=name)
+        if out is not None:
+            done, top_scale = out[:3], out[3]
     if done is None:
         enc = _Encoder(info, blocks, codes_dtype)
         fused = (observer_range is None and scheme.observer == "minmax" and blocks.shape[0] > 1
-                 and blocks.shape[1] <= CHUNK_ELEMENTS)
+                 and blocks.shape[1] <= _chunk_elements(blocks.device))
         if fused:
             done = _quantize_fused_minmax(enc, scheme, name=name)
         else:
             done = _quantize_two_pass(enc, scheme, observer_range, name=name)
     codes, scale, zp = done
-    _check_scales_fit(blocks, scale, scheme, name=name)
+    _check_scales_fit(blocks, scale, scheme, name=name, top_scale=top_scale)
     return QuantizedTensor(
         codes=unblock(codes, tuple(x.shape), gran), scale=scale.reshape(sshape),
         zero_point=None if zp is None else zp.reshape(sshape), shape=tuple(x.shape), dtype=scheme.dtype,

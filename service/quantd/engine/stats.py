@@ -33,6 +33,17 @@ from quantd_client import ErrorStats
 from quantd_client._dtypes import DTYPES, NF4_CODEBOOK
 
 _CHUNK = 1 << 18  # float64 elements per chunk: 2 MiB
+# On CUDA, eager chunks are large (each op fills the device; fewer launches), and the fused kernels' chunks
+# small: each chunk's sums are one reduction of the kernel, and the device wants thousands of them at once.
+_CUDA_EAGER_CHUNK = 1 << 24
+_CUDA_FUSED_CHUNK = 1 << 14
+
+
+def _chunk(device: torch.device, *, fused: bool = False) -> int:
+    """Elements per chunk of the statistics on ``device``: eager, or in one ``fused`` compiled kernel."""
+    if device.type == "cpu":
+        return _CHUNK
+    return _CUDA_FUSED_CHUNK if fused else _CUDA_EAGER_CHUNK
 OUTLIER_STDS = 3.0
 ZERO_POINT_BITS = 8
 
@@ -44,8 +55,9 @@ _FP8_TOP_STEP = {  # the fp8 step between the two largest finite values: 2^(floo
 
 def _flat_chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
     flat = t.reshape(-1)
-    for i in range(0, flat.numel(), _CHUNK):
-        yield flat[i:i + _CHUNK]
+    step = _chunk(t.device)
+    for i in range(0, flat.numel(), step):
+        yield flat[i:i + step]
 
 
 def theoretical_sqnr_db(bits: int) -> float:
@@ -154,7 +166,7 @@ def clipped_count(x: torch.Tensor, qt: QuantizedTensor, ranges: tuple[torch.Tens
     if suspect.numel() == 0:
         return 0
     count = torch.zeros((), dtype=torch.int64, device=x.device)
-    rows_per_chunk = max(1, _CHUNK // blocks.shape[1])
+    rows_per_chunk = max(1, _chunk(x.device) // blocks.shape[1])
     for r in range(0, suspect.numel(), rows_per_chunk):
         idx = suspect[r:r + rows_per_chunk]
         q = blocks.index_select(0, idx).float() / scale[idx]
@@ -222,12 +234,13 @@ def moments(x: torch.Tensor, x_hat: torch.Tensor) -> _Moments:
     form of Chan et al.), which never subtracts two large sums.
     """
     fx, fh = x.reshape(-1), x_hat.reshape(-1)
-    step = min(_CHUNK, fx.numel())
+    step = min(_chunk(x.device), fx.numel())
     rows: list[torch.Tensor] = []
     start = 0
     if kernels.KERNELS.wants(fx):  # the whole chunks in one fused pass, the tail below
-        whole = fx.numel() // _CHUNK * _CHUNK
-        fused = compiled.moments(fx[:whole].view(-1, _CHUNK), fh[:whole].view(-1, _CHUNK))
+        width = _chunk(x.device, fused=True)
+        whole = fx.numel() // width * width
+        fused = compiled.moments(fx[:whole].view(-1, width), fh[:whole].view(-1, width))
         if fused is not None:
             rows.append(fused)
             start = whole
@@ -260,7 +273,7 @@ def outlier_count(x: torch.Tensor, mean: float, threshold: float) -> int:
         fused = compiled.outlier_count(flat, mean, threshold)
         if fused is not None:
             return int(fused)
-    step = min(_CHUNK, flat.numel())
+    step = min(_chunk(x.device), flat.numel())
     starts = range(0, flat.numel(), step)
     bounds = (compiled._float32_interval(mean, threshold)
               if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else None)
@@ -291,10 +304,10 @@ def _cosine(m: _Moments) -> float:
     return max(-1.0, min(1.0, m.sum_xh / math.sqrt(m.sum_x2 * m.sum_h2)))
 
 
-def _chunk_rows(blocks: int, width: int) -> int:
+def _chunk_rows(blocks: int, width: int, device: torch.device) -> int:
     """Block rows per chunk of the fused statistics: the largest divisor of ``blocks`` with at most
-    ``_CHUNK`` elements per chunk (at least one row)."""
-    limit = max(1, min(blocks, _CHUNK // max(1, width)))
+    ``_chunk(device, fused=True)`` elements per chunk (at least one row)."""
+    limit = max(1, min(blocks, _chunk(device, fused=True) // max(1, width)))
     return next(r for r in range(limit, 0, -1) if blocks % r == 0)
 
 
@@ -316,11 +329,12 @@ def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None
     scale = qt.scale.reshape(-1, 1).float()
     zp = torch.zeros_like(scale) if qt.zero_point is None else qt.zero_point.reshape(-1, 1).float()
     n_blocks, width = blocks.shape
-    if n_blocks == 1 and width % _CHUNK == 0:  # one scale for all: chunks of _CHUNK elements
-        shape3 = (width // _CHUNK, 1, _CHUNK)
+    chunk = _chunk(x.device, fused=True)
+    if n_blocks == 1 and width % chunk == 0:  # one scale for all: chunks of `chunk` elements
+        shape3 = (width // chunk, 1, chunk)
         scale3, zp3 = scale.reshape(1, 1, 1).expand(shape3[0], 1, 1), zp.reshape(1, 1, 1).expand(shape3[0], 1, 1)
     else:
-        rows = _chunk_rows(n_blocks, width)
+        rows = _chunk_rows(n_blocks, width, x.device)
         shape3 = (n_blocks // rows, rows, width)
         scale3, zp3 = scale.reshape(shape3[0], rows, 1), zp.reshape(shape3[0], rows, 1)
     fused = compiled.moments_from_codes(blocks.reshape(shape3), codes.reshape(shape3), scale3, zp3, NF4_CODEBOOK_F32,
@@ -329,7 +343,7 @@ def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None
 
 
 def _moments_from_codes_eager(x: torch.Tensor, qt: QuantizedTensor) -> _Moments:
-    """:func:`_moments_from_codes` in eager torch: chunks of whole block rows (at most ``_CHUNK`` elements
+    """:func:`_moments_from_codes` in eager torch: chunks of whole block rows (at most ``_chunk`` elements
     unless one row is longer, then pieces of it), each decoded into a float64 buffer, never the whole
     float64 ``x̂``."""
     info = DTYPES[qt.dtype]
@@ -341,8 +355,9 @@ def _moments_from_codes_eager(x: torch.Tensor, qt: QuantizedTensor) -> _Moments:
     zp = None if qt.zero_point is None else qt.zero_point.reshape(-1, 1).double()
     codebook = NF4_CODEBOOK_F32.to(device=x.device, dtype=torch.float64) if info.kind == "nf4" else None
     n_blocks, width = blocks.shape
-    rows = max(1, min(n_blocks, _CHUNK // max(1, width)))
-    cols = min(width, _CHUNK)
+    chunk = _chunk(x.device)
+    rows = max(1, min(n_blocks, chunk // max(1, width)))
+    cols = min(width, chunk)
     pieces = [(r, c) for r in range(0, n_blocks, rows) for c in range(0, width, cols)]
     # Chunks of whole block rows also give each block's extremes, from the chunk in cache: the clipped count
     # then needs no pass of its own over x.

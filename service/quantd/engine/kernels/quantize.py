@@ -149,28 +149,33 @@ def _quantize_minmax(blocks: torch.Tensor, kind: str, dtype: str, symmetric: boo
         codes = torch.round(x / s).clamp(max=qmax).to(out_dtype)
     else:
         codes = _encode_int(x, s, z, qmin, qmax, out_dtype)
+    # Whether every range is finite and the largest scale, side by side: the caller reads both in one host sync.
+    top = torch.cat([scale.float().reshape(-1), scale.new_zeros(1, dtype=torch.float32)]).amax()
+    flags = torch.stack([finite.to(torch.float32), top])
     # s is returned (and dropped by the caller) to make it a float32 buffer: otherwise the encode loop reads the
     # float16 scale and converts it anew for each vector it stores (its int8 stores may alias the scale, so the
     # compiler cannot hoist the load).
-    return (codes, finite, scale, s, *zp)
+    return (codes, flags, scale, s, *zp)
 
 
 def quantize_minmax(blocks: torch.Tensor, info: DTypeInfo, *, dtype: str, symmetric: bool, scale_dtype: str,
-                    out_dtype: torch.dtype) -> tuple[torch.Tensor, bool, torch.Tensor, torch.Tensor | None] | None:
+                    out_dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, bool, torch.Tensor, torch.Tensor | None, float] | None:
     """Min-max quantization of all blocks ``[B, K]`` of an integer or nf4 dtype (:data:`ONE_CALL_MINMAX_KINDS`)
     in one compiled call: the blocks' ranges (one loop over the weight; symmetric schemes reduce ``|x|``
     only, one reduction instead of two), their qparams (one over ``[B]``) and the codes (one more over the
     weight). The same loops as :func:`row_range`, :func:`qparams_columns` and :func:`encode_int` /
     :func:`encode_nf4` called one after the other, without the three calls' overheads and temporaries. Returns codes,
-    whether every range is finite, scale and zero point (None when symmetric or nf4); None when not
-    compiled."""
+    whether every range is finite, scale, zero point (None when symmetric or nf4) and the largest scale (the
+    last two checks read in one host sync); None when not compiled."""
     lo_q, hi_q = _code_bounds(info.qmin, info.qmax, blocks.device)
     out = KERNELS.call("minmax", _quantize_minmax, (blocks.dtype, dtype, symmetric, scale_dtype, out_dtype),
                        blocks, info.kind, dtype, symmetric, scale_dtype, lo_q, hi_q, out_dtype)
     if out is None:
         return None
-    codes, finite, scale, _, *zp = out
-    return codes, bool(finite), scale, (zp[0] if zp else None)
+    codes, flags, scale, _, *zp = out
+    finite, top = flags.tolist()
+    return codes, bool(finite), scale, (zp[0] if zp else None), top
 
 
 def encode_nf4(blocks: torch.Tensor, scale: torch.Tensor, mids: tuple[float, ...]) -> torch.Tensor | None:
