@@ -13,7 +13,7 @@ for
 
 against ``dst.copy_(src)`` of the same weight. Bandwidth is counted in the fewest bytes each step must move
 (the weight read once; codes, or packed codes, scales and zero points written once) and set against the
-copy's (the weight read and written). ``--breakdown`` also records, for the compiled path, each CUDA kernel's
+copy's (the weight read and written); the eager path, many times slower, gets a fifth of the loops. ``--breakdown`` also records, for the compiled path, each CUDA kernel's
 share of the device time and the host's busiest functions (cProfile). Times are per call: CUDA events around loops of calls, median of
 ``repeats`` loops, with the host's per-call work (Python, guards, the host syncs of the NaN and scale checks)
 included, as a job meets it; ``device_us`` is the CUDA kernels' own time per call (the profiler's sum), the
@@ -159,7 +159,7 @@ def run_case(shape: tuple[int, int], dtype: torch.dtype, repeats: int, *, breakd
                 first = time.perf_counter() - t0
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
-                wall = _loop_us(fn, calls, repeats)
+                wall = _loop_us(fn, calls, repeats if path == "compiled" else max(2, repeats // 5))
                 peak = torch.cuda.max_memory_allocated() - before
                 device = _device_us(fn, calls)
                 need = _min_bytes(numel, in_bytes, spec, packed=step != "quantize", rows=rows)
@@ -180,8 +180,8 @@ def run_case(shape: tuple[int, int], dtype: torch.dtype, repeats: int, *, breakd
                 log(f"  {sname} {path} {step}: {wall:.1f} µs/call ({device:.1f} µs on the device), "
                     f"{frac:.2f} of the copy's bandwidth (device time {entry[step]['device_copy_bandwidth_fraction']:.2f})"
                     f"; first call {first:.2f} s")
-            if kernels.KERNELS._broken_cuda is not None:
-                entry["fell_back"] = kernels.KERNELS._broken_cuda
+            if kernels.KERNELS.failed_cuda:
+                entry["kernels_run_eager"] = dict(kernels.KERNELS.failed_cuda)
             per_path[path] = entry
         out["schemes"][sname] = per_path
     kernels.KERNELS.reset()

@@ -328,6 +328,8 @@ def large_file(repeats: int, count: int, side: int, device: str) -> dict[str, An
         # it streams in (the server's "auto" picks off on fewer than 4 cores without CUDA).
         for mode, http in runs.items():
             env = {"QUANTD_QUANTIZE_DURING_UPLOAD": mode, "QUANTD_DEVICE": device}
+            if device != "cpu":  # the untimed warm-up job builds the CUDA kernels this scheme needs; the server's
+                env["QUANTD_WARMUP"] = "0"  # warm-up would build those of five schemes first
             with quantd_server(workers=1, env=env) as server, RssSampler(server.process.pid,
                                                                          gpu=device != "cpu") as rss:
                 run_http_job(server, warm, timeout_s=300.0)  # untimed: the worker's one-off start-up

@@ -51,7 +51,7 @@ def cuda_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     else:
         monkeypatch.setattr(kernels.KERNELS, "available_cuda", lambda: False)
     yield request.param
-    assert kernels.KERNELS._broken_cuda is None, kernels.KERNELS._broken_cuda  # compiled, not fallen back
+    assert not kernels.KERNELS.failed_cuda, kernels.KERNELS.failed_cuda  # compiled, not fallen back
     if request.param == "compiled":
         assert any(name.endswith("@cuda") for name, *_ in kernels.KERNELS._warm), "no CUDA kernel ran"
     kernels.KERNELS.reset()

@@ -47,6 +47,9 @@ from quantd_client._dtypes import DTypeInfo, dtype_info
 # 4 MiB of float32 per chunk: split over two cores it stays in their L2 (2 MiB each), on one core in
 # L3, across all its passes; larger chunks fall out of cache, smaller ones pay more per-chunk overhead.
 CHUNK_ELEMENTS = 1 << 20
+# CUDA kernels take blocks up to this length (groups) with the length fixed at compile time; longer ones
+# (channels) with any length.
+CUDA_STATIC_BLOCK = 1024
 # On CUDA there is no cache to stay in, and each op fills the device: chunks as large as a temporary may be
 # (64 MiB of float32), for the fewest launches.
 CUDA_CHUNK_ELEMENTS = 1 << 24
@@ -239,6 +242,10 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
     """Observe (minmax: one fused pass), choose qparams, encode (one fused pass); codes, scale, zero point and
     the largest scale when the kernel found it (else None). None when the kernels are not available, and the
     caller takes the eager path."""
+    if blocks.device.type == "cuda" and blocks.shape[1] <= CUDA_STATIC_BLOCK:
+        # A group's length as a constant of the CUDA kernel: each program then reduces many whole groups held
+        # in registers, where a length known only at run time gets one looped reduction per group.
+        torch._dynamo.mark_static(blocks, 1)
     if rng is not None:  # given by the caller: the weights themselves are not checked by observing
         if not bool(torch.isfinite(blocks).all()):
             raise NonFiniteError("NaN or Inf in the weights", tensor=name)

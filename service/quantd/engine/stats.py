@@ -36,7 +36,7 @@ _CHUNK = 1 << 18  # float64 elements per chunk: 2 MiB
 # On CUDA, eager chunks are large (each op fills the device; fewer launches), and the fused kernels' chunks
 # small: each chunk's sums are one reduction of the kernel, and the device wants thousands of them at once.
 _CUDA_EAGER_CHUNK = 1 << 24
-_CUDA_FUSED_CHUNK = 1 << 14
+_CUDA_FUSED_CHUNK = 1 << 12
 
 
 def _chunk(device: torch.device, *, fused: bool = False) -> int:

@@ -17,13 +17,15 @@ When they run: on CPU tensors of at least :data:`MIN_ELEMENTS` elements, when a 
 to keep eager CUDA's arithmetic (:func:`cuda_options`: IEEE division, no fused multiply-add, no flush of
 subnormals), so that a CUDA kernel's codes equal the CPU's bit for bit. The GGUF types and HQQ stay eager on
 CUDA (``cuda=False`` in :meth:`_Compiled.wants`). The first call of each kernel compiles it (Inductor caches
-the result on disk for later processes); any failure to compile or run switches that device's kernels to the
-eager path for good, with one warning.
+the result on disk for later processes); any failure to compile or run switches the CPU's kernels to the
+eager path for good, with one warning; a CUDA kernel that fails to build runs eager alone, the others stay
+compiled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -95,6 +97,20 @@ def cuda_options() -> dict[str, bool] | None:
     return options
 
 
+@functools.lru_cache(maxsize=1)
+def _known_options() -> frozenset[str]:
+    from torch._inductor import list_options
+
+    return frozenset(list_options())
+
+
+def _supported(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without the Inductor settings this torch does not know (tuning knobs of later releases):
+    the kernel compiles with that setting's default rather than not at all."""
+    known = _known_options()
+    return {k: v for k, v in options.items() if k in known}
+
+
 def compile_setting() -> str:
     """``QUANTD_COMPILE``: ``off`` (``0``/``false``/``no``), ``on`` (``1``/``true``/``yes``: compile whenever
     a kernel applies) or ``auto`` (the default: long-lived processes compile, one-shot runs stay eager but
@@ -140,7 +156,7 @@ class _Compiled:
         self._fns: dict[str, Callable[..., Any]] = {}
         self._warm: set[tuple[Any, ...]] = set()
         self._broken: str | None = None
-        self._broken_cuda: str | None = None  # CUDA's kernels fail apart from the CPU's
+        self.failed_cuda: dict[str, str] = {}  # CUDA kernels that failed to build (eager from then on): why
         self._available: bool | None = None
         self._cuda: dict[str, bool] | bool | None = False  # cuda_options(), False until asked
         self._exhausted: set[str] = set()  # kernels past their recompile limit: eager from then on
@@ -155,11 +171,11 @@ class _Compiled:
 
     def available_cuda(self) -> bool:
         """Whether the CUDA kernels run: compiling is on (``QUANTD_COMPILE``, or as :meth:`reset` forced it),
-        :func:`cuda_options` is not None, and none failed."""
+        :func:`cuda_options` is not None. A CUDA kernel that fails to build runs eager alone (``failed_cuda``)."""
         if self._cuda is False:
             self._cuda = cuda_options()
         enabled = compile_setting() != "off" if self._available is None else self._available
-        return enabled and self._cuda is not None and self._broken_cuda is None
+        return enabled and self._cuda is not None
 
     def wants(self, x: torch.Tensor, *, small: bool = False, cuda: bool = True) -> bool:
         """Whether ``x`` takes the compiled kernels: a tensor of at least ``MIN_ELEMENTS`` elements
@@ -212,8 +228,8 @@ class _Compiled:
                 with self._lock:  # the first call of a variant compiles: one thread at a time
                     compiled = self._fns.get(name)
                     if compiled is None:
-                        compiled = self._fns[name] = torch.compile(fn, dynamic=True, fullgraph=True,
-                                                                   options={**INDUCTOR_OPTIONS, **(options or {})})
+                        compiled = self._fns[name] = torch.compile(
+                            fn, dynamic=True, fullgraph=True, options=_supported({**INDUCTOR_OPTIONS, **(options or {})}))
                     with warnings.catch_warnings():  # the compiler's own warnings are not ours to raise
                         warnings.simplefilter("ignore")
                         out = compiled(*args)
@@ -226,18 +242,20 @@ class _Compiled:
             return None
         except Exception as e:  # any compiler or toolchain failure: fall back, never fail the job
             reason = f"{type(e).__name__}: {e}"
-            if on_cuda:
-                self._broken_cuda = reason
-            else:
-                self._broken = reason
-            log.warning("compiled kernels disabled on %s, using eager torch: %s", "CUDA" if on_cuda else "the CPU",
-                        reason.splitlines()[0][:300])
+            if on_cuda:  # Triton fails kernel by kernel: this one runs eager from now on, the others stay compiled
+                self._exhausted.add(name)
+                self.failed_cuda[name] = reason
+                log.warning("compiled CUDA kernel %r failed to build, it runs eager: %s", name,
+                            reason.splitlines()[0][:300])
+                return None
+            self._broken = reason
+            log.warning("compiled kernels disabled on the CPU, using eager torch: %s", reason.splitlines()[0][:300])
             return None
 
     def reset(self, *, available: bool | None = None) -> None:
         """Forget the failure state (and optionally force availability): for tests."""
         self._broken = None
-        self._broken_cuda = None
+        self.failed_cuda.clear()
         self._available = available
         self._exhausted.clear()
 
