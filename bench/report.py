@@ -231,6 +231,8 @@ def machine_line(m: dict[str, Any], *, threads: Any = None) -> str:
     if ram:
         parts.append(f"{ram / 2**30:.1f} GiB RAM")
     parts.append(f"torch {m.get('torch', 'not recorded')}")
+    if m.get("gpu"):
+        parts.append(f"GPU {m['gpu']}")
     threads = threads if threads is not None else m.get("torch_threads")
     if threads is not None:
         parts.append(f"{threads} torch thread(s)")
@@ -395,6 +397,23 @@ def during_upload_rows(lf: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def gpu_memory_rows(lf: dict[str, Any]) -> list[list[str]]:
+    """The device and its peak memory, for a run on a GPU (``bench/service.py --device cuda``)."""
+    if lf.get("device", "cpu") == "cpu":
+        return []
+    largest = lf["model"]["largest_tensor_bytes"]
+    tensor_peak = lf.get("inprocess_peak_gpu_tensor_bytes")
+    server = lf.get("server_peak_gpu_bytes_by_mode") or {}
+    rows = [["device (both sides)", f"`{lf['device']}`", ""]]
+    if tensor_peak:
+        rows.append(["in-process peak GPU tensor memory (`max_memory_allocated`)",
+                     f"{tensor_peak / 1e6:.0f} MB ({tensor_peak / largest:.1f} × the largest tensor)", ""])
+    if server:
+        rows.append(["server peak GPU memory, CUDA context included (`nvidia-smi`): during-upload off / on",
+                     " / ".join(f"{server.get(m, 0) / 1e6:.0f} MB" for m in ("off", "on")), ""])
+    return rows
+
+
 def service_section(svc: dict[str, Any]) -> str:
     out: list[str] = []
     lf = svc.get("large_file", {})
@@ -446,6 +465,7 @@ def service_section(svc: dict[str, Any]) -> str:
                     ["ratio floor, upload and quantization fully overlapped",
                      fmt(lf.get("ratio_floor_overlapped"), ".2f"), ""],
                     ["in-process peak RSS", f"{lf['inprocess_peak_rss_bytes'] / 1e6:.0f} MB", ""],
+                    *gpu_memory_rows(lf),
                     *during_upload_rows(lf),
                 ],
             )
@@ -678,6 +698,42 @@ def service_file_section(svc: dict[str, Any]) -> list[str]:
     if svc.get("quick"):
         md += ["> **Smoke run (`--quick`)**.", ""]
     return [*md, service_section(svc)]
+
+
+def gpu_section(data: dict[str, Any]) -> list[str]:
+    """gpu.json (bench/gpu.py): RTN on a CUDA device against the same run's device-to-device copy."""
+    dev = data.get("device", {})
+    md = [machine_line(data.get("machine", {})), "",
+          f"Device: {dev.get('name')} (CUDA {dev.get('cuda')}, Triton {dev.get('triton')}). Baseline: "
+          "`dst.copy_(src)` of the same weight in the same run. Bandwidth counts the fewest bytes each step "
+          "must move (the weight read once; codes or packed codes, scales and zero points written once) against "
+          "the copy's (the weight read and written). *Per call*: CUDA events around loops of calls, the host's "
+          "work (Python, Dynamo's guards, the host syncs of the NaN and scale checks) included; *device*: the "
+          "CUDA kernels' own time (profiler). Targets: quantize ≥ 0.70, with packing and statistics ≥ 0.40 of "
+          "the copy's bandwidth.", ""]
+    rows = []
+    for case in data.get("cases", []):
+        shape = "×".join(str(v) for v in case["shape"])
+        for sname, paths in case["schemes"].items():
+            for path, steps in paths.items():
+                if "skipped" in steps:
+                    rows.append([shape, case["dtype"], sname, path, "—", "—", "—", "—", steps["skipped"]])
+                    continue
+                for step, r in steps.items():
+                    if not isinstance(r, dict):
+                        continue
+                    rows.append([shape, case["dtype"], sname, path, step, f"{r['wall_us']:.0f} µs",
+                                 f"{r['copy_bandwidth_fraction']:.2f}", f"{r['device_us']:.0f} µs",
+                                 f"{r['device_copy_bandwidth_fraction']:.2f}"])
+        md_copy = f"{shape} {case['dtype']}: copy {case['copy_us']:.1f} µs ({case['copy_GBps']:.0f} GB/s)"
+        md.append(f"- {md_copy}")
+    md += ["", table(["weight", "dtype", "scheme", "path", "step", "per call", "of copy bw", "device",
+                      "of copy bw (device)"], rows)]
+    eager = {k: v for c in data.get("cases", []) for p in c["schemes"].values() for k, v in
+             p.get("compiled", {}).get("kernels_run_eager", {}).items()}
+    if eager:
+        md += ["", "Kernels that failed to build and ran eager: " + ", ".join(f"`{k}`" for k in sorted(eager)) + "."]
+    return md
 
 
 def model_dir_section(data: dict[str, Any]) -> list[str]:
@@ -1052,6 +1108,8 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("The service, input file and data dir in memory (`TMPDIR=/dev/shm`)", "service_tmpfs.json",
      service_file_section),
     ("The engine against a memory copy", "engine.json", engine_section),
+    ("The engine on a GPU: RTN against a device-to-device copy (bench/gpu.py)", "gpu.json", gpu_section),
+    ("The service on a GPU host (bench/service.py --device cuda)", "service_gpu.json", service_file_section),
     ("Range observers against min-max", "observers.json", observers_section),
     ("A model directory: HTTP job against in-process", "model_dir.json", model_dir_section),
     ("The job queue: SQLite against PostgreSQL", "queue.json", queue_section),

@@ -10,7 +10,7 @@ import torch
 from quantd.engine import observers as obs
 from quantd.engine.observers import ActivationObserver, mse_chunk_plan, observe_range, percentile_range
 from quantd.engine.primitives import dequantize, quantize
-from quantd.engine.qparams import choose_qparams
+from quantd.engine.qparams import choose_qparams, divisor_tensor
 from quantd.errors import ConfigError, NonFiniteError
 from quantd_client import Scheme
 
@@ -440,13 +440,15 @@ def test_compiled_mse_steps_match_eager(monkeypatch: pytest.MonkeyPatch, dtype: 
     info = dtype_info(dtype)
 
     def fused(*args: object) -> tuple[torch.Tensor, ...]:  # the compiled search step's first two parts
-        idx, scale, inv, zp = obs.mse._stage_candidates(*args[:10])  # type: ignore[arg-type]
-        return idx, scale, inv, zp, kernels.mse.candidate_error(x, scale, inv, zp, *args[10:])  # type: ignore[arg-type]
+        idx, scale, inv, zp = obs.mse._stage_candidates(*args[:11])  # type: ignore[arg-type]
+        return idx, scale, inv, zp, kernels.mse.candidate_error(x, scale, inv, zp, *args[11:])  # type: ignore[arg-type]
 
     def step(compiled: bool) -> tuple[torch.Tensor, ...]:
         if compiled:
             return _compile(fused)(lo, hi, b, offsets, grid.start, grid.step, grid.last, scheme.dtype,
-                                   scheme.symmetric, scheme.scale_dtype, *kernels.mse.error_args(info, dtype), norm)
+                                   scheme.symmetric, scheme.scale_dtype,
+                                   divisor_tensor(dtype, symmetric, x.device),
+                                   *kernels.mse.error_args(info, dtype), norm)
         idx, scale, inv, zp = obs.mse.stage_candidates(lo, hi, b, offsets, grid, scheme)
         return idx, scale, inv, zp, obs.mse._candidate_errors(x, scale, inv, zp, scheme, info, norm)
 
@@ -486,7 +488,7 @@ def test_search_qparams_are_choose_qparams_in_float32(path: str, dtype: str, sym
     b = torch.randint(0, 100, (3000,), generator=gen)
     stage = _compile(obs.mse._stage_candidates) if path == "compiled" else obs.mse._stage_candidates
     idx, scale, inv, zp = stage(lo, hi, b, torch.tensor([-5, 0, 5, 100]), grid.start, grid.step, grid.last,
-                                dtype, symmetric, scale_dtype)
+                                dtype, symmetric, scale_dtype, divisor_tensor(dtype, symmetric, lo.device))
     assert scale.dtype == inv.dtype == zp.dtype == torch.float32
     assert torch.equal(idx, (b + torch.tensor([-5, 0, 5, 100]).unsqueeze(1)).clamp(0, 99))  # G clamps to r = 1
     r = torch.where(idx == 99, 1.0, grid.start + idx.float() * grid.step)

@@ -16,6 +16,8 @@ to 0. The zero point is computed from the rounded scale, so stored scale and cod
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from quantd_client._dtypes import DTYPES, dtype_info
@@ -95,24 +97,46 @@ def _round_up_to_half(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(v != v, v, up.clamp(min=smallest_positive(dtype)))  # v != v: isnan, vectorised (Inductor)
 
 
+def scale_divisor(dtype: str, symmetric: bool) -> float:
+    """What a block's range becomes a scale by dividing by: 1 (nf4), ``max_finite`` (fp8),
+    ``(qmax − qmin) / 2`` (symmetric integer), ``qmax − qmin`` (affine integer); each exact in float32."""
+    info = dtype_info(dtype)
+    if info.kind == "int" and not symmetric:
+        return float(info.qmax - info.qmin)
+    return _absmax_divisor(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def divisor_tensor(dtype: str, symmetric: bool, device: torch.device) -> torch.Tensor:
+    """:func:`scale_divisor` as a 0-d float32 tensor on ``device``, made once (read only): what the compiled
+    kernels take the divisor as. CUDA divides by a constant as a multiplication by its rounded reciprocal
+    (torch's eager ops for a host scalar, Inductor's CUDA kernels for a constant), which is not the quotient
+    rounded once; a divisor in device memory is divided by."""
+    return torch.full((), scale_divisor(dtype, symmetric), dtype=torch.float32, device=device)
+
+
 def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool, scale_dtype: str,
-                   work_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   work_dtype: torch.dtype = torch.float64, divisor: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (in ``scale_dtype``) and zero point (int8 for signed, uint8 for unsigned dtypes, or
     None when symmetric / not an integer dtype) for blocks whose ranges are ``lo``, ``hi``.
 
     ``lo``/``hi`` may have any (equal) shape; the results have that shape. ``work_dtype`` float32 (the mse
     search's candidates) rounds the range and the quotient to nearest before rounding up to
     ``scale_dtype``: a scale may then be an ulp of ``scale_dtype`` away from float64's (two of float32).
+    ``divisor``: :func:`divisor_tensor` of the scheme, which compiled callers pass in (made here otherwise).
     """
     info = dtype_info(dtype)
     sdt = scale_torch_dtype(scale_dtype)
+    if divisor is None:  # a tensor, not a Python number: CUDA divides by it (see divisor_tensor)
+        divisor = torch.full((), scale_divisor(dtype, symmetric), dtype=torch.float32, device=lo.device)
     if (work_dtype == torch.float64 and sdt in _HALF_DROPPED_BITS and lo.dtype == hi.dtype == torch.float32
             and (info.kind in ("nf4", "fp8") or (info.kind == "int" and symmetric))):
         absmax = torch.maximum(-lo.clamp(max=0.0), hi.clamp(min=0.0))
-        return _half_scale_of_absmax(absmax, _absmax_divisor(dtype), sdt).to(sdt), None
+        return _half_scale_of_absmax(absmax, divisor, sdt).to(sdt), None
     lo64 = lo.to(work_dtype).clamp(max=0.0)
     hi64 = hi.to(work_dtype).clamp(min=0.0)
-    scale = round_up_to(exact_scale(lo64, hi64, dtype=dtype, symmetric=symmetric), sdt)
+    scale = round_up_to(exact_scale(lo64, hi64, dtype=dtype, symmetric=symmetric, divisor=divisor), sdt)
     if info.kind == "int" and symmetric:
         scale = _clear_of_ties(torch.maximum(-lo64, hi64), scale, (info.qmax - info.qmin) / 2.0)
     if info.kind != "int" or symmetric:
@@ -132,7 +156,7 @@ def _absmax_divisor(dtype: str) -> float:
     return (info.qmax - info.qmin) / 2.0
 
 
-def _half_scale_of_absmax(absmax: torch.Tensor, divisor: float, dtype: torch.dtype) -> torch.Tensor:
+def _half_scale_of_absmax(absmax: torch.Tensor, divisor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``round_up_to(absmax / divisor, dtype)`` for float32 ``absmax`` and a float16/bfloat16 ``dtype``, in
     float32 arithmetic, as float32 (the float64 route's value exactly, tested against it).
 
@@ -152,21 +176,23 @@ def _half_scale_of_absmax(absmax: torch.Tensor, divisor: float, dtype: torch.dty
     return torch.where(low, nxt, up).clamp(max=torch.finfo(dtype).max)
 
 
-def exact_scale(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool) -> torch.Tensor:
+def exact_scale(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool,
+                divisor: torch.Tensor | None = None) -> torch.Tensor:
     """The scale of the ranges ``lo ≤ 0 ≤ hi`` before rounding to a scale dtype, in their dtype: ``absmax``
     (nf4), ``absmax / max_finite`` (fp8), ``absmax / ((qmax − qmin) / 2)`` (symmetric integer),
-    ``(hi − lo) / (qmax − qmin)`` (affine)."""
+    ``(hi − lo) / (qmax − qmin)`` (affine): divided by :func:`scale_divisor` (``divisor``, or a tensor of it
+    made here)."""
     info = dtype_info(dtype)
     if info.kind == "float":
         raise ValueError(f"{dtype} is a plain cast and has no quantization parameters")
+    if divisor is None:
+        divisor = torch.full((), scale_divisor(dtype, symmetric), dtype=torch.float32, device=lo.device)
     absmax = torch.maximum(-lo, hi)
     if info.kind == "nf4":
         return absmax
-    if info.kind == "fp8":
-        return absmax / info.max_finite
-    if symmetric:
-        return absmax / ((info.qmax - info.qmin) / 2.0)
-    return (hi - lo) / (info.qmax - info.qmin)
+    if info.kind == "fp8" or symmetric:
+        return absmax / divisor
+    return (hi - lo) / divisor
 
 
 def _clear_of_ties(absmax: torch.Tensor, scale: torch.Tensor, half: float) -> torch.Tensor:

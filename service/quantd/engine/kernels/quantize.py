@@ -101,10 +101,11 @@ def all_finite(*ts: torch.Tensor) -> torch.Tensor:
 
 
 def _qparams_columns(lo: torch.Tensor, hi: torch.Tensor, dtype: str, symmetric: bool,
-                     scale_dtype: str) -> tuple[torch.Tensor, ...]:
+                     scale_dtype: str, divisor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     from quantd.engine.qparams import choose_qparams
 
-    scale, zero_point = choose_qparams(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype)
+    scale, zero_point = choose_qparams(lo, hi, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype,
+                                       divisor=divisor)
     s = scale.float().unsqueeze(1)
     z = torch.zeros_like(s) if zero_point is None else zero_point.float().unsqueeze(1)
     finite = all_finite(lo, hi)
@@ -120,7 +121,9 @@ def qparams_columns(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric
     symmetric or not an integer dtype), and scale and zero point as float32 columns ``[B, 1]`` (zeros
     when symmetric), in one compiled kernel (eager when not compiled), where eager torch makes a dozen
     passes over ``[B]``."""
-    args = (lo, hi, dtype, symmetric, scale_dtype)
+    from quantd.engine.qparams import divisor_tensor
+
+    args = (lo, hi, dtype, symmetric, scale_dtype, divisor_tensor(dtype, symmetric, lo.device))
     out = KERNELS.call("qparams", _qparams_columns, (lo.dtype, dtype, symmetric, scale_dtype), *args)
     finite, scale, s, z, *zp = _qparams_columns(*args) if out is None else out
     return bool(finite), scale, (zp[0] if zp else None), s, z
@@ -132,14 +135,15 @@ ONE_CALL_MINMAX_KINDS = frozenset({"int", "nf4"})
 
 
 def _quantize_minmax(blocks: torch.Tensor, kind: str, dtype: str, symmetric: bool, scale_dtype: str,
-                     qmin: torch.Tensor, qmax: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+                     qmin: torch.Tensor, qmax: torch.Tensor, out_dtype: torch.dtype, divisor: torch.Tensor
+                     ) -> tuple[torch.Tensor, ...]:
     x = blocks.float()
     if symmetric:  # only max(|lo|, |hi|) counts (always so for nf4): one reduction, not two
         absmax = x.abs().amax(dim=1)
         lo, hi = -absmax, absmax
     else:
         lo, hi = x.amin(dim=1), x.amax(dim=1)
-    finite, scale, s, z, *zp = _qparams_columns(lo, hi, dtype, symmetric, scale_dtype)
+    finite, scale, s, z, *zp = _qparams_columns(lo, hi, dtype, symmetric, scale_dtype, divisor)
     if kind == "nf4":
         codes = _encode_nf4(x, s, NF4_MIDPOINTS)
     elif symmetric and dtype_info(dtype).signed:  # (Scheme refuses symmetric unsigned dtypes)
@@ -168,9 +172,12 @@ def quantize_minmax(blocks: torch.Tensor, info: DTypeInfo, *, dtype: str, symmet
     :func:`encode_nf4` called one after the other, without the three calls' overheads and temporaries. Returns codes,
     whether every range is finite, scale, zero point (None when symmetric or nf4) and the largest scale (the
     last two checks read in one host sync); None when not compiled."""
+    from quantd.engine.qparams import divisor_tensor
+
     lo_q, hi_q = _code_bounds(info.qmin, info.qmax, blocks.device)
     out = KERNELS.call("minmax", _quantize_minmax, (blocks.dtype, dtype, symmetric, scale_dtype, out_dtype),
-                       blocks, info.kind, dtype, symmetric, scale_dtype, lo_q, hi_q, out_dtype)
+                       blocks, info.kind, dtype, symmetric, scale_dtype, lo_q, hi_q, out_dtype,
+                       divisor_tensor(dtype, symmetric, blocks.device))
     if out is None:
         return None
     codes, flags, scale, _, *zp = out

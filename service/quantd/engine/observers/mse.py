@@ -14,7 +14,7 @@ import torch
 from quantd.engine.kernels import KERNELS
 from quantd.engine.kernels.mse import NO_REALIZE, candidate_error, error_args, fix_block_length
 from quantd.engine.kernels.quantize import FP8_TORCH_DTYPES
-from quantd.engine.qparams import choose_qparams
+from quantd.engine.qparams import choose_qparams, divisor_tensor
 from quantd_client import Scheme
 from quantd_client._dtypes import NF4_CODEBOOK, DTypeInfo
 
@@ -114,7 +114,7 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _search_qparams(lo_r: torch.Tensor, hi_r: torch.Tensor, dtype: str, symmetric: bool,
-                    scale_dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    scale_dtype: str, divisor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scale, its reciprocal and zero point (zeros when symmetric or not an integer dtype) of the
     candidate ranges ``(lo_r, hi_r)``, all float32: ``choose_qparams`` working in float32, whose scales
     may be an ulp of ``scale_dtype`` away from float64's (about 1 in 10⁴ candidates for float16/bfloat16
@@ -122,7 +122,7 @@ def _search_qparams(lo_r: torch.Tensor, hi_r: torch.Tensor, dtype: str, symmetri
     own qparams. Float32 is what keeps a search step's qparams cheap: they are computed for every
     candidate of every block."""
     scale, zp = choose_qparams(lo_r, hi_r, dtype=dtype, symmetric=symmetric, scale_dtype=scale_dtype,
-                               work_dtype=torch.float32)
+                               work_dtype=torch.float32, divisor=divisor)
     s = scale.float()
     return s, _reciprocal(s), (torch.zeros_like(s) if zp is None else zp.float())
 
@@ -143,12 +143,12 @@ class _Grid:
 
 def _stage_candidates(lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                       start: torch.Tensor, step: torch.Tensor, last: torch.Tensor, dtype: str, symmetric: bool,
-                      scale_dtype: str) -> tuple[torch.Tensor, ...]:
+                      scale_dtype: str, divisor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     cols = []
     for c in range(offsets.shape[0]):  # C is static: compiled, one vectorised loop over the blocks per candidate
         idx = (b + offsets[c]).clamp(min=0).clamp(max=last)
         r = torch.where(idx == last, 1.0, start + idx.float() * step)
-        cols.append((idx, *_search_qparams(lo * r, hi * r, dtype, symmetric, scale_dtype)))
+        cols.append((idx, *_search_qparams(lo * r, hi * r, dtype, symmetric, scale_dtype, divisor)))
     return tuple(torch.stack(col) for col in zip(*cols, strict=True))
 
 
@@ -161,7 +161,8 @@ def stage_candidates(lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offset
     the compiled step (:func:`search_step`) reads and writes as whole vectors (with a ``[B, C]`` layout
     its candidate and pick loops would be scalar code)."""
     idx, scale, inv, zp = _stage_candidates(lo, hi, b, offsets, grid.start, grid.step, grid.last, scheme.dtype,
-                                            scheme.symmetric, scheme.scale_dtype)
+                                            scheme.symmetric, scheme.scale_dtype,
+                                            divisor_tensor(scheme.dtype, scheme.symmetric, lo.device))
     return idx, scale, inv, zp
 
 
@@ -201,9 +202,10 @@ def pick_best(err: torch.Tensor, idx: torch.Tensor, b: torch.Tensor,
 
 def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
           e_best: torch.Tensor, start: torch.Tensor, step: torch.Tensor, last: torch.Tensor, dtype: str,
-          symmetric: bool, scale_dtype: str, qmin: torch.Tensor, qmax: torch.Tensor, kind: str,
-          fp8: tuple[float, int, int], norm: float) -> tuple[torch.Tensor, torch.Tensor]:
-    idx, scale, inv, zp = _stage_candidates(lo, hi, b, offsets, start, step, last, dtype, symmetric, scale_dtype)
+          symmetric: bool, scale_dtype: str, divisor: torch.Tensor, qmin: torch.Tensor, qmax: torch.Tensor,
+          kind: str, fp8: tuple[float, int, int], norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    idx, scale, inv, zp = _stage_candidates(lo, hi, b, offsets, start, step, last, dtype, symmetric, scale_dtype,
+                                            divisor)
     err = candidate_error(x, scale, inv, zp, qmin, qmax, kind, fp8, norm)
     return pick_best(err, idx, b, e_best)
 
@@ -226,7 +228,8 @@ def search_step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, b: torch.Te
         out = KERNELS.call(
             name, fn, (x.dtype, scheme.dtype, scheme.symmetric, scheme.scale_dtype, float(norm), fixed),
             x, lo, hi, b, offsets, e_best, grid.start, grid.step, grid.last, scheme.dtype, scheme.symmetric,
-            scheme.scale_dtype, *error_args(info, scheme.dtype, x.device), float(norm), options=NO_REALIZE)
+            scheme.scale_dtype, divisor_tensor(scheme.dtype, scheme.symmetric, x.device),
+            *error_args(info, scheme.dtype, x.device), float(norm), options=NO_REALIZE)
         if out is not None:
             return out
     idx, scale, inv, zp = stage_candidates(lo, hi, b, offsets, grid, scheme)
