@@ -733,7 +733,41 @@ def gpu_section(data: dict[str, Any]) -> list[str]:
              p.get("compiled", {}).get("kernels_run_eager", {}).items()}
     if eager:
         md += ["", "Kernels that failed to build and ran eager: " + ", ".join(f"`{k}`" for k in sorted(eager)) + "."]
+    md += _gpu_kernel_tables(data)
     return md
+
+
+def _gpu_kernel_tables(data: dict[str, Any]) -> list[str]:
+    """Where the compiled path's device time goes, per step (``--breakdown`` runs)."""
+    md: list[str] = []
+    for case in data.get("cases", []):
+        shape = "×".join(str(v) for v in case["shape"])
+        for sname, paths in case["schemes"].items():
+            for step, r in paths.get("compiled", {}).items():
+                if not isinstance(r, dict) or not r.get("kernels"):
+                    continue
+                md += ["", f"{shape} {case['dtype']}, {sname}, {step}: CUDA kernels per call, busiest first", "",
+                       table(["kernel", "device µs", "launches"],
+                             [[f"`{k['kernel'][:90]}`", f"{k['device_us']:.1f}", f"{k['launches']:.0f}"]
+                              for k in r["kernels"]])]
+    return md
+
+
+def gpu_readme_lines(data: dict[str, Any]) -> list[str]:
+    """The README's GPU line: the compiled quantize step against the device-to-device copy."""
+    rows = []
+    for case in data.get("cases", []):
+        for sname, paths in case["schemes"].items():
+            r = paths.get("compiled", {}).get("quantize")
+            if isinstance(r, dict):
+                rows.append([f"{'×'.join(str(v) for v in case['shape'])} {case['dtype']}", sname,
+                             f"{r['copy_bandwidth_fraction']:.2f}", f"{r['device_copy_bandwidth_fraction']:.2f}"])
+    if not rows:
+        return []
+    name = data.get("device", {}).get("name", "a GPU")
+    return ["", f"On {name} (`bench/gpu.py`), RTN's compiled CUDA kernels against the same run's device-to-device "
+            "copy (fraction of its bandwidth; per call with the host's work, and the kernels alone):", "",
+            table(["weight", "scheme", "per call", "kernels alone"], rows)]
 
 
 def model_dir_section(data: dict[str, Any]) -> list[str]:
@@ -1109,6 +1143,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
      service_file_section),
     ("The engine against a memory copy", "engine.json", engine_section),
     ("The engine on a GPU: RTN against a device-to-device copy (bench/gpu.py)", "gpu.json", gpu_section),
+    ("The engine on a GPU, per kernel (bench/gpu.py --breakdown)", "gpu_breakdown.json", gpu_section),
     ("The service on a GPU host (bench/service.py --device cuda)", "service_gpu.json", service_file_section),
     ("Range observers against min-max", "observers.json", observers_section),
     ("A model directory: HTTP job against in-process", "model_dir.json", model_dir_section),
@@ -1176,6 +1211,7 @@ def readme_block(quick: bool = False) -> str:
             "",
             table(["scheme", "quantd GB/s", "fastest peer GB/s", "speed-up", "quantd emb. cos",
                    "best peer emb. cos"], headline),
+            *gpu_readme_lines(results_for("gpu.json", quick) or results_for("gpu_breakdown.json", quick) or {}),
             "",
             "Every table, with its machine and the commands that produce it: "
             "[docs/benchmarks.md](docs/benchmarks.md).",

@@ -5,12 +5,13 @@ Integer dtypes: ``code = clamp(round(x / scale) + zero_point, qmin, qmax)``, ``x
 fp8: ``code = fp8(clamp(x / scale, ±max_finite))``, ``x̂ = code · scale``. float16/bfloat16: a saturating
 cast (values beyond the largest finite value become ±max, never inf). Inputs are taken as float32.
 
-Speed: on CPU, tensors of at least ``kernels.MIN_ELEMENTS`` elements (``kernels.SMALL_MIN_ELEMENTS`` for
-min-max integer and nf4 schemes) go through fused compiled kernels
+Speed: tensors of at least ``kernels.MIN_ELEMENTS`` elements (``kernels.SMALL_MIN_ELEMENTS`` for
+min-max integer and nf4 schemes) go through fused compiled kernels, on CPU and (with Triton) on CUDA
 (:mod:`quantd.engine.kernels.quantize`: the per-block range in one pass, the qparams of all blocks in one more
 over ``[B]``, the encode in one more; for min-max integer and nf4 schemes all three in one compiled call), which
-compute exactly the formulas above. Otherwise (CUDA, small tensors, no C++ compiler) the eager path
-below runs: the blocks are processed in chunks of rows small enough to stay in cache across the passes,
+compute exactly the formulas above. Otherwise (small tensors, no compiler) the eager path
+below runs: the blocks are processed in chunks of rows small enough to stay in cache across the passes (on
+CUDA, chunks of up to ``CUDA_CHUNK_ELEMENTS``),
 with in-place ops into one preallocated buffer. For the minmax observer the range of each chunk is
 observed right before it is encoded, so the input is read from memory once. Integer codes take two
 passes after observing plus one store (three when affine): ``y = (x / scale + M) + zero_point`` with

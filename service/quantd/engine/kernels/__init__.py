@@ -1,4 +1,4 @@
-"""Compiled CPU kernels: the engine's hot loops fused by ``torch.compile`` (Inductor's C++ backend).
+"""Compiled kernels: the engine's hot loops fused by ``torch.compile`` (Inductor: C++ on CPU, Triton on CUDA).
 
 One module here per eager module it accelerates, each kernel beside the others of its concern:
 :mod:`.quantize` for ``primitives``/``qparams`` (range, qparams, encode, decode), :mod:`.packing` for
