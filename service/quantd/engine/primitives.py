@@ -9,7 +9,8 @@ Speed: tensors of at least ``kernels.MIN_ELEMENTS`` elements (``kernels.SMALL_MI
 min-max integer and nf4 schemes) go through fused compiled kernels, on CPU and (with Triton) on CUDA
 (:mod:`quantd.engine.kernels.quantize`: the per-block range in one pass, the qparams of all blocks in one more
 over ``[B]``, the encode in one more; for min-max integer and nf4 schemes all three in one compiled call), which
-compute exactly the formulas above. Otherwise (small tensors, no compiler) the eager path
+compute exactly the formulas above. Otherwise (small tensors, no C++ compiler for CPU tensors, no Triton or
+no way to make it keep eager CUDA's arithmetic for CUDA ones: ``kernels.cuda_options``) the eager path
 below runs: the blocks are processed in chunks of rows small enough to stay in cache across the passes (on
 CUDA, chunks of up to ``CUDA_CHUNK_ELEMENTS``),
 with in-place ops into one preallocated buffer. For the minmax observer the range of each chunk is
@@ -150,21 +151,23 @@ class _Encoder:
         return bool((y_lo < _ROUND_MAGIC + self.info.qmin).any() | (y_hi > _ROUND_MAGIC + self.info.qmax).any())
 
 
-def _range_per_block(rng: Range, nblocks: int, *, name: str) -> Range:
-    """``rng`` as two float32 ``[nblocks]`` vectors; a ConfigError when it has another size."""
+def _range_per_block(rng: Range, nblocks: int, *, name: str, device: torch.device) -> Range:
+    """``rng`` as two float32 ``[nblocks]`` vectors on ``device`` (the weights'); a ConfigError when it has
+    another size."""
     lo, hi = rng
     if lo.numel() != nblocks or hi.numel() != nblocks:
         raise ConfigError(f"observer_range has {lo.numel()}/{hi.numel()} values; the scheme needs one per "
                           f"block ({nblocks})", tensor=name, field="observer_range")
-    return lo.reshape(nblocks).float(), hi.reshape(nblocks).float()
+    return lo.reshape(nblocks).to(device=device, dtype=torch.float32), hi.reshape(nblocks).to(device=device,
+                                                                                              dtype=torch.float32)
 
 
 def _non_finite_range(name: str) -> NonFiniteError:
     return NonFiniteError("the observed range is not finite (NaN or Inf in the weights?)", tensor=name)
 
 
-def _check_range(rng: Range, nblocks: int, *, name: str) -> Range:
-    lo, hi = _range_per_block(rng, nblocks, name=name)
+def _check_range(rng: Range, nblocks: int, *, name: str, device: torch.device) -> Range:
+    lo, hi = _range_per_block(rng, nblocks, name=name, device=device)
     if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
         raise _non_finite_range(name)
     return lo, hi
@@ -211,7 +214,7 @@ def _quantize_two_pass(enc: _Encoder, scheme: Scheme, rng: Range | None, *, name
         rng = observe_range(enc.blocks.float(), scheme, name=name)
     elif not bool(torch.isfinite(enc.blocks).all()):
         raise NonFiniteError("NaN or Inf in the weights", tensor=name)
-    lo, hi = _check_range(rng, rows, name=name)
+    lo, hi = _check_range(rng, rows, name=name, device=enc.blocks.device)
     scale, zp = choose_qparams(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
                                scale_dtype=scheme.scale_dtype)
     s_col = scale.float().unsqueeze(1)
@@ -264,7 +267,7 @@ def _quantize_compiled(blocks: torch.Tensor, scheme: Scheme, info: DTypeInfo, co
             return None
     else:
         rng = observe_range(blocks.float(), scheme, name=name)
-    lo, hi = _range_per_block(rng, blocks.shape[0], name=name)
+    lo, hi = _range_per_block(rng, blocks.shape[0], name=name, device=blocks.device)
     finite, scale, zp, s_col, z_col = compiled.qparams_columns(lo, hi, dtype=scheme.dtype, symmetric=scheme.symmetric,
                                                               scale_dtype=scheme.scale_dtype)
     if not finite:

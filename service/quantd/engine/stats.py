@@ -14,6 +14,7 @@ pool, each chunk's ops single-threaded.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator
@@ -37,6 +38,12 @@ _CHUNK = 1 << 18  # float64 elements per chunk: 2 MiB
 # small: each chunk's sums are one reduction of the kernel, and the device wants thousands of them at once.
 _CUDA_EAGER_CHUNK = 1 << 24
 _CUDA_FUSED_CHUNK = 1 << 12
+
+
+@functools.lru_cache(maxsize=16)
+def _codebook(device: torch.device) -> torch.Tensor:
+    """The float32 nf4 levels on ``device``, copied there once (read only)."""
+    return NF4_CODEBOOK_F32.to(device)
 
 
 def _chunk(device: torch.device, *, fused: bool = False) -> int:
@@ -281,7 +288,7 @@ def outlier_count(x: torch.Tensor, mean: float, threshold: float) -> int:
         lo, hi = bounds
 
         def outside(i: int) -> torch.Tensor:
-            # Comparisons into float32 0/1 and their float32 sum: exact (a chunk's count is below 2²⁴), and
+            # Comparisons into float32 0/1 and their float32 sum: exact (a chunk's count is at most 2²⁴), and
             # several times faster on CPU than a bool result and its integer sum.
             part = flat[starts[i]:starts[i] + step].float()
             flags = torch.empty_like(part)
@@ -337,7 +344,7 @@ def _moments_from_codes(x: torch.Tensor, qt: QuantizedTensor) -> _Moments | None
         rows = _chunk_rows(n_blocks, width, x.device)
         shape3 = (n_blocks // rows, rows, width)
         scale3, zp3 = scale.reshape(shape3[0], rows, 1), zp.reshape(shape3[0], rows, 1)
-    fused = compiled.moments_from_codes(blocks.reshape(shape3), codes.reshape(shape3), scale3, zp3, NF4_CODEBOOK_F32,
+    fused = compiled.moments_from_codes(blocks.reshape(shape3), codes.reshape(shape3), scale3, zp3, _codebook(x.device),
                                        nf4=info.kind == "nf4")
     return None if fused is None else _merge(fused)
 

@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -89,8 +90,9 @@ def cuda_options() -> dict[str, bool] | None:
     if not has_triton():
         return None
     options = {}
+    known = _known_options()
     for names in _CUDA_EXACT:
-        found = next((name for name in names if _has_setting(config, name)), None)
+        found = next((name for name in names if _has_setting(config, name) and name in known), None)
         if found is None:
             return None
         options[found] = True
@@ -148,6 +150,17 @@ def _unviewed(a: Any) -> Any:
     return plain
 
 
+def _own_code(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` with a code object of its own (the CUDA kernels' copy): Dynamo keeps a function's compiled variants,
+    and counts them against the recompile limit, per code object, so the CPU's and CUDA's budgets stay apart."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_cuda")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 class _Compiled:
     """Lazily compiled kernels, one lock for compiling, and the switch back to eager."""
 
@@ -158,6 +171,7 @@ class _Compiled:
         self._broken: str | None = None
         self.failed_cuda: dict[str, str] = {}  # CUDA kernels that failed to build (eager from then on): why
         self._available: bool | None = None
+        self._forced: bool | None = None  # reset(available=...): both devices' kernels on or off
         self._cuda: dict[str, bool] | bool | None = False  # cuda_options(), False until asked
         self._exhausted: set[str] = set()  # kernels past their recompile limit: eager from then on
         self._holder: threading.Thread | None = None  # while set, the only thread that takes the kernels
@@ -170,12 +184,15 @@ class _Compiled:
         return self._available and self._broken is None
 
     def available_cuda(self) -> bool:
-        """Whether the CUDA kernels run: compiling is on (``QUANTD_COMPILE``, or as :meth:`reset` forced it),
-        :func:`cuda_options` is not None. A CUDA kernel that fails to build runs eager alone (``failed_cuda``)."""
+        """Whether the CUDA kernels run: compiling is on (``QUANTD_COMPILE``, or as :meth:`reset` forced it) and
+        :func:`cuda_options` is not None (asked only then: it imports the compiler). A CUDA kernel that fails to
+        build runs eager alone (``failed_cuda``)."""
+        enabled = compile_setting() != "off" if self._forced is None else self._forced
+        if not enabled:
+            return False
         if self._cuda is False:
             self._cuda = cuda_options()
-        enabled = compile_setting() != "off" if self._available is None else self._available
-        return enabled and self._cuda is not None
+        return self._cuda is not None
 
     def wants(self, x: torch.Tensor, *, small: bool = False, cuda: bool = True) -> bool:
         """Whether ``x`` takes the compiled kernels: a tensor of at least ``MIN_ELEMENTS`` elements
@@ -212,12 +229,13 @@ class _Compiled:
         compiling is off or failed (the caller runs eager)."""
         device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
         on_cuda = device is not None and device.type == "cuda"
+        if on_cuda:  # a kernel of its own: the CUDA options, and Dynamo's variants apart (_own_code)
+            name = f"{name}@cuda"
         if name in self._exhausted or not self._mine() or not (self.available_cuda() if on_cuda
                                                                  else self.available()):
             return None
-        if on_cuda:  # host constants (a codebook, a threshold) go with the kernel: one graph, one device
+        if on_cuda:  # host constants (a threshold) go with the kernel: one graph, one device
             args = tuple(a.to(device) if isinstance(a, torch.Tensor) and a.device != device else a for a in args)
-            name = f"{name}@cuda"  # a function of its own: the CUDA options, and Dynamo's variants apart
             options = {**(options or {}), **(self._cuda if isinstance(self._cuda, dict) else {})}
         key = (*key, torch.get_num_threads())  # Dynamo recompiles when the thread count changes
         args = tuple(_unviewed(a) for a in args)
@@ -229,12 +247,15 @@ class _Compiled:
                     compiled = self._fns.get(name)
                     if compiled is None:
                         compiled = self._fns[name] = torch.compile(
-                            fn, dynamic=True, fullgraph=True, options=_supported({**INDUCTOR_OPTIONS, **(options or {})}))
+                            _own_code(fn) if on_cuda else fn, dynamic=True, fullgraph=True,
+                            options=_supported({**INDUCTOR_OPTIONS, **(options or {})}))
                     with warnings.catch_warnings():  # the compiler's own warnings are not ours to raise
                         warnings.simplefilter("ignore")
                         out = compiled(*args)
                     self._warm.add((name, *key))
                     return out  # type: ignore[no-any-return]
+        except torch.cuda.OutOfMemoryError:  # the device is full for now (another job): eager this time, not for good
+            return None
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # this kernel's variants are used up, not the toolchain
             self._exhausted.add(name)
             log.warning("compiled kernel %r has %d variants in this process: it runs eager from now on",
@@ -253,10 +274,12 @@ class _Compiled:
             return None
 
     def reset(self, *, available: bool | None = None) -> None:
-        """Forget the failure state (and optionally force availability): for tests."""
+        """Forget the failure state, and force both devices' kernels on or off (``available``; None: as
+        ``QUANTD_COMPILE`` and the toolchain say). One-shot runs turn them off; tests force either path."""
         self._broken = None
         self.failed_cuda.clear()
         self._available = available
+        self._forced = available
         self._exhausted.clear()
 
 

@@ -154,7 +154,9 @@ def _quantize_minmax(blocks: torch.Tensor, kind: str, dtype: str, symmetric: boo
     else:
         codes = _encode_int(x, s, z, qmin, qmax, out_dtype)
     # Whether every range is finite and the largest scale, side by side: the caller reads both in one host sync.
-    top = torch.cat([scale.float().reshape(-1), scale.new_zeros(1, dtype=torch.float32)]).amax()
+    # (There is a block: the caller sends empty tensors to the eager path. Reductions over [B] alone fuse into
+    # one loop; a cat would be a loop, and on CUDA a kernel, of its own.)
+    top = scale.float().amax()
     flags = torch.stack([finite.to(torch.float32), top])
     # s is returned (and dropped by the caller) to make it a float32 buffer: otherwise the encode loop reads the
     # float16 scale and converts it anew for each vector it stores (its int8 stores may alias the scale, so the
@@ -174,6 +176,8 @@ def quantize_minmax(blocks: torch.Tensor, info: DTypeInfo, *, dtype: str, symmet
     last two checks read in one host sync); None when not compiled."""
     from quantd.engine.qparams import divisor_tensor
 
+    if blocks.numel() == 0:
+        return None
     lo_q, hi_q = _code_bounds(info.qmin, info.qmax, blocks.device)
     out = KERNELS.call("minmax", _quantize_minmax, (blocks.dtype, dtype, symmetric, scale_dtype, out_dtype),
                        blocks, info.kind, dtype, symmetric, scale_dtype, lo_q, hi_q, out_dtype,

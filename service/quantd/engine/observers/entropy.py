@@ -115,7 +115,8 @@ def _entropy_kl(hist: torch.Tensor, zero_pos: torch.Tensor, widths: torch.Tensor
     block's zero bin (shrinking both ends in proportion), in chunks of ~``CHUNK_ELEMENTS // 4``
     ``[rows, candidates, bins]`` elements (about ten such temporaries live at once)."""
     rows, cands = widths.shape
-    start = (zero_pos * (1.0 - widths.float() / nbins)).round().long()
+    # Divided by a tensor, not the number: CUDA divides by a number as a multiplication by its reciprocal.
+    start = (zero_pos * (1.0 - widths.float() / torch.full((), float(nbins), device=hist.device))).round().long()
     start = torch.minimum(start.clamp(min=0), nbins - widths)
     kl = torch.empty(rows, cands, dtype=torch.float32, device=hist.device)
     budget = CHUNK_ELEMENTS // 4
@@ -168,7 +169,7 @@ def _entropy_rows(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, symmetric
         v, a, b = x.abs(), torch.zeros_like(lo0), torch.maximum(-lo0, hi0)
     else:
         v, a, b = x, lo0, hi0
-    bin_w = (b - a) / nbins
+    bin_w = (b - a) / torch.full((), float(nbins), dtype=b.dtype, device=b.device)  # (see _entropy_kl)
     empty = bin_w <= 0
     bin_w = torch.where(empty, torch.ones_like(bin_w), bin_w)
     hist = batched_histogram(v, a, bin_w, nbins)
