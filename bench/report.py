@@ -45,6 +45,9 @@ python bench/peers.py       # quantd vs peers; --quick for a smoke run
 python bench/service.py     # the service end to end; writes and deletes an 805 MB file in a temp dir
 python bench/engine.py      # the engine against a memory copy
 python bench/observers.py   # the range observers against min-max
+python bench/gpu.py         # on a CUDA host: RTN against a device-to-device copy (--breakdown: per kernel)
+python bench/service.py --device cuda   # on a CUDA host: the service end to end on the GPU
+pytest -m cuda tests        # on a CUDA host: CPU/GPU parity, both CUDA paths (skipped without CUDA)
 python bench/job_queue.py   # the job queue, SQLite against PostgreSQL (needs Debian's postgresql and .[dev])
 python bench/report.py      # this page, the README's table and docs/img/*.png
 ```
