@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _device_schemes import DEVICE_SCHEMES
 from quantd.engine import kernels
 from quantd.engine.kernels.packing import pack_codes
 from quantd.engine.packing import pack, unpack
@@ -20,23 +21,7 @@ from quantd_client import ErrorStats, Scheme
 
 pytestmark = pytest.mark.cuda
 
-SCHEMES = [
-    {"dtype": "int8", "granularity": "channel", "symmetric": True},
-    {"dtype": "int4", "granularity": "group", "group_size": 128},
-    {"dtype": "int4", "granularity": "group", "group_size": 64, "symmetric": True},
-    {"dtype": "int3", "granularity": "channel", "axis": 1},
-    {"dtype": "uint4", "granularity": "tensor"},
-    {"dtype": "int2", "granularity": "group", "group_size": 32, "scale_dtype": "float32"},
-    {"dtype": "nf4", "granularity": "group", "group_size": 64},
-    {"dtype": "fp8_e4m3", "granularity": "channel"},
-    {"dtype": "fp8_e5m2", "granularity": "tensor"},
-    {"dtype": "bfloat16"},
-    {"dtype": "int8", "granularity": "channel", "observer": "mse"},
-    {"dtype": "int4", "granularity": "group", "group_size": 128, "observer": "mse"},
-    {"dtype": "nf4", "granularity": "group", "group_size": 64, "observer": "mse"},
-    {"dtype": "int4", "granularity": "group", "group_size": 128, "observer": "percentile"},
-    {"dtype": "int4", "granularity": "channel", "observer": "entropy"},
-]
+SCHEMES = DEVICE_SCHEMES
 
 
 @pytest.fixture(params=["eager", "compiled"])

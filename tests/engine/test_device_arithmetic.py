@@ -16,28 +16,12 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from _device_schemes import DEVICE_SCHEMES
 from quantd.engine import kernels
 from quantd.engine.primitives import quantize
 from quantd_client import Scheme
 
-SCHEMES = [
-    {"dtype": "int8", "granularity": "channel", "symmetric": True},
-    {"dtype": "int4", "granularity": "group", "group_size": 128},
-    {"dtype": "int4", "granularity": "group", "group_size": 64, "symmetric": True},
-    {"dtype": "int3", "granularity": "channel", "axis": 1},
-    {"dtype": "uint4", "granularity": "tensor"},
-    {"dtype": "int2", "granularity": "group", "group_size": 32, "scale_dtype": "float32"},
-    {"dtype": "nf4", "granularity": "group", "group_size": 64},
-    {"dtype": "fp8_e4m3", "granularity": "channel"},
-    {"dtype": "fp8_e5m2", "granularity": "tensor", "scale_dtype": "bfloat16"},
-    {"dtype": "int8", "granularity": "channel", "observer": "mse"},
-    {"dtype": "int4", "granularity": "group", "group_size": 128, "observer": "mse"},
-    {"dtype": "nf4", "granularity": "group", "group_size": 64, "observer": "mse"},
-    {"dtype": "fp8_e4m3", "granularity": "channel", "observer": "mse"},
-    {"dtype": "int4", "granularity": "group", "group_size": 128, "observer": "percentile"},
-    {"dtype": "int4", "granularity": "channel", "observer": "entropy"},
-    {"dtype": "int8", "granularity": "group", "group_size": 128, "symmetric": True, "observer": "entropy"},
-]
+SCHEMES = DEVICE_SCHEMES
 
 _DIVISIONS = {"div", "div_", "__truediv__", "__itruediv__", "true_divide", "divide"}
 
@@ -83,7 +67,7 @@ def test_scales_and_codes_never_divide_by_a_number(spec: dict[str, Any], in_dtyp
     mode = _NumberDivisors()
     with mode:
         quantize(x, Scheme.model_validate(spec))
-    if path != "eager":
+    if path != "eager" and spec["dtype"] not in ("float16", "bfloat16"):  # (a float cast has no kernels)
         assert kernels.KERNELS._warm, "the kernel functions did not run"
     assert mode.found == [], f"divisions by {sorted(set(mode.found))}"
 
