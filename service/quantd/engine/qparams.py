@@ -115,6 +115,15 @@ def divisor_tensor(dtype: str, symmetric: bool, device: torch.device) -> torch.T
     return torch.full((), scale_divisor(dtype, symmetric), dtype=torch.float32, device=device)
 
 
+def _divisor_here(dtype: str, symmetric: bool, device: torch.device) -> torch.Tensor:
+    """:func:`scale_divisor` made by an eager caller. Made inside a compiled function it would be a constant of
+    the graph, which Inductor's CUDA kernels multiply by the reciprocal of: compiled callers pass
+    :func:`divisor_tensor` in, and tracing one that does not fails here."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("a compiled kernel must pass the scale divisor in (qparams.divisor_tensor)")
+    return torch.full((), scale_divisor(dtype, symmetric), dtype=torch.float32, device=device)
+
+
 def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool, scale_dtype: str,
                    work_dtype: torch.dtype = torch.float64, divisor: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,7 +138,7 @@ def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric:
     info = dtype_info(dtype)
     sdt = scale_torch_dtype(scale_dtype)
     if divisor is None:  # a tensor, not a Python number: CUDA divides by it (see divisor_tensor)
-        divisor = torch.full((), scale_divisor(dtype, symmetric), dtype=torch.float32, device=lo.device)
+        divisor = _divisor_here(dtype, symmetric, lo.device)
     if (work_dtype == torch.float64 and sdt in _HALF_DROPPED_BITS and lo.dtype == hi.dtype == torch.float32
             and (info.kind in ("nf4", "fp8") or (info.kind == "int" and symmetric))):
         absmax = torch.maximum(-lo.clamp(max=0.0), hi.clamp(min=0.0))
@@ -186,7 +195,7 @@ def exact_scale(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bo
     if info.kind == "float":
         raise ValueError(f"{dtype} is a plain cast and has no quantization parameters")
     if divisor is None:
-        divisor = torch.full((), scale_divisor(dtype, symmetric), dtype=torch.float32, device=lo.device)
+        divisor = _divisor_here(dtype, symmetric, lo.device)
     absmax = torch.maximum(-lo, hi)
     if info.kind == "nf4":
         return absmax
