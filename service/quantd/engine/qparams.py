@@ -121,7 +121,7 @@ def _divisor_here(dtype: str, symmetric: bool, device: torch.device) -> torch.Te
     :func:`divisor_tensor` in, and tracing one that does not fails here."""
     if torch.compiler.is_compiling():
         raise RuntimeError("a compiled kernel must pass the scale divisor in (qparams.divisor_tensor)")
-    return torch.full((), scale_divisor(dtype, symmetric), dtype=torch.float32, device=device)
+    return divisor_tensor(dtype, symmetric, device)
 
 
 def choose_qparams(lo: torch.Tensor, hi: torch.Tensor, *, dtype: str, symmetric: bool, scale_dtype: str,

@@ -69,21 +69,12 @@ _CUDA_EXACT: tuple[tuple[str, ...], ...] = (
 )
 
 
-def _has_setting(config: Any, key: str) -> bool:
-    node = config
-    for part in key.split("."):
-        if not hasattr(node, part):
-            return False
-        node = getattr(node, part)
-    return isinstance(node, bool)
-
-
+@functools.cache
 def cuda_options() -> dict[str, bool] | None:
     """The Inductor options of the CUDA kernels (each of :data:`_CUDA_EXACT` on, under the name this torch knows),
-    or None when this torch lacks one of them, or Triton: then CUDA tensors stay on the eager ops, whose results
-    the CPU's equal."""
+    or None when this torch lacks one of them, or Triton: then CUDA tensors stay on the eager ops, which compute
+    what the CPU's compute. Asked once per process (it imports the compiler)."""
     try:
-        from torch._inductor import config
         from torch.utils._triton import has_triton
     except ImportError:
         return None
@@ -92,7 +83,7 @@ def cuda_options() -> dict[str, bool] | None:
     options = {}
     known = _known_options()
     for names in _CUDA_EXACT:
-        found = next((name for name in names if _has_setting(config, name) and name in known), None)
+        found = next((name for name in names if name in known), None)
         if found is None:
             return None
         options[found] = True
@@ -172,7 +163,6 @@ class _Compiled:
         self.failed_cuda: dict[str, str] = {}  # CUDA kernels that failed to build (eager from then on): why
         self._available: bool | None = None
         self._forced: bool | None = None  # reset(available=...): both devices' kernels on or off
-        self._cuda: dict[str, bool] | bool | None = False  # cuda_options(), False until asked
         self._exhausted: set[str] = set()  # kernels past their recompile limit: eager from then on
         self._holder: threading.Thread | None = None  # while set, the only thread that takes the kernels
 
@@ -188,11 +178,7 @@ class _Compiled:
         :func:`cuda_options` is not None (asked only then: it imports the compiler). A CUDA kernel that fails to
         build runs eager alone (``failed_cuda``)."""
         enabled = compile_setting() != "off" if self._forced is None else self._forced
-        if not enabled:
-            return False
-        if self._cuda is False:
-            self._cuda = cuda_options()
-        return self._cuda is not None
+        return enabled and cuda_options() is not None
 
     def wants(self, x: torch.Tensor, *, small: bool = False, cuda: bool = True) -> bool:
         """Whether ``x`` takes the compiled kernels: a tensor of at least ``MIN_ELEMENTS`` elements
@@ -236,7 +222,7 @@ class _Compiled:
             return None
         if on_cuda:  # host constants (a threshold) go with the kernel: one graph, one device
             args = tuple(a.to(device) if isinstance(a, torch.Tensor) and a.device != device else a for a in args)
-            options = {**(options or {}), **(self._cuda if isinstance(self._cuda, dict) else {})}
+            options = {**(options or {}), **(cuda_options() or {})}
         key = (*key, torch.get_num_threads())  # Dynamo recompiles when the thread count changes
         args = tuple(_unviewed(a) for a in args)
         try:
