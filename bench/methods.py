@@ -174,7 +174,7 @@ def run_sequential(probe: EmbeddingProbe, sentences: list[str], schemes: list[st
 
 # --- quantd's service path: the worker runs the model on JSONL calibration lines (model-aware calibration) ---
 
-MODEL_AWARE = ("gptq_act_order", "awq", "gptq_tuned")
+MODEL_AWARE = ("gptq", "awq", "gptq_tuned")  # gptq: the defaults (act-order)
 
 
 @torch.no_grad()
