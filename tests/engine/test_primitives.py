@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -655,3 +657,40 @@ def test_minmax_schemes_take_the_one_call_kernel(compiled: None, monkeypatch: py
         y[1, 1] = bad
         with pytest.raises(NonFiniteError):
             quantize(y, _scheme(dtype, "group", 0, 16, symmetric=symmetric), name="w")
+
+
+def test_kernels_work_with_older_torch_names_for_the_recompile_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch names the limit ``cache_size_limit`` and its error ``FailOnCacheLimitHit`` (releases before
+    the rename), a kernel call sets that limit and restores it, a kernel past it runs eager alone, and any other
+    failure falls back to eager: nothing escapes to the job."""
+    import types
+
+    from quantd.engine import kernels
+
+    class FailOnCacheLimitHit(Exception):
+        pass
+
+    config = types.SimpleNamespace(cache_size_limit=8)
+    monkeypatch.setattr(torch._dynamo, "config", config)
+    monkeypatch.setattr(torch._dynamo, "exc", types.SimpleNamespace(FailOnCacheLimitHit=FailOnCacheLimitHit))
+    kernels._limit_names.cache_clear()
+    try:
+        seen: list[int] = []
+
+        def compiled(error: type[Exception]) -> Callable[..., Any]:
+            def run(x: torch.Tensor) -> torch.Tensor:
+                seen.append(config.cache_size_limit)
+                raise error("raised by the compiled call")
+            return run
+
+        fresh = kernels._Compiled()
+        fresh.reset(available=True)
+        monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled(FailOnCacheLimitHit))
+        assert fresh.call("past_limit", lambda x: x, (), torch.ones(3)) is None
+        assert seen == [kernels.RECOMPILE_LIMIT] and config.cache_size_limit == 8
+        assert "past_limit" in fresh._exhausted and fresh.available()
+        monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled(RuntimeError))
+        assert fresh.call("other", lambda x: x, (), torch.ones(3)) is None
+        assert fresh._broken is not None and "RuntimeError" in fresh._broken and config.cache_size_limit == 8
+    finally:
+        kernels._limit_names.cache_clear()

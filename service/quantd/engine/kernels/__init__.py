@@ -114,18 +114,32 @@ def compile_setting() -> str:
     return "on" if setting in ("1", "true", "on", "yes") else "auto"
 
 
+@functools.cache
+def _limit_names() -> tuple[str, type[BaseException]]:
+    """Dynamo's setting for the variants kept per function and the error a ``fullgraph`` call raises past it, as
+    the running torch names them (earlier releases: ``cache_size_limit`` and ``FailOnCacheLimitHit``)."""
+    config, exc = torch._dynamo.config, torch._dynamo.exc
+    setting = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    error = getattr(exc, "FailOnRecompileLimitHit", None) or getattr(exc, "FailOnCacheLimitHit", None)
+    return setting, error or _NeverRaised
+
+
+class _NeverRaised(Exception):
+    """Stands for the recompile-limit error where a torch has none (its calls then fall back as any failure)."""
+
+
 @contextlib.contextmanager
 def _recompile_limit() -> Iterator[None]:
     """Dynamo's recompile limit at :data:`RECOMPILE_LIMIT` for a call (a warm variant may still recompile, on a
     new stride or a size of 1). Dynamo's config values are context variables, so each thread sets and restores
     its own; set directly, as ``config.patch`` costs as much as a small kernel's call."""
-    config = torch._dynamo.config
-    old = config.recompile_limit
-    config.recompile_limit = RECOMPILE_LIMIT
+    config, setting = torch._dynamo.config, _limit_names()[0]
+    old = getattr(config, setting)
+    setattr(config, setting, RECOMPILE_LIMIT)
     try:
         yield
     finally:
-        config.recompile_limit = old
+        setattr(config, setting, old)
 
 
 def _unviewed(a: Any) -> Any:
@@ -242,7 +256,7 @@ class _Compiled:
                     return out  # type: ignore[no-any-return]
         except torch.cuda.OutOfMemoryError:  # the device is full for now (another job): eager this time, not for good
             return None
-        except torch._dynamo.exc.FailOnRecompileLimitHit:  # this kernel's variants are used up, not the toolchain
+        except _limit_names()[1]:  # this kernel's variants are used up, not the toolchain
             self._exhausted.add(name)
             log.warning("compiled kernel %r has %d variants in this process: it runs eager from now on",
                         name, RECOMPILE_LIMIT)
