@@ -1,11 +1,13 @@
-# quantd: API + workers in one image.
+# quantd: API + workers in one image, on the torch release its test suite runs (TORCH_VERSION).
 #   GPU (default): docker build -t quantd .
-#   CPU only:      docker build -t quantd:cpu --build-arg BASE_IMAGE=python:3.11-slim \
-#                    --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
-# The PyTorch base already ships torch with CUDA; on the slim base torch comes from TORCH_INDEX_URL.
-ARG BASE_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+#     torch from PyPI, its CUDA 13.0 build (CUDA libraries included; the host needs the NVIDIA driver 580 or
+#     later and the NVIDIA container toolkit). For an older driver, point TORCH_INDEX_URL at the PyTorch index
+#     of a CUDA release that driver runs (https://download.pytorch.org/whl/cu12x).
+#   CPU only:      docker build -t quantd:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+ARG BASE_IMAGE=python:3.12-slim
 FROM ${BASE_IMAGE}
 
+ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=""
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -18,22 +20,24 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# A C++ compiler: on CPU the engine compiles its fused kernels with torch.compile (Inductor's C++
-# backend); without one it falls back to eager torch (slower, same results). GPU workers do not need it.
+# A C/C++ compiler: the engine compiles its fused kernels with torch.compile, Inductor's C++ backend on the CPU
+# and Triton on the GPU (which builds its launcher with the C compiler); without one it runs eager torch
+# (slower, same results).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 
-# torch first (only when the base has none), so the layer is cached across source changes.
-RUN if ! python -c "import torch" 2>/dev/null; then \
-        pip install --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "torch>=2.4,<3"; \
-    fi
+# torch first, so that its layer is cached across source changes; pinned by TORCH_VERSION (which the linter
+# cannot read through the variable), and held there by a constraint when quantd's dependencies install.
+# hadolint ignore=DL3013
+RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}" \
+    && echo "torch==${TORCH_VERSION}" > /tmp/torch-constraint.txt
 
 COPY pyproject.toml README.md ./
 COPY client ./client
 COPY service ./service
-RUN pip install "/app[server,scale]" \
+RUN pip install -c /tmp/torch-constraint.txt "/app[server,scale]" \
     && useradd --system --uid 10001 --create-home --home-dir /home/quantd quantd \
     && mkdir -p /data \
     && chown quantd:quantd /data
