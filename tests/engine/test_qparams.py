@@ -7,6 +7,7 @@ import torch
 
 from quantd.engine import kernels
 from quantd.engine.qparams import choose_qparams, round_up_to, smallest_positive
+from quantd_client import Scheme
 from quantd_client._dtypes import DTYPES
 
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -115,3 +116,46 @@ def test_symmetric_half_scales_in_float32_equal_the_float64_route(dtype: str, sc
         slow, _ = choose_qparams(lo.double(), hi.double(), dtype=dtype, symmetric=True, scale_dtype=scale_dtype)
         assert zp is None and fast.dtype == slow.dtype == sdt
         assert torch.equal(fast.float().nan_to_num(nan=-1.0), slow.float().nan_to_num(nan=-1.0))
+
+
+def test_eager_callers_are_unaffected_by_a_compile_in_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.compiler.is_compiling()`` is process-wide: while any thread compiles (the servers' warm-up), it
+    is true in every thread. Eager quantization (small tensors, and the GGUF searches' sums) must neither fail
+    nor change then: the same codes, scales and GGUF bytes as without it."""
+    from quantd.engine.ggml import ggml_type
+    from quantd.engine.ggml import quantize as quantize_ggml
+    from quantd.engine.primitives import quantize
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 64, generator=gen)
+    rows = torch.randn(4, 256, generator=gen)
+    scheme = Scheme(dtype="int4", symmetric=False, granularity="group", group_size=32)
+    before = quantize(w, scheme, name="w")
+    q4_k = ggml_type("q4_k")
+    ggml_before = quantize_ggml(rows, q4_k).data
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling()  # what another thread's compile makes every thread see
+    during = quantize(w, scheme, name="w")
+    assert torch.equal(during.codes, before.codes) and torch.equal(during.scale, before.scale)
+    assert during.zero_point is not None and before.zero_point is not None
+    assert torch.equal(during.zero_point, before.zero_point)
+    assert torch.equal(quantize_ggml(rows, q4_k).data, ggml_before)
+
+
+def test_tracing_a_kernel_that_leaves_the_divisor_to_choose_qparams_fails() -> None:
+    """A compiled function must pass ``divisor_tensor`` in: made while tracing, the divisor would be a constant
+    of the graph (which CUDA kernels multiply by the reciprocal of)."""
+    from quantd.engine.qparams import choose_qparams, divisor_tensor
+
+    lo, hi = -torch.rand(8), torch.rand(8)
+
+    def passes(lo: torch.Tensor, hi: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        return choose_qparams(lo, hi, dtype="int4", symmetric=True, scale_dtype="float32", divisor=d)[0]
+
+    def leaves(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        return choose_qparams(lo, hi, dtype="int4", symmetric=True, scale_dtype="float32")[0]
+
+    d = divisor_tensor("int4", True, lo.device)
+    assert torch.equal(torch.compile(passes, backend="eager", fullgraph=True)(lo, hi, d), leaves(lo, hi))
+    with pytest.raises(Exception, match="divisor"):
+        torch.compile(leaves, backend="eager", fullgraph=True)(lo, hi)

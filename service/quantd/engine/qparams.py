@@ -118,8 +118,9 @@ def divisor_tensor(dtype: str, symmetric: bool, device: torch.device) -> torch.T
 def _divisor_here(dtype: str, symmetric: bool, device: torch.device) -> torch.Tensor:
     """:func:`scale_divisor` made by an eager caller. Made inside a compiled function it would be a constant of
     the graph, which Inductor's CUDA kernels multiply by the reciprocal of: compiled callers pass
-    :func:`divisor_tensor` in, and tracing one that does not fails here."""
-    if torch.compiler.is_compiling():
+    :func:`divisor_tensor` in, and tracing one that does not fails here (Dynamo's own flag: ``is_compiling()``
+    is process-wide, true in every thread while any thread compiles)."""
+    if torch.compiler.is_dynamo_compiling():
         raise RuntimeError("a compiled kernel must pass the scale divisor in (qparams.divisor_tensor)")
     return divisor_tensor(dtype, symmetric, device)
 

@@ -125,15 +125,16 @@ def argmax_abs_value(x: torch.Tensor) -> torch.Tensor:
 def sum_rows(t: torch.Tensor) -> torch.Tensor:
     """Σ over the first dim of a 2-D ``[n, S]`` tensor, as a ``[1, n] @ [n, S]`` product: ATen's reduction
     kernels run such short sums an order of magnitude slower than a matrix product on CPU. In a compiled graph
-    a plain sum, which Inductor fuses with the ops that make ``t``."""
-    if torch.compiler.is_compiling():
+    a plain sum, which Inductor fuses with the ops that make ``t`` (Dynamo's flag, true only in the thread it
+    traces in: eager callers keep the product while another thread compiles)."""
+    if torch.compiler.is_dynamo_compiling():
         return t.sum(0)
     return (torch.ones(1, t.shape[0], dtype=t.dtype, device=t.device) @ t).squeeze(0)
 
 
 def sum_last(t: torch.Tensor) -> torch.Tensor:
     """Σ over the last dim (any leading shape), as a product with a ones vector (see :func:`sum_rows`)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return t.sum(-1)
     n = t.shape[-1]
     flat = t.reshape(-1, n) @ torch.ones(n, 1, dtype=t.dtype, device=t.device)
