@@ -232,3 +232,27 @@ def test_transformers_loads_affine_int4_with_dequantize(minilm_outputs: dict[str
     model = transformers.AutoModel.from_pretrained(
         out, quantization_config=CompressedTensorsConfig(dequantize=True))
     _check_weights(model, _expected(AFFINE, in_scale_dtype=True))
+
+
+@pytest.mark.parametrize("scheme", [{"dtype": "int4", "symmetric": True, "group_size": 32},
+                                    {"dtype": "int8", "symmetric": True, "granularity": "channel"}],
+                         ids=["int4_g32", "int8_channel"])
+def test_a_tied_lm_head_is_ignored_and_the_model_loads(tmp_path: Path, scheme: dict[str, Any]) -> None:
+    """A model whose ``lm_head`` shares the embedding's tensor (``tie_word_embeddings``) has no ``lm_head``
+    tensor to quantize: the config must leave that Linear in full precision (``ignore``), or transformers looks
+    for its quantized tensors (int4: fails to load; int8: loads with garbage logits)."""
+    pytest.importorskip("transformers")
+    from _tiny_models import AutoModelForCausalLM, tiny_llama
+
+    src = tiny_llama(tmp_path / "tied", tie_word_embeddings=True, tokenizer=False)
+    assert "lm_head.weight" not in load_file(str(src / "model.safetensors"))
+    out = tmp_path / "out"
+    quantize_directory(src, out, QuantConfig.model_validate({"output": CT, "scheme": scheme}), device="cpu")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["lm_head"] and qc["config_groups"]["group_0"]["targets"] == ["Linear"]
+    model, ref = AutoModelForCausalLM.from_pretrained(str(out)), AutoModelForCausalLM.from_pretrained(str(src))
+    ids = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert torch.isfinite(a).all()
+    assert float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.95

@@ -231,11 +231,12 @@ def _build_structure(cfg: dict[str, Any]) -> ModelStructure:
         log.warning("config.json: architecture %r not built (%s: %s); Linear weights taken by name",
                     model_type, type(e).__name__, str(e)[:200])
         return ModelStructure(config=cfg)
-    names = {f"{n}.weight" for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    modules = frozenset(n for n, mod in model.named_modules() if isinstance(mod, nn.Linear))
+    names = {f"{n}.weight" for n in modules}
     prefix = getattr(model, "base_model_prefix", "")
     if prefix:  # checkpoints of a task model name the base model's tensors with or without its prefix
         names |= {f"{prefix}.{n}" for n in names} | {n.removeprefix(prefix + ".") for n in names}
-    return ModelStructure(linear_weights=frozenset(names), config=cfg)
+    return ModelStructure(linear_weights=frozenset(names), config=cfg, linear_modules=modules, base_prefix=prefix)
 
 
 ProgressCallback = Callable[[Progress], None]

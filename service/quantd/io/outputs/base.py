@@ -32,10 +32,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ModelStructure:
     """What a format may know of the model beyond its tensors: the names of the Linear modules'
-    weights (from the architecture that ``config.json`` describes), or None when unknown."""
+    weights (from the architecture that ``config.json`` describes; with and without the base model's
+    prefix), or None when unknown; the Linear modules as the architecture names them (``linear_modules``,
+    tied ones included: a tied ``lm_head`` has no tensor of its own) and its ``base_model_prefix``."""
 
     linear_weights: frozenset[str] | None = None
     config: Mapping[str, Any] | None = None
+    linear_modules: frozenset[str] = frozenset()
+    base_prefix: str = ""
 
 
 @dataclass(frozen=True)

@@ -223,6 +223,12 @@ class CompressedTensors(OutputFormat):
                         if (p.info.name in known if known is not None
                             else p.info.name.endswith(_SUFFIX) and len(p.info.shape) == 2))
         ignore = [m for m in linear if m not in quantized]
+        # Linear modules with no tensor of their own (a tied ``lm_head`` shares the embedding's) stay in full
+        # precision: listed too, or a loader targeting the class would look for their quantized tensors.
+        present = {_module(p.info.name) for p in plans}
+        pre = f"{structure.base_prefix}." if structure.base_prefix else ""
+        ignore += sorted(m for m in structure.linear_modules
+                         if m not in present and not (pre and {m.removeprefix(pre), pre + m} & present))
         by_class = structure.linear_weights is not None and len(groups) == 1
         config_groups = {}
         for i, (args, mods) in enumerate(groups.values()):
