@@ -152,6 +152,31 @@ async def test_a_path_given_twice_is_422(server):
     assert "tokenizer.json" in body["detail"] and "twice" in body["detail"]
 
 
+@pytest.mark.parametrize(("file", "under"), [("extra", "extra/notes.txt"), ("tokenizer.json", "tokenizer.json/x")])
+async def test_a_path_that_is_also_a_folder_is_422(server, file, under):
+    """A file and a folder of one name cannot both be written: refused before the job is accepted."""
+    files = {**model_dir(), file: b"{}", under: b"{}"}
+    body = assert_problem(await submit_dir(server, files), 422)
+    assert repr(file) in body["detail"] and "folder" in body["detail"], body["detail"]
+    assert (await server.client.get("/v1/jobs")).json()["items"] == []
+
+
+async def test_files_with_names_beyond_latin_1_are_served(server):
+    """Header values are Latin-1: a file named ``说明.json`` (and a one-file job's artifact named after its
+    upload) is served with an ASCII ``filename`` and RFC 6266's UTF-8 ``filename*``."""
+    r = await submit_dir(server, {**model_dir(), "说明.json": b'{"k": 1}'})
+    done = await server.wait_job(r.json()["id"])
+    assert done["status"] == "succeeded", done.get("error")
+    got = await server.client.get(f"/v1/jobs/{done['id']}/files/说明.json")
+    assert got.status_code == 200 and got.content == b'{"k": 1}'
+    assert got.headers["content-disposition"] == \
+        "attachment; filename=\"__.json\"; filename*=UTF-8''%E8%AF%B4%E6%98%8E.json"
+    r = await server.client.post("/v1/quantize", files={"file": ("模型.safetensors", st_bytes())},
+                                 data={"config": json.dumps(CONFIG)})
+    assert r.status_code == 200, r.text
+    assert "filename*=UTF-8''%E6%A8%A1%E5%9E%8B.quantd.safetensors" in r.headers["content-disposition"]
+
+
 def _with_index(files: dict[str, bytes], change: Any) -> dict[str, bytes]:
     index = json.loads(files["model.safetensors.index.json"])
     change(index["weight_map"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -80,6 +81,17 @@ def file_response(request: Request, path: Path, *, etag_hex: str, media_type: st
 ChunkReader = Callable[[int, int], AsyncIterator[bytes]]
 
 
+def content_disposition(filename: str) -> str:
+    """``attachment`` named ``filename``: an ASCII ``filename`` (other characters, quotes and backslashes as
+    ``_``) and, where that is not the name itself, RFC 6266's UTF-8 ``filename*``. Header values are Latin-1
+    on the wire, so a name such as ``模型.safetensors`` cannot go in as it is."""
+    plain = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename)
+    value = f'attachment; filename="{plain}"'
+    if plain != filename:
+        value += f"; filename*=UTF-8''{urllib.parse.quote(filename, safe='')}"
+    return value
+
+
 def ranged_response(request: Request, size: int, read: ChunkReader, *, etag_hex: str,
                     media_type: str = "application/octet-stream", filename: str | None = None,
                     headers: dict[str, str] | None = None, on_done: Callable[[], None] | None = None) -> Response:
@@ -88,7 +100,7 @@ def ranged_response(request: Request, size: int, read: ChunkReader, *, etag_hex:
     etag = f'"{etag_hex}"'
     base = {"ETag": etag, "Accept-Ranges": "bytes", **(headers or {})}
     if filename:
-        base["Content-Disposition"] = f'attachment; filename="{filename}"'
+        base["Content-Disposition"] = content_disposition(filename)
     background = BackgroundTask(on_done) if on_done else None
     inm = request.headers.get("if-none-match")
     if inm is not None and (inm.strip() == "*" or etag in [t.strip().removeprefix("W/") for t in inm.split(",")]):

@@ -41,8 +41,9 @@ _DIRECTORY_FILES = {
     "type": "array", "minItems": 2, "items": {"type": "string", "format": "binary"},
     "description": "a model directory: one part per file, each filename the file's relative POSIX path "
                    "(config.json, model-00001-of-00002.safetensors, model.safetensors.index.json, ...); a path that "
-                   "is absolute, has '..', '.' or empty components, backslashes or control characters, or comes "
-                   "twice is refused with 422 naming it; the size limit applies to the sum"}
+                   "is absolute, has '..', '.' or empty components, backslashes or control characters, comes "
+                   "twice, or is also a folder of another path is refused with 422 naming it; the size limit "
+                   "applies to the sum"}
 
 JOB_BODY = multipart_body(
     {"file": {"anyOf": [_FILE, _DIRECTORY_FILES],

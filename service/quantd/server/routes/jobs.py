@@ -120,6 +120,10 @@ def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
         if rel in by_path:
             raise PathError(f"path {rel!r}: given twice", field="file")
         by_path[rel] = up
+    folders = {rel.rsplit("/", i)[0]: rel for rel in by_path for i in range(1, rel.count("/") + 1)}
+    for rel in by_path:
+        if rel in folders:  # a file and a folder of one name cannot both be written
+            raise PathError(f"path {rel!r}: also a folder of {folders[rel]!r}", field="file")
     model = ModelFiles({rel: up.path for rel, up in by_path.items()})
     index = None
     from quantd.io.text_calibration import is_jsonl
