@@ -210,7 +210,7 @@ def test_transformers_loads_the_symmetric_schemes_as_they_are(minilm_outputs: di
     transformers = pytest.importorskip("transformers")
     out = minilm_outputs["symmetric-mix"]
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["format"] == "mixed-precision" and qc["ignore"] == ["pooler.dense"]
+    assert qc["format"] == "mixed-precision" and qc["ignore"] == [r"re:^(?:bert\.)?pooler\.dense$"]
     assert sorted(g["format"] for g in qc["config_groups"].values()) == [
         "float-quantized", "int-quantized", "pack-quantized"]
     model = transformers.AutoModel.from_pretrained(out)
@@ -220,6 +220,13 @@ def test_transformers_loads_the_symmetric_schemes_as_they_are(minilm_outputs: di
     _check_weights(model, _expected(SYMMETRIC_MIX, in_scale_dtype=False))
     for rel in ("tokenizer.json", "vocab.txt", "modules.json", "1_Pooling/config.json"):
         assert (out / rel).read_bytes() == (MINILM / rel).read_bytes()
+    # A task class names the modules "bert.…" and adds a head: the same weights, the head in full precision.
+    task = transformers.AutoModelForSequenceClassification.from_pretrained(out, num_labels=2)
+    with torch.no_grad():
+        logits = task(input_ids=torch.tensor([[101, 7592, 2088, 102]])).logits
+    assert logits.shape == (1, 2) and torch.isfinite(logits).all()
+    assert task.classifier.weight.dtype == torch.float32
+    _check_weights(task.bert, _expected(SYMMETRIC_MIX, in_scale_dtype=False))
 
 
 @pytest.mark.slow

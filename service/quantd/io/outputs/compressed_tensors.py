@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -229,19 +230,30 @@ class CompressedTensors(OutputFormat):
         pre = f"{structure.base_prefix}." if structure.base_prefix else ""
         ignore += sorted(m for m in structure.linear_modules
                          if m not in present and not (pre and {m.removeprefix(pre), pre + m} & present))
-        by_class = structure.linear_weights is not None and len(groups) == 1
+        # A base model's checkpoint (its names without the architecture's base_model_prefix, as
+        # all-MiniLM-L6-v2's) is loaded into task classes too, whose modules carry the prefix and add a head: its
+        # modules are then named by patterns that match either name (the loaders take ``re:`` targets), and
+        # targeted by name even with one scheme, so that a new head is not taken for a quantized module.
+        base = structure.base_prefix
+        bare = bool(base) and not any(p.info.name.startswith(f"{base}.") for p in plans)
+
+        def named(m: str) -> str:
+            return f"re:^(?:{re.escape(base)}\\.)?{re.escape(m)}$" if bare else m
+
+        by_class = structure.linear_weights is not None and len(groups) == 1 and not bare
         config_groups = {}
         for i, (args, mods) in enumerate(groups.values()):
             fmt = args.pop("_format")
-            config_groups[f"group_{i}"] = {"targets": ["Linear"] if by_class else sorted(mods), "weights": args,
-                                           "input_activations": None, "output_activations": None, "format": fmt}
+            config_groups[f"group_{i}"] = {"targets": ["Linear"] if by_class else sorted(map(named, mods)),
+                                           "weights": args, "input_activations": None, "output_activations": None,
+                                           "format": fmt}
         formats = {g["format"] for g in config_groups.values()}
         return {
             "quant_method": "compressed-tensors",
             "format": formats.pop() if len(formats) == 1 else "mixed-precision",
             "quantization_status": "compressed",
             "config_groups": config_groups,
-            "ignore": ignore,
+            "ignore": [named(m) for m in ignore],
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
             "sparsity_config": {},
