@@ -24,6 +24,20 @@ async def test_v1_needs_a_valid_bearer_key(keyed, headers):
         assert KEY_A not in r.text
 
 
+async def test_an_unknown_v1_path_or_method_needs_a_key_too(keyed):
+    """Every /v1 call needs a key: without one, an unknown path or method is a 401, not a 404 or 405 that tells
+    which endpoints exist; with one, the 404 and the 405 (with Allow)."""
+    for method, path, status in (("GET", "/v1/unknown", 404), ("POST", "/v1/jobs/j_0123", 405),
+                                 ("PUT", "/v1/info", 405)):
+        r = await keyed.client.request(method, path)
+        assert_problem(r, 401)
+        assert r.headers["www-authenticate"].startswith("Bearer")
+        r = await keyed.client.request(method, path, headers={"Authorization": f"Bearer {KEY_A}"})
+        assert_problem(r, status)
+    assert (await keyed.client.options("/v1/jobs")).status_code == 204  # what the resource allows: no key
+    assert_problem(await keyed.client.get("/nowhere"), 404)  # outside /v1
+
+
 async def test_tenants_see_only_their_own_jobs(keyed):
     a = {"Authorization": f"Bearer {KEY_A}"}
     b = {"Authorization": f"Bearer {KEY_B}"}

@@ -75,22 +75,27 @@ BEARER = HTTPBearer(auto_error=False, scheme_name="apiKey",
                                 "`Authorization: Bearer <key>`; not needed when the server runs without keys.")
 
 
+def authenticate(request: Request, state: AppState) -> str:
+    """The caller's tenant: from ``Authorization: Bearer <key>``, or ``default`` in open mode; a 401 problem
+    when keys are configured and the request has none of them."""
+    if not state.auth_enabled:
+        return OPEN_TENANT
+    header = request.headers.get("authorization")
+    if header is None:
+        raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise _unauthorized("the Authorization header must be 'Bearer <key>'")
+    found = tenant_for_key(state, key.strip())
+    if found is None:
+        raise _unauthorized("invalid API key")
+    return found
+
+
 def get_tenant(request: Request, state: StateDep,
                _declared: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)] = None) -> str:
-    """The caller's tenant: from ``Authorization: Bearer <key>``, or ``default`` in open mode."""
-    if not state.auth_enabled:
-        tenant = OPEN_TENANT
-    else:
-        header = request.headers.get("authorization")
-        if header is None:
-            raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise _unauthorized("the Authorization header must be 'Bearer <key>'")
-        found = tenant_for_key(state, key.strip())
-        if found is None:
-            raise _unauthorized("invalid API key")
-        tenant = found
+    """The caller's tenant (:func:`authenticate`), kept on the request for the access log and metrics."""
+    tenant = authenticate(request, state)
     request.state.tenant = tenant
     return tenant
 

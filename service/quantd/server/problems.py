@@ -177,6 +177,15 @@ def allowed_methods(request: Request) -> list[str]:
 def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     detail = exc.detail if isinstance(exc.detail, str) else _phrase(exc.status_code)
     headers = dict(exc.headers or {})
+    routing = (exc.status_code == 404 and detail == "Not Found") or exc.status_code == 405
+    state = getattr(request.app.state, "quantd", None)
+    if routing and request.method != "OPTIONS" and request.url.path.startswith("/v1/") and state is not None:
+        from .deps import authenticate
+
+        try:  # every /v1 call needs a key: without one, an unknown path or method is a 401 too
+            authenticate(request, state)
+        except ProblemException as e:
+            return _problem(request, e)
     if exc.status_code == 404 and detail == "Not Found":
         detail = f"no such endpoint: {request.url.path}"
     elif exc.status_code == 405:
