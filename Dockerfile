@@ -1,8 +1,8 @@
 # quantd: API + workers in one image, on the torch release its test suite runs (TORCH_VERSION).
 #   GPU (default): docker build -t quantd .
 #     torch from PyPI, its CUDA 13.0 build (CUDA libraries included; the host needs the NVIDIA driver 580 or
-#     later and the NVIDIA container toolkit). For an older driver, point TORCH_INDEX_URL at the PyTorch index
-#     of a CUDA release that driver runs (https://download.pytorch.org/whl/cu12x).
+#     later and the NVIDIA container toolkit). For an older driver, point TORCH_INDEX_URL at the PyTorch wheel
+#     index of a CUDA build of this torch that the driver runs (pytorch.org's install selector lists them).
 #   CPU only:      docker build -t quantd:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
 ARG BASE_IMAGE=python:3.12-slim
 FROM ${BASE_IMAGE}
