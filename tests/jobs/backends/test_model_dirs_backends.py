@@ -107,6 +107,25 @@ async def test_directory_jobs_across_replicas_and_deleted_from_the_bucket(replic
         assert (await c.get(f"/v1/jobs/{job['id']}/files/config.json")).status_code == 410
 
 
+async def test_a_directory_job_with_a_calibration_part_on_the_bucket(replicas: Any) -> None:
+    """The calibration part streams to the bucket beside the directory's parts: packing the directory into its
+    tar discards the parts' objects, not the calibration's, which the job then adopts."""
+    g = torch.Generator().manual_seed(1)
+    calibration = save({"encoder.layer.0.attention.self.query": torch.randn(96, 64, generator=g),
+                        "encoder.layer.0.intermediate.dense": torch.randn(96, 64, generator=g)})
+    parts = [("file", (path, data, "application/octet-stream")) for path, data in model_dir().items()]
+    parts.append(("calibration", ("calibration.safetensors", calibration, "application/octet-stream")))
+    config = {"scheme": {"dtype": "int4", "group_size": 32, "method": "gptq"}}
+    async with replicas({"workers": 0}, {"workers": 1}) as (a, b):
+        r = await a.post("/v1/jobs", files=parts, data={"config": json.dumps(config)})
+        assert r.status_code == 202, r.text
+        job = await wait_job(b, r.json()["id"])
+        assert job["status"] == "succeeded", job["error"]
+        report = (await a.get(f"/v1/jobs/{job['id']}/report")).json()
+        errors = {t["name"]: t["stats"]["output_rel_error"] for t in report["tensors"] if not t["skipped"]}
+        assert len(errors) == 2 and all(0.0 < e < 0.1 for e in errors.values()), errors
+
+
 def put_dir(s3: Any, bucket: str, prefix: str, files: dict[str, bytes]) -> None:
     client = s3.client()
     for rel, data in files.items():

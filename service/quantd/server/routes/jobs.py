@@ -165,7 +165,8 @@ def _check_imatrix(up: UploadedFile, config: QuantConfig | None) -> Any:
 async def _accept(request: Request, state: AppState, tenant: str, idempotency_key: str | None) -> Job:
     runs: list[PreparedRun] = []  # at most one: quantizing the model while it streams in
     job_id = state.jobs.new_job_id()
-    streamed: list[Path] = []  # files an object store receives while they stream in, under job_id's keys
+    # files an object store receives while they stream in, under job_id's keys, with their part's field
+    streamed: list[tuple[Path, str]] = []
 
     def on_file_start(up: UploadedFile, fields: dict[str, str]) -> FileSink | None:
         run = start_run(up, fields)
@@ -177,7 +178,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
             log.exception("could not start storing the upload while it streams")
             return None
         if sink is not None:
-            streamed.append(up.path)
+            streamed.append((up.path, up.field))
         return sink
 
     def start_run(up: UploadedFile, fields: dict[str, str]) -> PreparedRun | None:
@@ -223,9 +224,10 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
                 except BaseException:
                     tar.unlink(missing_ok=True)
                     raise
-                for path in streamed:  # a first part an object store received as the input: the tar is
-                    await anyio.to_thread.run_sync(state.jobs.discard_upload, path)
-                streamed.clear()
+                for path, field in streamed:  # a first part an object store received as the input: the tar is
+                    if field == "file":  # (the calibration part stays the job's calibration)
+                        await anyio.to_thread.run_sync(state.jobs.discard_upload, path)
+                streamed[:] = [(path, field) for path, field in streamed if field != "file"]
             else:
                 if calibration is not None and calibration.format == "jsonl":
                     from quantd.errors import ConfigError
@@ -249,7 +251,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
     finally:
         for run in runs:  # the upload or its checks failed: the run stops and its artifact goes
             state.jobs.discard_prepared(run)
-        for path in streamed:  # what the object store received of uploads no job took (a no-op for the rest)
+        for path, _ in streamed:  # what the object store received of uploads no job took (a no-op for the rest)
             await anyio.to_thread.run_sync(state.jobs.discard_upload, path)
 
 
