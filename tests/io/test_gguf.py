@@ -473,3 +473,20 @@ def test_the_gguf_warm_up_is_skipped_when_the_kernels_are_off(eager: None) -> No
     from quantd.io.outputs.gguf import warm_up_gguf
 
     assert warm_up_gguf() is None
+
+
+def test_one_dimensional_tensors_stay_as_they_are_whatever_a_rule_says(tiny: Path, tmp_path: Path) -> None:
+    """llama.cpp takes norms (1-D) in float32: a rule or ``skip_1d: false`` that would quantize them (or make
+    them float16) leaves them as they are, saying why, and llama.cpp runs the file."""
+    for name, config in (("rule", {"gguf_mix": "Q4_K_M", "rules": [{"match": "*norm*", "scheme": {"dtype": "q8_0"}},
+                                                                    {"match": "output_norm*",
+                                                                     "scheme": {"dtype": "float16"}}]}),
+                         ("skip_1d", {"scheme": {"dtype": "q8_0"}, "skip_1d": False})):
+        out = tmp_path / f"{name}.gguf"
+        report = _run(tiny, out, **config)
+        norms = [t for t in report.tensors if "norm" in t.name]  # type: ignore[attr-defined]
+        assert norms and all(t.skipped and "1-D" in (t.reason or "") for t in norms), name
+        src = {t.name: t.type_id for t in GGUFFile(tiny).tensors}
+        assert all(t.type_id == src[t.name] for t in GGUFFile(out).tensors if "norm" in t.name), name
+        if llama_cpp_or_none() is not None:
+            assert np.isfinite(llama_logits(out)).all(), name

@@ -66,7 +66,8 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
               ) -> list[PlannedTensor]:
     """Each tensor's target: a rule's scheme (first match wins, as everywhere), else the ``gguf_mix``'s
     type (llama.cpp keeps norms, 1-D and the other tensors it never quantizes as they are), else the default
-    scheme under ``skip_1d``/``min_numel``. A ggml type whose block does not divide a row falls back as
+    scheme under ``skip_1d``/``min_numel``; 1-D tensors stay as they are whatever a rule says (llama.cpp's
+    norm and add ops take them in float: a quantized or float16 norm aborts it). A ggml type whose block does not divide a row falls back as
     llama.cpp's does. ConfigError names the tensor when a dtype cannot be held by GGUF."""
     floats = [t for t in tensors if t.dtype in ("float32", "float16", "bfloat16")]
     mix = (mix_types(config.gguf_mix, [(t.name, t.shape) for t in floats], _params(tensors, metadata))
@@ -85,6 +86,8 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
             scheme = Scheme(dtype=mix[t.name])
         else:
             reason = f"{config.gguf_mix} keeps this tensor as it is (llama.cpp quantizes 2-D weights but norms)"
+        if scheme is not None and len(t.shape) == 1:  # whatever a rule asks: llama.cpp's ops take them in float
+            scheme, reason = None, "1-D: llama.cpp keeps norms and other 1-D tensors as they are"
         if scheme is not None and numel:
             _check_dtype(t.name, scheme.dtype)
             if scheme.method != "rtn":  # ggml's blocks are its own rounding; nothing else could be stored
