@@ -64,6 +64,15 @@ async def test_gguf_job_with_an_importance_matrix(server, tmp_path: Path) -> Non
     files["calibration"] = ("imatrix.dat", b"\x01\x00\x00\x00junk", "application/octet-stream")
     r = await server.client.post("/v1/jobs", files=files, data={"config": json.dumps(cfg)})
     assert "calibration" in assert_problem(r, 422)["detail"]
+    # an entry whose length is not the tensor's rows: refused before the job is accepted, naming the tensor
+    short = dat.replace(struct.pack("<ii", 1, 256) + (b"\x00\x00\x80\x3f" * 256),
+                        struct.pack("<ii", 1, 128) + (b"\x00\x00\x80\x3f" * 128))
+    files["calibration"] = ("imatrix.dat", bytes(short), "application/octet-stream")
+    r = await server.client.post("/v1/jobs", files=files, data={"config": json.dumps(cfg)})
+    problem = assert_problem(r, 422)
+    assert "calibration" in problem["detail"] and "blk.1.ffn_up.weight" in problem["detail"], problem
+    assert any("calibration" in str(e["loc"]) for e in problem["errors"]), problem
+    assert len((await server.client.get("/v1/jobs")).json()["items"]) == 1  # the first job only
 
 
 async def test_hostile_gguf_upload_is_a_422(server) -> None:

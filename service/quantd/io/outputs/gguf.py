@@ -140,8 +140,16 @@ def _importance(table: Mapping[str, torch.Tensor] | None, name: str, shape: tupl
         if name in ("token_embd.weight", "per_layer_token_embd.weight"):
             return None  # llama.cpp ignores the embedding's entry too (its input is not a matmul's)
         raise MalformedInputError(f"importance matrix entry {name!r} has shape {list(imp.shape)}; the tensor is "
-                                  f"{list(shape)}", tensor=name)
+                                  f"{list(shape)}", tensor=name, field="calibration")
     return imp
+
+
+def check_importance(plans: Sequence[PlannedTensor], table: Mapping[str, torch.Tensor]) -> None:
+    """MalformedInputError naming the tensor when an importance matrix entry does not fit the tensor it is for
+    (what the quantization would raise on reaching it): a job is refused before it is accepted."""
+    for p in plans:
+        if p.scheme is not None:
+            _importance(table, p.info.name, p.info.shape)
 
 
 def _check_finite(x: torch.Tensor, name: str) -> None:

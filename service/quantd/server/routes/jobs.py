@@ -49,10 +49,11 @@ _JOB_ERRORS = problem_responses(401, 404, 410)
 _IDEM_MAX = 200
 
 def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: UploadedFile | None = None, *,
-                  max_total_bytes: int | None = None) -> Any:
+                  max_total_bytes: int | None = None, imatrix: UploadedFile | None = None) -> Any:
     """Format by magic bytes, tensor list, and (for the model) the config planned against it and the
-    calibration file's index: 415/422 before the job is accepted; tensors that would load to more than
-    ``max_total_bytes`` in all (a compressed .npz) are 413. Returns the jobs layer's StoredUpload."""
+    calibration file's index (a GGUF job's importance matrix against its tensors): 415/422 before the job is
+    accepted; tensors that would load to more than ``max_total_bytes`` in all (a compressed .npz) are 413.
+    Returns the jobs layer's StoredUpload."""
     from quantd import io
     from quantd.io.calibration import MethodCalibration
     from quantd.jobs.storage import StoredUpload
@@ -75,7 +76,13 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: Upl
         if calibration is not None:
             with naming("the calibration file"):
                 index = MethodCalibration.describe(calibration.path)
-        io.plan(tensors, config, index)
+        plans = io.plan(tensors, config, index)
+        if imatrix is not None and config.output == "gguf":
+            from quantd.io.imatrix import load_imatrix
+            from quantd.io.outputs.gguf import check_importance
+
+            with naming("the calibration file"):
+                check_importance(plans, load_imatrix(imatrix.path))
     return StoredUpload(path=up.path, filename=up.filename, bytes=up.bytes, sha256=up.sha256, format=fmt,
                         tensors=len(tensors))
 
@@ -210,8 +217,9 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
                 with naming("the calibration file"):  # not the model's: both are checked the same way
                     calibration = await run_check(state, _check_calibration, calib, config,
                                                 state.settings.max_upload_bytes)
+            imatrix = None
             if config.output == "gguf":  # an importance matrix, not the methods' calibration
-                calib = None
+                calib, imatrix = None, calib
             parts = form.file_lists.get("file", [])
             tar = None
             if _is_directory(parts):
@@ -236,7 +244,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
                                       "and its weights as several file parts), or a safetensors calibration file "
                                       "with one weights file", field="calibration")
                 upload = await run_check(state, _check_upload, form.files["file"], config, calib,
-                                          max_total_bytes=state.settings.max_upload_bytes)
+                                          max_total_bytes=state.settings.max_upload_bytes, imatrix=imatrix)
             state.metrics.inc("quantd_uploads_total", endpoint="jobs")
             run = runs.pop() if runs else None  # the jobs layer owns it from here
             try:
