@@ -31,7 +31,7 @@ from .errors import (
 from .pool import WorkerPool, open_backends
 from .prepared import PreparedRun, PreparedRuns
 from .records import STATUSES, JobRecord
-from .references import References, check_access, is_prefix
+from .references import References, check_access, destination_key, is_prefix
 from .signals import JobSignals
 from .storage import ArtifactStore, FileSinkLike, LocalStorage, StoredUpload, is_job_id
 from .store import JobStore
@@ -265,6 +265,23 @@ class JobService:
         return await self._run(self._submit_reference, tenant, source, destination, config, max_bytes,
                                idempotency_key)
 
+    @staticmethod
+    def _check_not_over_source(loc: S3Location, dst: S3Location, config: QuantConfig, *, directory: bool) -> None:
+        """DestinationInvalid (422) when the output would be written over the source: a one-file output's key
+        is the source's, or a directory output's prefix holds the source or lies inside the source directory
+        (its files' names are known only once it is written)."""
+        from quantd.io.outputs import artifact_suffix, get_format
+
+        if dst.bucket != loc.bucket:
+            return
+        if directory or get_format(config.output).writes_config:
+            over = is_prefix(dst) and (loc.key.startswith(dst.key) or (directory and dst.key.startswith(loc.key)))
+        else:
+            over = destination_key(dst.url, loc.url, artifact_suffix(config.output)) == loc.url
+        if over:
+            raise DestinationInvalid(f"destination {dst.url[:200]!r} would write over the source {loc.url[:200]!r}: "
+                                     "choose another key or prefix", field="destination")
+
     def _submit_reference(self, tenant: str, source: str, destination: str | None, config: QuantConfig,
                           max_bytes: int, idempotency_key: str | None) -> Job:
         from quantd import io
@@ -272,9 +289,10 @@ class JobService:
 
         rules = self.config.source_prefixes
         loc = check_access(rules, tenant, source, field="source")
-        if destination is not None:
-            check_access(rules, tenant, destination, field="destination")
         directory = is_prefix(loc)
+        if destination is not None:
+            dst = check_access(rules, tenant, destination, field="destination")
+            self._check_not_over_source(loc, dst, config, directory=directory)
         if destination is not None and not destination.endswith("/") and (
                 directory or get_format(config.output).writes_config):
             raise DestinationInvalid(f"destination {destination[:200]!r}: this job writes a model directory, so "

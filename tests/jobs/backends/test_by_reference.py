@@ -173,6 +173,37 @@ async def test_bad_sources_are_refused_before_the_job_is_accepted(make_app: Any,
         assert (await app.get("/v1/jobs", headers=HA)).json()["items"] == []
 
 
+@pytest.mark.parametrize(("source", "destination", "output"), [
+    ("team-a/m.safetensors", "team-a/m.safetensors", "safetensors"),  # the same object
+    ("team-a/m.gguf", "team-a/", "gguf"),  # a prefix whose output key is the source's (m.gguf)
+    ("team-a/m.safetensors", "team-a/", "compressed-tensors"),  # a directory output around the source
+    ("team-a/dir/", "team-a/dir/out/", "safetensors"),  # a prefix inside the source directory
+    ("team-a/dir/", "team-a/", "safetensors"),  # a prefix above it
+])
+async def test_a_destination_over_its_source_is_refused(make_app: Any, s3: Any, bucket: str, tmp_path: Path,
+                                                        source: str, destination: str, output: str) -> None:
+    """A job by reference never writes over its input: a destination whose output key is the source, or a
+    directory output's prefix that holds the source or lies inside it, is a 422 naming the destination, and
+    the tenant's objects stay as they are. A one-file output beside its source is fine."""
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="team-a/m.safetensors", Body=model_bytes())
+    from _gguf_models import write_tiny_llama
+
+    client.put_object(Bucket=bucket, Key="team-a/m.gguf", Body=write_tiny_llama(tmp_path / "m.gguf").read_bytes())
+    client.put_object(Bucket=bucket, Key="team-a/dir/model.safetensors", Body=model_bytes())
+    config = {"output": "gguf", "gguf_mix": "Q8_0"} if output == "gguf" else {**CONFIG, "output": output}
+    async with make_app() as app:
+        r = await app.post("/v1/jobs", headers=HA, json={"config": config, "source": f"s3://{bucket}/{source}",
+                                                         "destination": f"s3://{bucket}/{destination}"})
+        assert r.status_code == 422, r.text
+        assert "write over the source" in r.json()["detail"] and r.json()["errors"][0]["loc"][-1] == "destination"
+        assert (await app.get("/v1/jobs", headers=HA)).json()["items"] == []
+        beside = {"config": CONFIG, "source": f"s3://{bucket}/team-a/m.safetensors",
+                  "destination": f"s3://{bucket}/team-a/"}  # writes team-a/m.quantd.safetensors
+        assert (await app.post("/v1/jobs", headers=HA, json=beside)).status_code == 202
+    assert client.get_object(Bucket=bucket, Key="team-a/m.safetensors")["Body"].read() == model_bytes()
+
+
 async def test_a_source_changed_after_acceptance_fails_the_job(make_app: Any, s3: Any, bucket: str) -> None:
     client = s3.client()
     client.put_object(Bucket=bucket, Key="team-a/m.safetensors", Body=model_bytes())
