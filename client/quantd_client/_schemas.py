@@ -557,9 +557,9 @@ class MethodArg(BaseModel):
 
     name: str
     type: Literal["float", "int", "bool"]
-    default: float | bool
-    min: float | None = None
-    max: float | None = None
+    default: bool | int | float  # as its type says: an int argument's default and bounds are integers
+    min: int | float | None = None
+    max: int | float | None = None
     description: str
 
 

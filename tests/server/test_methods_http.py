@@ -36,6 +36,12 @@ async def test_info_lists_every_method_with_its_arguments(server):
     assert set(by_name) == set(info["methods"])
     assert by_name["gptq"]["needs"] == "hessian" and by_name["hqq"]["needs"] == "none"
     assert {a["name"] for a in by_name["gptq"]["args"]} >= {"damp", "act_order", "block_size"}
+    for m in info["method_args"]:  # each default and bound in its argument's type: 128, not 128.0
+        for a in m["args"]:
+            kind = {"int": int, "float": (int, float), "bool": bool}[a["type"]]
+            assert isinstance(a["default"], kind) and (a["type"] != "int" or not isinstance(a["default"], bool)), a
+            assert all(v is None or isinstance(v, int if a["type"] == "int" else (int, float))
+                       for v in (a["min"], a["max"])), a
 
 
 async def test_gptq_job_with_a_calibration_file(server):
