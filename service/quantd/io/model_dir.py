@@ -75,6 +75,16 @@ def check_relpath(path: str) -> str:
     return path
 
 
+def check_no_folder_clash(paths: Iterable[str], *, field: str = "file") -> None:
+    """PathError naming the path when one of ``paths`` is also a folder of another (``a`` beside ``a/b.json``):
+    a file and a folder of one name cannot both be written."""
+    paths = list(paths)
+    folders = {rel.rsplit("/", i)[0]: rel for rel in paths for i in range(1, rel.count("/") + 1)}
+    for rel in paths:
+        if rel in folders:
+            raise PathError(f"path {rel!r}: also a folder of {folders[rel]!r}", field=field)
+
+
 def is_weight_file(rel: str) -> bool:
     return rel.endswith(WEIGHT_SUFFIXES)
 

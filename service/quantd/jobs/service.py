@@ -8,14 +8,15 @@ import binascii
 import builtins
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from quantd.errors import naming
 from quantd_client import InputInfo, Job, JobList, Progress, QuantConfig, Report
 
-from .backends.s3 import S3Location
+from .backends.s3 import S3Location, parse_s3_url
 from .config import JobsConfig, room_to_overlap, worker_devices
 from .errors import (
     DestinationInvalid,
@@ -266,21 +267,30 @@ class JobService:
                                idempotency_key)
 
     @staticmethod
-    def _check_not_over_source(loc: S3Location, dst: S3Location, config: QuantConfig, *, directory: bool) -> None:
-        """DestinationInvalid (422) when the output would be written over the source: a one-file output's key
-        is the source's, or a directory output's prefix holds the source or lies inside the source directory
-        (its files' names are known only once it is written)."""
+    def _check_not_over_source(loc: S3Location, dst: S3Location, config: QuantConfig,
+                               rels: Sequence[str] | None) -> None:
+        """DestinationInvalid (422) when a key the output writes is one of the source's: a one-file output's key,
+        or under a prefix the output directory's files (a directory source's relative paths, their shards as
+        safetensors, and config.json; a one-file source's model.safetensors and config.json). ``rels``: a
+        directory source's relative paths, None for one object."""
+        from quantd.io.model_dir import CONFIG, output_relpath
         from quantd.io.outputs import artifact_suffix, get_format
 
         if dst.bucket != loc.bucket:
             return
-        if directory or get_format(config.output).writes_config:
-            over = is_prefix(dst) and (loc.key.startswith(dst.key) or (directory and dst.key.startswith(loc.key)))
+        if rels is None and not get_format(config.output).writes_config:
+            written = {parse_s3_url(destination_key(dst.url, loc.url, artifact_suffix(config.output))).key}
+        elif is_prefix(dst):
+            names = {output_relpath(r) for r in rels} if rels is not None else {"model.safetensors"}
+            written = {dst.key + r for r in names | {CONFIG}}
         else:
-            over = destination_key(dst.url, loc.url, artifact_suffix(config.output)) == loc.url
-        if over:
-            raise DestinationInvalid(f"destination {dst.url[:200]!r} would write over the source {loc.url[:200]!r}: "
-                                     "choose another key or prefix", field="destination")
+            return  # a directory output needs a prefix: refused as such below
+        sources = {loc.key + r for r in rels} if rels is not None else {loc.key}
+        clash = sorted(written & sources)
+        if clash:
+            raise DestinationInvalid(f"destination {dst.url[:200]!r} would write over the source's "
+                                     f"s3://{loc.bucket}/{clash[0][:200]}: choose another key or prefix",
+                                     field="destination")
 
     def _submit_reference(self, tenant: str, source: str, destination: str | None, config: QuantConfig,
                           max_bytes: int, idempotency_key: str | None) -> Job:
@@ -290,9 +300,7 @@ class JobService:
         rules = self.config.source_prefixes
         loc = check_access(rules, tenant, source, field="source")
         directory = is_prefix(loc)
-        if destination is not None:
-            dst = check_access(rules, tenant, destination, field="destination")
-            self._check_not_over_source(loc, dst, config, directory=directory)
+        dst = check_access(rules, tenant, destination, field="destination") if destination is not None else None
         if destination is not None and not destination.endswith("/") and (
                 directory or get_format(config.output).writes_config):
             raise DestinationInvalid(f"destination {destination[:200]!r}: this job writes a model directory, so "
@@ -300,7 +308,11 @@ class JobService:
         if directory:
             info = self._check_source_directory(loc, config, max_bytes)
             tensors = int(info["tensors"])
+            if dst is not None:
+                self._check_not_over_source(loc, dst, config, [f["path"] for f in info["files"]])
         else:
+            if dst is not None:
+                self._check_not_over_source(loc, dst, config, None)
             obj = self.references.head(loc, max_bytes=max_bytes)
             filename = loc.key.rsplit("/", 1)[-1]
             sample = self.storage.new_tmp_path(prefix="source")
@@ -347,11 +359,14 @@ class JobService:
             INDEX_SUFFIX,
             MAX_JSON_BYTES,
             ModelFiles,
+            check_no_folder_clash,
             is_weight_file,
             plan_directory,
         )
 
         listing = self.references.list_directory(loc, max_bytes=max_bytes)
+        with naming(f"source {loc.url!r}"):
+            check_no_folder_clash((rel for rel, _ in listing.files), field="source")
         work = self.storage.new_tmp_path(prefix="source")
         work.mkdir()
         try:

@@ -176,32 +176,46 @@ async def test_bad_sources_are_refused_before_the_job_is_accepted(make_app: Any,
 @pytest.mark.parametrize(("source", "destination", "output"), [
     ("team-a/m.safetensors", "team-a/m.safetensors", "safetensors"),  # the same object
     ("team-a/m.gguf", "team-a/", "gguf"),  # a prefix whose output key is the source's (m.gguf)
-    ("team-a/m.safetensors", "team-a/", "compressed-tensors"),  # a directory output around the source
-    ("team-a/dir/", "team-a/dir/out/", "safetensors"),  # a prefix inside the source directory
-    ("team-a/dir/", "team-a/", "safetensors"),  # a prefix above it
+    ("team-a/ct/model.safetensors", "team-a/ct/", "compressed-tensors"),  # the directory output's shard
+    ("team-a/dir/", "team-a/dir/", "safetensors"),  # a directory written over itself
 ])
 async def test_a_destination_over_its_source_is_refused(make_app: Any, s3: Any, bucket: str, tmp_path: Path,
                                                         source: str, destination: str, output: str) -> None:
-    """A job by reference never writes over its input: a destination whose output key is the source, or a
-    directory output's prefix that holds the source or lies inside it, is a 422 naming the destination, and
-    the tenant's objects stay as they are. A one-file output beside its source is fine."""
-    client = s3.client()
-    client.put_object(Bucket=bucket, Key="team-a/m.safetensors", Body=model_bytes())
+    """A job by reference never writes over its input: a destination where the output writes one of the
+    source's keys is a 422 naming the destination, and the tenant's objects stay as they are. Outputs beside
+    the source, above it or inside a source directory write other keys and are fine."""
     from _gguf_models import write_tiny_llama
 
+    client = s3.client()
+    for key in ("team-a/m.safetensors", "team-a/ct/model.safetensors", "team-a/dir/model.safetensors"):
+        client.put_object(Bucket=bucket, Key=key, Body=model_bytes())
     client.put_object(Bucket=bucket, Key="team-a/m.gguf", Body=write_tiny_llama(tmp_path / "m.gguf").read_bytes())
-    client.put_object(Bucket=bucket, Key="team-a/dir/model.safetensors", Body=model_bytes())
     config = {"output": "gguf", "gguf_mix": "Q8_0"} if output == "gguf" else {**CONFIG, "output": output}
     async with make_app() as app:
         r = await app.post("/v1/jobs", headers=HA, json={"config": config, "source": f"s3://{bucket}/{source}",
                                                          "destination": f"s3://{bucket}/{destination}"})
         assert r.status_code == 422, r.text
-        assert "write over the source" in r.json()["detail"] and r.json()["errors"][0]["loc"][-1] == "destination"
+        assert "would write over the source" in r.json()["detail"]
+        assert r.json()["errors"][0]["loc"][-1] == "destination"
         assert (await app.get("/v1/jobs", headers=HA)).json()["items"] == []
-        beside = {"config": CONFIG, "source": f"s3://{bucket}/team-a/m.safetensors",
-                  "destination": f"s3://{bucket}/team-a/"}  # writes team-a/m.quantd.safetensors
-        assert (await app.post("/v1/jobs", headers=HA, json=beside)).status_code == 202
-    assert client.get_object(Bucket=bucket, Key="team-a/m.safetensors")["Body"].read() == model_bytes()
+        for src, dst in (("m.safetensors", ""), ("dir/", "dir/out/"), ("dir/", "")):  # beside, inside, above
+            body = {"config": CONFIG, "source": f"s3://{bucket}/team-a/{src}",
+                    "destination": f"s3://{bucket}/team-a/{dst}"}
+            assert (await app.post("/v1/jobs", headers=HA, json=body)).status_code == 202, (src, dst)
+    for key in ("team-a/m.safetensors", "team-a/ct/model.safetensors", "team-a/dir/model.safetensors"):
+        assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == model_bytes()
+
+
+async def test_a_directory_source_with_a_path_that_is_also_a_folder_is_422(make_app: Any, s3: Any,
+                                                                           bucket: str) -> None:
+    """As for an uploaded directory: ``a`` beside ``a/b.json`` cannot both be written, named before the 202."""
+    client = s3.client()
+    for key, body in (("team-a/d/model.safetensors", model_bytes()), ("team-a/d/a", b"x"), ("team-a/d/a/b.json", b"{}")):
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+    async with make_app() as app:
+        r = await app.post("/v1/jobs", headers=HA, json={"config": CONFIG, "source": f"s3://{bucket}/team-a/d/"})
+        assert r.status_code == 422, r.text
+        assert "'a'" in r.json()["detail"] and "folder" in r.json()["detail"]
 
 
 async def test_a_source_changed_after_acceptance_fails_the_job(make_app: Any, s3: Any, bucket: str) -> None:

@@ -118,7 +118,14 @@ def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
     import hashlib
 
     from quantd import io
-    from quantd.io.model_dir import ModelFiles, PathError, check_relpath, pack_tar, plan_directory
+    from quantd.io.model_dir import (
+        ModelFiles,
+        PathError,
+        check_no_folder_clash,
+        check_relpath,
+        pack_tar,
+        plan_directory,
+    )
     from quantd.jobs.storage import StoredUpload
 
     by_path: dict[str, UploadedFile] = {}
@@ -127,10 +134,7 @@ def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
         if rel in by_path:
             raise PathError(f"path {rel!r}: given twice", field="file")
         by_path[rel] = up
-    folders = {rel.rsplit("/", i)[0]: rel for rel in by_path for i in range(1, rel.count("/") + 1)}
-    for rel in by_path:
-        if rel in folders:  # a file and a folder of one name cannot both be written
-            raise PathError(f"path {rel!r}: also a folder of {folders[rel]!r}", field="file")
+    check_no_folder_clash(by_path)
     model = ModelFiles({rel: up.path for rel, up in by_path.items()})
     index = None
     from quantd.io.text_calibration import is_jsonl
