@@ -28,7 +28,7 @@ async def test_an_unknown_v1_path_or_method_needs_a_key_too(keyed):
     """Every /v1 call needs a key: without one, an unknown path or method is a 401, not a 404 or 405 that tells
     which endpoints exist; with one, the 404 and the 405 (with Allow)."""
     for method, path, status in (("GET", "/v1/unknown", 404), ("POST", "/v1/jobs/j_0123", 405),
-                                 ("PUT", "/v1/info", 405)):
+                                 ("PUT", "/v1/info", 405), ("OPTIONS", "/v1/unknown", 404), ("GET", "/v1", 404)):
         r = await keyed.client.request(method, path)
         assert_problem(r, 401)
         assert r.headers["www-authenticate"].startswith("Bearer")

@@ -177,9 +177,12 @@ def allowed_methods(request: Request) -> list[str]:
 def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     detail = exc.detail if isinstance(exc.detail, str) else _phrase(exc.status_code)
     headers = dict(exc.headers or {})
-    routing = (exc.status_code == 404 and detail == "Not Found") or exc.status_code == 405
+    unknown = exc.status_code == 404 and detail == "Not Found"
+    # an OPTIONS on a known resource (405 here) answers without a key, as a browser's preflight carries none
+    routing = unknown or (exc.status_code == 405 and request.method != "OPTIONS")
     state = getattr(request.app.state, "quantd", None)
-    if routing and request.method != "OPTIONS" and request.url.path.startswith("/v1/") and state is not None:
+    path = request.url.path
+    if routing and (path == "/v1" or path.startswith("/v1/")) and state is not None:
         from .deps import authenticate
 
         try:  # every /v1 call needs a key: without one, an unknown path or method is a 401 too
