@@ -210,7 +210,9 @@ def test_transformers_loads_the_symmetric_schemes_as_they_are(minilm_outputs: di
     transformers = pytest.importorskip("transformers")
     out = minilm_outputs["symmetric-mix"]
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["format"] == "mixed-precision" and qc["ignore"] == [r"re:^(?:bert\.)?pooler\.dense$"]
+    # a base model's names (no "bert." prefix): modules by patterns that match them under any prefix
+    assert qc["format"] == "mixed-precision" and qc["ignore"] == [r"re:^(?:.*\.)?pooler\.dense$"]
+    assert r"re:^(?:.*\.)?encoder\.layer\.0\.attention\.self\.query$" in qc["config_groups"]["group_0"]["targets"]
     assert sorted(g["format"] for g in qc["config_groups"].values()) == [
         "float-quantized", "int-quantized", "pack-quantized"]
     model = transformers.AutoModel.from_pretrained(out)

@@ -490,3 +490,8 @@ def test_one_dimensional_tensors_stay_as_they_are_whatever_a_rule_says(tiny: Pat
         assert all(t.type_id == src[t.name] for t in GGUFFile(out).tensors if "norm" in t.name), name
         if llama_cpp_or_none() is not None:
             assert np.isfinite(llama_logits(out)).all(), name
+    # a scheme GGUF cannot hold is still refused on a 1-D tensor, naming it
+    for scheme, field in (({"dtype": "int4"}, "dtype"), ({"dtype": "q8_0", "method": "hqq"}, "method")):
+        with pytest.raises(ConfigError, match="norm") as e:
+            _run(tiny, tmp_path / "bad.gguf", gguf_mix="Q8_0", rules=[{"match": "*norm*", "scheme": scheme}])
+        assert field in str(e.value.field), e.value.field

@@ -231,16 +231,16 @@ class CompressedTensors(OutputFormat):
         ignore += sorted(m for m in structure.linear_modules
                          if m not in present and not (pre and {m.removeprefix(pre), pre + m} & present))
         # A base model's checkpoint (its names without the architecture's base_model_prefix, as
-        # all-MiniLM-L6-v2's) is loaded into task classes too, whose modules carry the prefix and add a head: its
-        # modules are then named by patterns that match either name (the loaders take ``re:`` targets), and
-        # targeted by name even with one scheme, so that a new head is not taken for a quantized module.
+        # all-MiniLM-L6-v2's) is loaded under a prefix too: transformers' task classes put it under that prefix
+        # (bert.encoder…), vLLM's embedding models under their own. Its modules are then named by patterns that
+        # match the name under any prefix (the loaders take ``re:`` targets and ignores).
         base = structure.base_prefix
         bare = bool(base) and not any(p.info.name.startswith(f"{base}.") for p in plans)
 
         def named(m: str) -> str:
-            return f"re:^(?:{re.escape(base)}\\.)?{re.escape(m)}$" if bare else m
+            return f"re:^(?:.*\\.)?{re.escape(m)}$" if bare else m
 
-        by_class = structure.linear_weights is not None and len(groups) == 1 and not bare
+        by_class = structure.linear_weights is not None and len(groups) == 1
         config_groups = {}
         for i, (args, mods) in enumerate(groups.values()):
             fmt = args.pop("_format")

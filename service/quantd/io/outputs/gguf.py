@@ -86,14 +86,15 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
             scheme = Scheme(dtype=mix[t.name])
         else:
             reason = f"{config.gguf_mix} keeps this tensor as it is (llama.cpp quantizes 2-D weights but norms)"
-        if scheme is not None and len(t.shape) == 1:  # whatever a rule asks: llama.cpp's ops take them in float
-            scheme, reason = None, "1-D: llama.cpp keeps norms and other 1-D tensors as they are"
         if scheme is not None and numel:
             _check_dtype(t.name, scheme.dtype)
             if scheme.method != "rtn":  # ggml's blocks are its own rounding; nothing else could be stored
                 raise ConfigError(f"method {scheme.method!r} cannot be held by GGUF output (its types are "
                                   "llama.cpp's round-to-nearest blocks): use method 'rtn'",
                                   tensor=t.name, field="scheme.method")
+        if scheme is not None and len(t.shape) == 1:  # a valid scheme, but llama.cpp's ops take them in float
+            scheme, reason = None, "1-D: llama.cpp keeps norms and other 1-D tensors as they are"
+        if scheme is not None and numel:
             if DTYPES[scheme.dtype].kind == "ggml":
                 target = fallback(scheme.dtype, t.shape[-1])
                 if target != scheme.dtype:
