@@ -60,11 +60,22 @@ class JobRecord:
         return Job.model_validate({
             "id": self.id, "status": self.status, "created_at": _dt(self.created_at),
             "started_at": _dt(self.started_at), "finished_at": _dt(self.finished_at),
-            "input": self.input, "config": self.config, "progress": self.progress, "device": self.device,
+            "input": self._input(), "config": self.config, "progress": self.progress, "device": self.device,
             "result": self.result, "error": self.error, "attempts": self.attempts,
             "cancel_requested": self.cancel_requested, "expired_at": _dt(self.expired_at),
             "source": self.input.get("source"), "destination": self.input.get("destination"),
         })
+
+    def _input(self) -> dict[str, Any]:
+        """The input as accepted; a job by reference's sha256 (and its files') once its worker has read the
+        source, from the result (the object is not read before the job is accepted)."""
+        result = self.result or {}
+        if self.input.get("sha256") or not result.get("input_sha256"):
+            return self.input
+        hashes = result.get("input_files_sha256") or {}
+        files = self.input.get("files")
+        return {**self.input, "sha256": result["input_sha256"],
+                **({"files": [{**f, "sha256": hashes.get(f["path"], f["sha256"])} for f in files]} if files else {})}
 
 
 def _dt(t: float | None) -> datetime | None:

@@ -74,6 +74,20 @@ def directory_output(input_info: dict[str, Any], config: dict[str, Any]) -> bool
     return get_format(str(config.get("output", "safetensors"))).writes_config
 
 
+def _input_hashes(src: Path) -> dict[str, Any]:
+    """A job by reference's source as read (a file, or a directory of them): its sha256, and each file's,
+    digested as an uploaded directory's (the sorted ``path sha256`` lines), for its record's ``input``."""
+    import hashlib
+
+    from quantd.io.files import sha256_file
+
+    if not src.is_dir():
+        return {"input_sha256": sha256_file(src)}
+    files = {p.relative_to(src).as_posix(): sha256_file(p) for p in sorted(src.rglob("*")) if p.is_file()}
+    lines = "".join(f"{rel}\0{digest}\n" for rel, digest in sorted(files.items()))
+    return {"input_sha256": hashlib.sha256(lines.encode()).hexdigest(), "input_files_sha256": files}
+
+
 def _remove(path: Path) -> None:
     """A scratch file or directory of this attempt, gone."""
     import shutil
@@ -208,6 +222,7 @@ class Worker:
         self.wake, self.stop = wake, stop
         self.busy_job: str | None = None
         self._output_files: dict[str, list[dict[str, Any]]] = {}  # a directory job's output, until recorded
+        self._input_hashes: dict[str, dict[str, Any]] = {}  # a job by reference's source, hashed once read
         self.references = references or References()
         self._thread = threading.Thread(target=self._loop, name=f"quantd-worker-{index}", daemon=True)
 
@@ -278,6 +293,7 @@ class Worker:
             files = self._output_files.pop(job.id, None)
             if files is not None:  # a directory output: the artifact is its tar
                 result["files"] = files
+            result.update(self._input_hashes.pop(job.id, {}))
 
             def install() -> None:  # only while the lease is held (store.complete): the files are the job's
                 destination = job.input.get("destination")
@@ -305,6 +321,7 @@ class Worker:
         finally:
             tmp.unlink(missing_ok=True)
             self._output_files.pop(job.id, None)
+            self._input_hashes.pop(job.id, None)
             self.on_change(job.id)  # its end (or release) is in the database: wake the streams
 
     def _quantize(self, job: JobRecord, tmp: Path, lease: _Lease) -> Report | dict[str, str] | None:
@@ -321,6 +338,7 @@ class Worker:
                         self._stage_directory(source, dict(job.input.get("source_etags") or {}), src)
                     else:
                         self.references.stage(source, job.input.get("etag", ""), src)
+                    self._input_hashes[job.id] = _input_hashes(src)
                 except Exception as e:
                     _remove(src)
                     return _error("urn:quantd:source-invalid", "Source cannot be read",

@@ -68,8 +68,10 @@ async def test_source_read_and_destination_written(make_app: Any, s3: Any, bucke
         assert job["source"] == body["source"] and job["destination"] == body["destination"]
         assert job["input"]["bytes"] == len(data) and job["input"]["format"] == "safetensors"
         assert job["input"]["tensors"] == 2 and job["input"]["filename"] == "model.safetensors"
+        assert job["input"]["sha256"] == ""  # the object is read by the worker, not before the 202
         done = await wait_job(app, job["id"], HA)
         assert done["status"] == "succeeded", done["error"]
+        assert done["input"]["sha256"] == hashlib.sha256(data).hexdigest()  # once the worker has read it
         art = (await app.get(f"/v1/jobs/{job['id']}/artifact", headers=HA)).content
         assert hashlib.sha256(art).hexdigest() == done["result"]["artifact_sha256"]
         written = client.get_object(Bucket=bucket, Key="team-a/out/model.quantd.safetensors")["Body"].read()

@@ -153,6 +153,10 @@ async def test_a_directory_source_is_listed_checked_quantized_and_written_file_b
         assert accepted["input"]["tensors"] == 3 and accepted["input"]["format"] == "safetensors"
         job = await wait_job(b, accepted["id"])
         assert job["status"] == "succeeded", job["error"]
+        digests = {rel: hashlib.sha256(data).hexdigest() for rel, data in model_dir().items()}
+        assert {f["path"]: f["sha256"] for f in job["input"]["files"]} == digests  # read by the worker
+        lines = "".join(f"{rel}\0{digests[rel]}\n" for rel in sorted(digests))  # as an uploaded directory's
+        assert job["input"]["sha256"] == hashlib.sha256(lines.encode()).hexdigest()
         served = await check_served(a, job)
         assert set(served) == set(model_dir())
         assert objects(s3, bucket, "team-a/out/") == served  # every output file under the destination
