@@ -216,7 +216,9 @@ class Client(BaseClient):
         dst = Path(path)
         part = part_path(dst)
         attempt = 0
+        restarted = False
         while True:
+            resuming = part.exists() and part.stat().st_size > 0
             try:
                 return self._download_once(job_id, dst, part, expected, progress, file)
             except APIConnectionError:
@@ -224,6 +226,10 @@ class Client(BaseClient):
                     raise
                 self._sleep(self.retry.delay(attempt, None, self._rand))
                 attempt += 1
+            except ChecksumMismatch:
+                if not resuming or restarted:
+                    raise
+                restarted = True  # a partial file left by something else: removed, the whole artifact once more
 
     def _download_once(self, job_id: str, dst: Path, part: Path, expected: str | None,
                        progress: ProgressArg, file: str | None = None) -> Path:

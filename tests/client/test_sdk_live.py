@@ -81,7 +81,12 @@ def test_resume_download_against_real_range_support(live_url: str, api_key: str,
         full = job.download(tmp_path / "full", progress=False).read_bytes()
         (tmp_path / "half.part").write_bytes(full[: len(full) // 2])
         half = job.download(tmp_path / "half", progress=False).read_bytes()
-    assert half == full
+        # a partial file that is not the artifact's start: the resumed bytes fail the sha256, and the
+        # download starts over once, without failing the call
+        (tmp_path / "junk.part").write_bytes(b"\0" * 1000)
+        junk = job.download(tmp_path / "junk", progress=False).read_bytes()
+        assert not (tmp_path / "junk.part").exists()
+    assert half == full and junk == full
 
 
 def test_async_client_happy_path(live_url: str, api_key: str, tmp_path: Path) -> None:
