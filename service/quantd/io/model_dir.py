@@ -85,6 +85,15 @@ def check_no_folder_clash(paths: Iterable[str], *, field: str = "file") -> None:
             raise PathError(f"path {rel!r}: also a folder of {folders[rel]!r}", field=field)
 
 
+def directory_digest(file_sha256: Mapping[str, str]) -> str:
+    """A model directory's sha256: that of its files' sorted ``path\\0sha256`` lines (an uploaded directory's,
+    and a directory source's once its worker has read it)."""
+    import hashlib
+
+    lines = "".join(f"{rel}\0{digest}\n" for rel, digest in sorted(file_sha256.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
 def is_weight_file(rel: str) -> bool:
     return rel.endswith(WEIGHT_SUFFIXES)
 
@@ -242,11 +251,7 @@ def _build_structure(cfg: dict[str, Any]) -> ModelStructure:
                     model_type, type(e).__name__, str(e)[:200])
         return ModelStructure(config=cfg)
     modules = frozenset(n for n, mod in model.named_modules() if isinstance(mod, nn.Linear))
-    names = {f"{n}.weight" for n in modules}
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix:  # checkpoints of a task model name the base model's tensors with or without its prefix
-        names |= {f"{prefix}.{n}" for n in names} | {n.removeprefix(prefix + ".") for n in names}
-    return ModelStructure(linear_weights=frozenset(names), config=cfg, linear_modules=modules, base_prefix=prefix)
+    return ModelStructure(linear_modules=modules, config=cfg, base_prefix=getattr(model, "base_model_prefix", ""))
 
 
 ProgressCallback = Callable[[Progress], None]

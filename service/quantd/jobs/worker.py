@@ -77,15 +77,13 @@ def directory_output(input_info: dict[str, Any], config: dict[str, Any]) -> bool
 def _input_hashes(src: Path) -> dict[str, Any]:
     """A job by reference's source as read (a file, or a directory of them): its sha256, and each file's,
     digested as an uploaded directory's (the sorted ``path sha256`` lines), for its record's ``input``."""
-    import hashlib
-
     from quantd.io.files import sha256_file
+    from quantd.io.model_dir import directory_digest
 
     if not src.is_dir():
         return {"input_sha256": sha256_file(src)}
     files = {p.relative_to(src).as_posix(): sha256_file(p) for p in sorted(src.rglob("*")) if p.is_file()}
-    lines = "".join(f"{rel}\0{digest}\n" for rel, digest in sorted(files.items()))
-    return {"input_sha256": hashlib.sha256(lines.encode()).hexdigest(), "input_files_sha256": files}
+    return {"input_sha256": directory_digest(files), "input_files_sha256": files}
 
 
 def _remove(path: Path) -> None:

@@ -9,6 +9,7 @@ tensors (``encode``), and the sink they stream into. A format may contribute ``c
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from abc import ABC, abstractmethod
@@ -31,15 +32,25 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelStructure:
-    """What a format may know of the model beyond its tensors: the names of the Linear modules'
-    weights (from the architecture that ``config.json`` describes; with and without the base model's
-    prefix), or None when unknown; the Linear modules as the architecture names them (``linear_modules``,
-    tied ones included: a tied ``lm_head`` has no tensor of its own) and its ``base_model_prefix``."""
+    """What a format may know of the model beyond its tensors: its Linear modules as the architecture that
+    ``config.json`` describes names them (tied ones included: a tied ``lm_head`` has no tensor of its own),
+    or None when unknown, and the architecture's ``base_model_prefix``."""
 
-    linear_weights: frozenset[str] | None = None
+    linear_modules: frozenset[str] | None = None
     config: Mapping[str, Any] | None = None
-    linear_modules: frozenset[str] = frozenset()
     base_prefix: str = ""
+
+    @functools.cached_property
+    def linear_weights(self) -> frozenset[str] | None:
+        """The Linear modules' weight names, with and without the base model's prefix (checkpoints of a task
+        model name the base model's tensors either way), or None when unknown."""
+        if self.linear_modules is None:
+            return None
+        names = {f"{n}.weight" for n in self.linear_modules}
+        if self.base_prefix:
+            pre = f"{self.base_prefix}."
+            names |= {pre + n for n in names} | {n.removeprefix(pre) for n in names}
+        return frozenset(names)
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ class CompressedTensors(OutputFormat):
         # precision: listed too, or a loader targeting the class would look for their quantized tensors.
         present = {_module(p.info.name) for p in plans}
         pre = f"{structure.base_prefix}." if structure.base_prefix else ""
-        ignore += sorted(m for m in structure.linear_modules
+        ignore += sorted(m for m in structure.linear_modules or ()
                          if m not in present and not (pre and {m.removeprefix(pre), pre + m} & present))
         # A base model's checkpoint (its names without the architecture's base_model_prefix, as
         # all-MiniLM-L6-v2's) is loaded under a prefix too: transformers' task classes put it under that prefix

@@ -115,7 +115,6 @@ def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
     """A model directory upload (CONTRACT §8): every path checked (422 naming it), the shards against the
     index and the config against every tensor, then the files packed into one tar at ``dst`` (the job's
     stored input). Its sha256 is that of the sorted ``path sha256`` lines of its files."""
-    import hashlib
 
     from quantd import io
     from quantd.io.model_dir import (
@@ -123,6 +122,7 @@ def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
         PathError,
         check_no_folder_clash,
         check_relpath,
+        directory_digest,
         pack_tar,
         plan_directory,
     )
@@ -151,7 +151,7 @@ def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
                 index = MethodCalibration.describe(calibration.path)
         plans, _ = plan_directory(model, config, index)
     manifest = pack_tar(sorted((rel, up.path) for rel, up in by_path.items()), dst)
-    digest = hashlib.sha256("".join(f"{f['path']}\0{f['sha256']}\n" for f in manifest).encode()).hexdigest()
+    digest = directory_digest({f["path"]: f["sha256"] for f in manifest})
     return StoredUpload(path=dst, filename="model", bytes=sum(f["bytes"] for f in manifest), sha256=digest,
                         format=io.detect_format(model.files[model.weights[0]]),
                         tensors=sum(len(p) for p in plans.values()), files=tuple(manifest))
