@@ -126,6 +126,19 @@ def test_a_cuda_device_that_is_not_there_is_a_usage_error(model: Path, tmp_path:
         assert err.startswith("quantd serve:") and "CUDA device" in err
 
 
+def test_a_name_that_is_no_device_is_a_usage_error(model: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # "gpu" reached torch from quantize and analyze (a RuntimeError traceback, exit 1); serve refused it
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--device", "gpu"]) == 2
+    assert main(["analyze", str(model), "--dtype", "int8", "--device", "gpu"]) == 2
+    monkeypatch.setenv("QUANTD_DEVICE", "gpu")
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("'gpu' is not auto, cpu, cuda or cuda:N") == 3 and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_analyze_in_process_side_by_side(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["analyze", str(model), "--dtype", "int8", "--dtype", "int4", "--group-size", "32",
                  "--device", "cpu", "--json"]) == 0

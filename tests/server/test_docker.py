@@ -1,4 +1,5 @@
-"""Dockerfile lints clean with hadolint; docker-compose.yml has the API/worker/CPU layout."""
+"""Dockerfile lints clean with hadolint; docker-compose.yml has the API/worker/CPU layout and
+docker-compose.scale.yml the many-hosts one; every documented `docker compose` command starts a coherent set."""
 
 from __future__ import annotations
 
@@ -54,11 +55,10 @@ def test_compose_layout():
 def test_compose_scale_profiles():
     """PostgreSQL, MinIO, two API replicas behind one port, two GPU workers (one GPU each) or, in the
     CPU profile, two CPU workers; every quantd container on the same database and bucket."""
-    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    doc = yaml.safe_load((ROOT / "docker-compose.scale.yml").read_text())
     services = doc["services"]
-    both = ["scale", "scale-cpu"]
     for name in ("postgres", "minio", "minio-init", "db-upgrade", "api-1", "api-2", "lb"):
-        assert services[name]["profiles"] == both, name
+        assert "profiles" not in services[name], name  # started whichever workers' profile is chosen
     assert services["db-upgrade"]["command"] == ["quantd", "db", "upgrade"]
     quantd = {n: s for n, s in services.items() if n in ("db-upgrade", "api-1", "api-2") or n.startswith("worker-")}
     assert len(quantd) == 7
@@ -81,13 +81,56 @@ def test_compose_scale_profiles():
     gpus = []
     for name in ("worker-gpu-1", "worker-gpu-2"):
         svc = services[name]
-        assert svc["profiles"] == ["scale"] and svc["command"] == ["quantd", "worker", "--device", "cuda"]
+        assert svc["profiles"] == ["gpu"] and svc["command"] == ["quantd", "worker", "--device", "cuda"]
         (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
         gpus += dev["device_ids"]
     assert sorted(gpus) == ["0", "1"]
     for name in ("worker-cpu-1", "worker-cpu-2"):
         svc = services[name]
-        assert svc["profiles"] == ["scale-cpu"] and svc["command"] == ["quantd", "worker", "--device", "cpu"]
+        assert svc["profiles"] == ["cpu"] and svc["command"] == ["quantd", "worker", "--device", "cpu"]
         assert "deploy" not in svc and svc["build"]["args"] == {"TORCH_INDEX_URL": CPU_INDEX}
     assert {"postgres-data", "minio-data"} <= set(doc["volumes"])
+
+
+def _started(doc: dict, profiles: set[str], targets: list[str]) -> set[str]:
+    """The services ``docker compose [--profile P]... up [SERVICE]...`` starts: the named ones, or every
+    service with no profile or a chosen one, and what those depend on (Compose's selection rules)."""
+    services = doc["services"]
+    chosen = list(targets) or [n for n, s in services.items()
+                               if not s.get("profiles") or profiles & set(s["profiles"])]
+    started: set[str] = set()
+    while chosen:
+        name = chosen.pop()
+        if name not in started:
+            started.add(name)
+            deps = services[name].get("depends_on", [])
+            chosen += list(deps) if isinstance(deps, (list, dict)) else []
+    return started
+
+
+def _documented_commands() -> list[str]:
+    text = "\n".join((ROOT / f).read_text() for f in ("README.md", "docs/deploy.md", "docker-compose.yml",
+                                                      "docker-compose.scale.yml"))
+    return sorted(set(re.findall(r"docker compose(?: [^`#\n]*?)? up(?: [\w-]+)*", text)))
+
+
+def test_every_documented_compose_command_starts_a_coherent_set():
+    """Each `docker compose ... up` the docs show: one service per published host port, GPU reservations only
+    where the command is for GPUs, and at least one API and one worker (or an all-in-one server)."""
+    commands = _documented_commands()
+    assert len(commands) >= 4, commands
+    for cmd in commands:
+        words = cmd.split()[2:]
+        file = words[words.index("-f") + 1] if "-f" in words else "docker-compose.yml"
+        profiles = {words[i + 1] for i, w in enumerate(words) if w == "--profile"}
+        targets = words[words.index("up") + 1:]
+        doc = yaml.safe_load((ROOT / file).read_text())
+        started = _started(doc, profiles, targets)
+        ports = [p.split(":")[0] for n in started for p in doc["services"][n].get("ports", [])]
+        assert len(ports) == len(set(ports)), (cmd, sorted(started))
+        gpu = [n for n in started if "deploy" in doc["services"][n]]
+        assert bool(gpu) == ("cpu" not in profiles and "quantd-cpu" not in targets), (cmd, gpu)
+        commands_run = [doc["services"][n].get("command", [])[:2] for n in started]
+        serves = ["quantd", "serve"] in commands_run
+        assert serves and (["quantd", "worker"] in commands_run or "quantd-cpu" in started), (cmd, sorted(started))

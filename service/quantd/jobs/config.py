@@ -8,7 +8,8 @@ from pathlib import Path
 
 from quantd.errors import ConfigError
 
-_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+# What a device setting may be: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class JobsConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
-        if not _DEVICE.match(self.device):
+        if not DEVICE_RE.fullmatch(self.device):
             raise ConfigError(f"{self.device!r} is not auto, cpu, cuda or cuda:N", field="device")
         if self.workers is not None and self.workers < 0:
             raise ConfigError(f"{self.workers} < 0", field="workers")
@@ -63,7 +64,11 @@ class JobsConfig:
 
 def check_device(device: str) -> int:
     """The number of CUDA devices; a ConfigError (field ``device``) when ``device`` (``auto``, ``cpu``,
-    ``cuda`` or ``cuda:N``) names CUDA devices that are not there."""
+    ``cuda`` or ``cuda:N``) names CUDA devices that are not there, or is none of those."""
+    if not DEVICE_RE.fullmatch(device):
+        raise ConfigError(f"{device!r} is not auto, cpu, cuda or cuda:N", field="device")
+    if device == "cpu":
+        return 0  # no CUDA probe
     available = _cuda_count()
     if device == "cuda" and available == 0:
         raise ConfigError("cuda requested but no CUDA device is available", field="device")

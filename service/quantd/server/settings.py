@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from quantd.jobs.config import DEVICE_RE
 from quantd.runtime import KEEP_FREED_MEMORY_DEFAULT
 
 log = logging.getLogger("quantd.server")
@@ -23,7 +24,6 @@ log = logging.getLogger("quantd.server")
 GiB = 1024**3
 MiB = 1024**2
 _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
 # Keys shorter than this are accepted with a warning at start-up (Settings.warn_unsafe).
@@ -152,7 +152,7 @@ class Settings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        if not _DEVICE_RE.match(v):
+        if not DEVICE_RE.fullmatch(v):
             raise ValueError("device must be auto, cpu, cuda or cuda:N")
         return v
 
