@@ -51,6 +51,17 @@ class QueueFull(QuantdError):
         self.retry_after = retry_after
 
 
+class DatabaseUnavailable(QuantdError):
+    """The job database could not be reached, or dropped the connection, under a request: retry later."""
+
+    title = "Database unavailable"
+    type_ = "urn:quantd:database-unavailable"
+    retry_after = 5
+
+    def __init__(self, detail: str = "the job database is unavailable; retry later") -> None:
+        super().__init__(detail)
+
+
 class InvalidListQuery(QuantdError):
     """A bad ``status``, ``limit`` or ``cursor`` in a job listing."""
 

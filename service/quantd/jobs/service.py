@@ -615,5 +615,9 @@ class JobService:
         Blocking (a DB query and a probe file): call it from a thread."""
         if self._store is None or self._storage is None:
             return {"database": False, "storage": False, "workers": 0}
-        return {"database": self._store.ping(), "storage": self._storage.writable(),
-                "workers": self.live_workers()}
+        database = self._store.ping()
+        try:
+            workers = self.live_workers() if database else 0
+        except Exception:  # the database went away between the two queries
+            database, workers = False, 0
+        return {"database": database, "storage": self._storage.writable(), "workers": workers}

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from quantd.errors import JobCancelled, QuantdError
 from quantd_client import Progress, QuantConfig, Report
 
+from .errors import DatabaseUnavailable
 from .prepared import PreparedRun, PreparedRuns
 from .records import JobRecord
 from .references import References, destination_key
@@ -190,14 +191,21 @@ class _Lease:
         final = progress.tensors_total > 0 and progress.tensors_done >= progress.tensors_total
         if final or now - self._last_write >= self.progress_write_s:
             self._last_write = now
-            self._update(self.store.heartbeat(self.job_id, self.owner, self.lease_s, self._progress))
+            try:
+                self._update(self.store.heartbeat(self.job_id, self.owner, self.lease_s, self._progress))
+            except Exception:  # the database briefly away: the job goes on; the beat thread renews the lease
+                log.warning("job %s: progress not recorded", self.job_id, exc_info=True)
+                return
             self.on_write()
 
     def should_cancel(self) -> bool:
         now = time.monotonic()
         if self.state == "ok" and now - self._last_check >= self.progress_write_s:
             self._last_check = now
-            self._update(self.store.lease_state(self.job_id, self.owner))
+            try:
+                self._update(self.store.lease_state(self.job_id, self.owner))
+            except Exception:  # unknown for now: asked again at the next check
+                log.warning("job %s: lease not checked", self.job_id, exc_info=True)
         return self.state != "ok" or self.shutdown.is_set()
 
 
@@ -278,14 +286,21 @@ class Worker:
             if not isinstance(outcome, Report):
                 tmp.unlink(missing_ok=True)  # no partial artifact outlives the job's end
             if isinstance(outcome, dict):
-                self.store.fail(job.id, owner, outcome)  # its upload stays until the TTL sweep
+                self._record(self.store.fail, job.id, owner, outcome)  # its upload stays until the TTL sweep
                 return
             if outcome is None:  # cancelled, lease lost, or shutting down
                 self._end_interrupted(job, owner)
                 return
             sha256, size = self.storage.seal_artifact(tmp)
             report = outcome.model_copy(update={"job_id": job.id})
-            report_tmp = self.storage.stage_report(job.id, report.model_dump_json())
+            try:
+                report_json = report.model_dump_json()
+            except ValueError as e:  # not a passing fault: re-running the job would give the same report
+                log.exception("worker %s: job %s: the report cannot be written", self.id, job.id)
+                self._record(self.store.fail, job.id, owner, _error(
+                    "urn:quantd:internal", "Internal error", f"the report cannot be written ({type(e).__name__})"))
+                return
+            report_tmp = self.storage.stage_report(job.id, report_json)
             result = {"artifact_bytes": size, "artifact_sha256": sha256,
                       "summary": report.summary.model_dump(mode="json")}
             files = self._output_files.pop(job.id, None)
@@ -306,10 +321,10 @@ class Worker:
                 self.storage.install_report(report_tmp, job.id)
 
             try:
-                done = self.store.complete(job.id, owner, result, before_commit=install)
+                done = self._record(self.store.complete, job.id, owner, result, before_commit=install)
             except OSError as e:  # this host's storage refused the result (full, read-only): the job says why
                 log.exception("worker %s: job %s: the result could not be stored", self.id, job.id)
-                done = self.store.fail(job.id, owner, _error(
+                done = self._record(self.store.fail, job.id, owner, _error(
                     "urn:quantd:storage-error", "Storage error",
                     f"the result could not be stored: {describe_failure(e, self._private_dirs())}"))
             finally:
@@ -463,6 +478,23 @@ class Worker:
                           job.id)
         run.cancel()  # its artifact goes (now, or as the run ends)
         return None
+
+    def _record(self, end: Callable[..., bool], *args: Any, **kwargs: Any) -> bool:
+        """``end(*args, **kwargs)`` (the store's ``complete`` or ``fail``), tried again while the database is
+        unavailable, for up to a lease: a restart of the database does not cost the job's work. Each try is one
+        transaction that checks the lease, so a retry after a commit whose answer was lost finds the lease gone
+        and records nothing twice."""
+        deadline = time.monotonic() + self.lease_s
+        pause = 0.5
+        while True:
+            try:
+                return end(*args, **kwargs)
+            except DatabaseUnavailable:
+                if time.monotonic() + pause > deadline or self.stop.is_set():
+                    raise
+                log.warning("worker %s: the database is unavailable; recording again in %.1f s", self.id, pause)
+                time.sleep(pause)
+                pause = min(pause * 2, 5.0)
 
     def _end_interrupted(self, job: JobRecord, owner: str) -> None:
         state = self.store.lease_state(job.id, owner)

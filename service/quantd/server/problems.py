@@ -25,6 +25,7 @@ from quantd.errors import (
     UnsupportedFormatError,
 )
 from quantd.jobs.errors import (
+    DatabaseUnavailable,
     DestinationInvalid,
     IdempotencyConflict,
     InvalidListQuery,
@@ -119,6 +120,7 @@ STATUS_OF: dict[type[QuantdError], int] = {
     JobExpired: 410,
     IdempotencyConflict: 409,
     QueueFull: 429,
+    DatabaseUnavailable: 503,
     InvalidListQuery: 422,
     StorageError: 500,
     SourceForbidden: 403,
@@ -135,10 +137,12 @@ def status_of(error: QuantdError | type[QuantdError]) -> int:
 
 def _quantd_error(request: Request, exc: QuantdError) -> JSONResponse:
     status = status_of(exc)
-    if status >= 500:  # a server fault: its detail may name internal paths; log it, answer plainly
+    if status >= 500 and status != 503:  # a server fault: its detail may name internal paths; log, answer plainly
         log.error("server error: %s", exc.detail, exc_info=exc, extra={"request_id": request_id_of(request)})
         return problem_response(status, "internal server error; quote the request id when reporting it",
                                 title=exc.title, type_=exc.type_, request_id=request_id_of(request))
+    if status == 503:
+        log.warning("unavailable: %s", exc.detail, exc_info=exc.__cause__, extra={"request_id": request_id_of(request)})
     errors = None
     if status == 422:
         loc: list[str | int] = [exc.location]

@@ -18,6 +18,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from ..errors import QueueFull
+from ..errors import DatabaseUnavailable, QueueFull
 from ..records import STATUSES, JobRecord
 from ..store import LeaseState, worker_lost_error
 
@@ -115,9 +116,15 @@ def schema_version(conninfo: str) -> int:
         return int(row[0]) if row else 0
 
 
+# A pooled connection idle this long is checked (``SELECT 1``) before it is lent: after a database restart or
+# a dropped connection, every pooled one is dead, and each would otherwise fail one request or job step.
+_CHECK_IDLE_S = 1.0
+
+
 class PostgresJobStore:
     """A small pool of connections (``pool_size``), each used by one thread at a time; a blocking call
-    borrows one for its transaction. ``clock`` None = the database's clock."""
+    borrows one for its transaction. ``clock`` None = the database's clock. A connection that cannot be made,
+    or is lost under a call, raises :class:`DatabaseUnavailable` (503 to a client; a worker retries)."""
 
     def __init__(self, conninfo: str, *, clock: Callable[[], float] | None = None, pool_size: int = 8,
                  connect_timeout_s: float = 10.0, migrate: bool = True) -> None:
@@ -125,7 +132,8 @@ class PostgresJobStore:
         self.clock = clock
         self.migrate = migrate
         self._connect_timeout = int(max(1, connect_timeout_s))
-        self._pool: queue.LifoQueue[psycopg.Connection[dict[str, Any]]] = queue.LifoQueue()
+        # (connection, when it was last given back)
+        self._pool: queue.LifoQueue[tuple[psycopg.Connection[dict[str, Any]], float]] = queue.LifoQueue()
         self._slots = threading.BoundedSemaphore(pool_size)
         self._closed = False
 
@@ -134,24 +142,40 @@ class PostgresJobStore:
         return psycopg.connect(self.conninfo, autocommit=True, row_factory=dict_row,
                                connect_timeout=self._connect_timeout)
 
+    def _lend(self) -> psycopg.Connection[dict[str, Any]]:
+        """A live connection: a pooled one (checked first if it idled past :data:`_CHECK_IDLE_S`) or a new one."""
+        while True:
+            try:
+                conn, returned = self._pool.get_nowait()
+            except queue.Empty:
+                return self._connect()
+            if conn.closed or conn.broken:
+                continue
+            if time.monotonic() - returned < _CHECK_IDLE_S:
+                return conn
+            try:
+                conn.execute("SELECT 1")
+                return conn
+            except psycopg.Error:
+                conn.close()  # dead (the server restarted, or dropped it): try the next, then a new one
+
     @contextmanager
     def _conn(self) -> Iterator[psycopg.Connection[dict[str, Any]]]:
         self._slots.acquire()
+        conn = None
         try:
-            try:
-                conn = self._pool.get_nowait()
-            except queue.Empty:
-                conn = self._connect()
-            if conn.closed or conn.broken:
-                conn = self._connect()
-            try:
-                yield conn
-            finally:  # back to the pool, unless broken (a lost server) or the store is closing
+            conn = self._lend()
+            yield conn
+        except psycopg.OperationalError as e:
+            if conn is None or conn.closed or conn.broken:  # not reached, or lost under the call
+                raise DatabaseUnavailable() from e
+            raise
+        finally:  # back to the pool, unless broken (a lost server) or the store is closing
+            if conn is not None:
                 if self._closed or conn.closed or conn.broken:
                     conn.close()
                 else:
-                    self._pool.put(conn)
-        finally:
+                    self._pool.put((conn, time.monotonic()))
             self._slots.release()
 
     @contextmanager
@@ -179,14 +203,14 @@ class PostgresJobStore:
         self._closed = True
         while True:
             try:
-                self._pool.get_nowait().close()
+                self._pool.get_nowait()[0].close()
             except queue.Empty:
                 return
 
     def ping(self) -> bool:
         try:
             return bool(self._read("SELECT 1 AS one")[0]["one"] == 1)
-        except psycopg.Error:
+        except (psycopg.Error, DatabaseUnavailable):
             return False
 
     @staticmethod
