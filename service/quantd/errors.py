@@ -53,6 +53,16 @@ class MalformedInputError(QuantdError):
     type_ = "urn:quantd:malformed-input"
 
 
+def check_unicode(value: str, what: str) -> None:
+    """MalformedInputError when ``value`` (a tensor name or other text from an input) has lone surrogates,
+    which JSON's ``\\ud800`` escapes can make: no UTF-8 file, header or response could hold it. The message
+    shows it escaped; the error names no tensor, since its name is the text that cannot be written."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MalformedInputError(f"{what} {value!r} is not valid Unicode (it has a lone surrogate)") from None
+
+
 class NonFiniteError(MalformedInputError):
     title = "Non-finite weights"
     type_ = "urn:quantd:non-finite"

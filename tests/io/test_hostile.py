@@ -73,6 +73,28 @@ def test_header_not_an_object(tmp_path: Path) -> None:
         assert r.tensors == []
 
 
+def test_a_header_of_too_many_entries_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """Parsed, each tiny entry costs ~15 times its bytes: the count is checked on the raw header."""
+    import json
+    import tracemalloc
+
+    from quantd.io.st_header import MAX_TENSORS
+
+    n = MAX_TENSORS + 1000
+    header = json.dumps({f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+                         for i in range(n)}, separators=(",", ":")).encode()
+    p = tmp_path / "many.safetensors"
+    p.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4 * n))
+    tracemalloc.start()
+    try:
+        with fast_error(MalformedInputError, "limit 131072"):
+            open_model(p)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(header) + (8 << 20), (peak, len(header))
+
+
 def test_offsets_past_end(st_file: Callable[..., Path]) -> None:
     h = {"w": {"dtype": "F32", "shape": [1000, 1000], "data_offsets": [0, 4_000_000]}}
     with fast_error(MalformedInputError, "'w'.*outside the data section"):

@@ -334,6 +334,21 @@ async def test_a_result_the_storage_refuses_fails_the_job_saying_so(make_service
     assert str(svc.config.data_dir) not in done.error.detail
 
 
+async def test_a_report_that_cannot_be_written_fails_the_job_once(make_service: MakeService,
+                                                                 model_file: Path) -> None:
+    """Not a lost worker three times over: re-running would give the same report."""
+    def unwritable(*args: Any, **kwargs: Any) -> Any:
+        report = cast_pipeline(*args, **kwargs)
+        report.tensors[0].name = "w\ud800"  # what the readers now refuse at the door
+        return report
+
+    svc = make_service(quantize_fn=unwritable)
+    job = await svc.submit(tenant="a", upload=make_upload(svc, model_file), config=CONFIG)
+    done = await finished(svc, "a", job.id)
+    assert done.status == "failed" and done.attempts == 1, done
+    assert done.error.type == "urn:quantd:internal" and "report cannot be written" in done.error.detail
+
+
 async def test_worker_survives_a_crash(make_service: MakeService, model_file: Path) -> None:
     calls: list[str] = []
 

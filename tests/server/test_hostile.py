@@ -54,6 +54,12 @@ def _gguf_string_alignment() -> bytes:
     return head + bytes(-len(head) % 32) + bytes(256)
 
 
+def _surrogate_name() -> bytes:
+    """A tensor name with a lone surrogate (JSON's ``\\ud800`` escape): no UTF-8 report or file can hold it."""
+    header = json.dumps({"w\ud800": {"dtype": "F32", "shape": [4, 16], "data_offsets": [0, 256]}}).encode()
+    return struct.pack("<Q", len(header)) + header + bytes(256)
+
+
 def _npy_negative_dim() -> bytes:
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False, "shape": (-1, 64)})
@@ -73,6 +79,8 @@ HOSTILE = {
     "meta-device-tensor": (pt_bytes({"w": torch.empty(64, 64, device="meta")}), "m.pt", {422}),
     "longdouble-npy": (npy_bytes(np.zeros((4, 4), np.longdouble)), "w.npy", {415}),
     "negative-npy-dim": (_npy_negative_dim(), "w.npy", {422}),
+    "surrogate-tensor-name": (_surrogate_name(), "m.safetensors", {422}),
+    "surrogate-state-dict-key": (pt_bytes({"w\ud800": torch.ones(4, 16)}), "m.pt", {422}),
 }
 NAN_MODEL = st_bytes({"w": torch.tensor([[1.0, float("nan")], [float("inf"), 0.0]]).repeat(2, 4)})
 
@@ -90,6 +98,19 @@ async def test_hostile_file_is_a_quick_4xx(server, endpoint, case):
     assert not (Path.cwd() / "PWNED-by-pickle").exists()
     assert list(server.settings.tmp_dir.glob("upload-*")) == []
     assert (await server.client.get("/healthz")).status_code == 200
+
+
+async def test_a_surrogate_tensor_name_is_a_422_on_every_endpoint(server):
+    """It was a 500 on analyze and calibrate, an artifact no reader takes from quantize, and a job that ran
+    three times before it failed as 'worker lost' (its report could not be written)."""
+    data = _surrogate_name()
+    for endpoint, form in (("/v1/analyze", {"configs": json.dumps([CONFIG["scheme"]])}),
+                           ("/v1/calibrate", {"observer": json.dumps({"dtype": "int8", "observer": "minmax"})}),
+                           ("/v1/quantize", {"config": json.dumps(CONFIG)}),
+                           ("/v1/jobs", {"config": json.dumps(CONFIG)})):
+        r = await server.client.post(endpoint, files={"file": ("m.safetensors", data, "x/y")}, data=form)
+        body = assert_problem(r, 422)
+        assert "'w\\ud800'" in body["detail"] and "lone surrogate" in body["detail"], (endpoint, body)
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/quantize", "/v1/jobs"])

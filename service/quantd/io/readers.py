@@ -28,7 +28,13 @@ from typing import IO, Any, BinaryIO, TypeVar
 import numpy as np
 import torch
 
-from quantd.errors import InputTooLargeError, MalformedInputError, UnsafeInputError, UnsupportedFormatError
+from quantd.errors import (
+    InputTooLargeError,
+    MalformedInputError,
+    UnsafeInputError,
+    UnsupportedFormatError,
+    check_unicode,
+)
 
 from .formats import ST_TO_TORCH, TORCH_TO_ST, Format, detect_format, dtype_name
 from .growing import GrowingFile
@@ -71,6 +77,7 @@ class ModelReader:
         self._by_name: dict[str, TensorInfo] = {}
 
     def _add(self, info: TensorInfo) -> None:
+        check_unicode(info.name, "tensor name")
         if info.name in self._by_name:
             raise MalformedInputError(f"tensor {info.name!r} appears twice", tensor=info.name)
         self._by_name[info.name] = info

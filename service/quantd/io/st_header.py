@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from quantd.errors import MalformedInputError
+from quantd.errors import MalformedInputError, check_unicode
 
 from .formats import ST_ITEMSIZE
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .growing import GrowingFile
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-MAX_TENSORS = 1_000_000
+MAX_TENSORS = 131_072
 MAX_NDIM = 64
 
 
@@ -115,6 +115,10 @@ def read_header(f: BinaryIO | GrowingFile, file_size: int | None = None) -> STHe
     raw = f.read(n)
     if len(raw) != n:
         raise MalformedInputError("safetensors header truncated")
+    # Counted before parsing: the parsed objects of a header's entries take ~15× its bytes (a 38 MB header of
+    # 600 000 tiny entries took 0.6 GB), so an oversized count is refused while only the raw bytes are held.
+    if (count := raw.count(b'"data_offsets"')) > MAX_TENSORS:
+        raise MalformedInputError(f"safetensors header lists about {count} tensors (limit {MAX_TENSORS})")
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as e:
@@ -129,6 +133,11 @@ def read_header(f: BinaryIO | GrowingFile, file_size: int | None = None) -> STHe
         raise MalformedInputError("safetensors __metadata__ must map strings to strings")
     if len(obj) > MAX_TENSORS:
         raise MalformedInputError(f"safetensors header lists {len(obj)} tensors (limit {MAX_TENSORS})")
+    for key, value in meta.items():
+        check_unicode(key, "safetensors __metadata__ key")
+        check_unicode(value, f"safetensors __metadata__ value of {key!r}")
+    for name in obj:
+        check_unicode(name, "tensor name")
     data_start = 8 + n
     data_size = file_size - data_start
     entries = {name: _entry(name, v, data_size) for name, v in obj.items()}
