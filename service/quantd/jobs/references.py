@@ -132,7 +132,7 @@ class References:
             for page in pages:
                 for obj in page.get("Contents", []):
                     rel, size = str(obj["Key"])[len(loc.key):], int(obj["Size"])
-                    if rel.endswith("/") and size == 0:
+                    if (rel == "" or rel.endswith("/")) and size == 0:  # folder markers, the prefix's own too
                         continue
                     try:
                         check_relpath(rel)

@@ -141,7 +141,8 @@ def objects(s3: Any, bucket: str, prefix: str) -> dict[str, bytes]:
 async def test_a_directory_source_is_listed_checked_quantized_and_written_file_by_file(
         replicas: Any, s3: Any, bucket: str) -> None:
     put_dir(s3, bucket, "team-a/bert/", model_dir())
-    s3.client().put_object(Bucket=bucket, Key="team-a/bert/sub/", Body=b"")  # a console's folder marker
+    for marker in ("team-a/bert/", "team-a/bert/sub/"):  # a console's folder markers, the prefix's own too
+        s3.client().put_object(Bucket=bucket, Key=marker, Body=b"")
     body = {"config": CONFIG, "source": f"s3://{bucket}/team-a/bert/", "destination": f"s3://{bucket}/team-a/out/"}
     async with replicas({"workers": 0}, {"workers": 1}) as (a, b):
         r = await a.post("/v1/jobs", json=body)
@@ -164,7 +165,7 @@ async def test_a_directory_source_is_listed_checked_quantized_and_written_file_b
         assert any(t.dtype == torch.int8 for t in load(served["model-00002-of-00002.safetensors"]).values())
         assert (await a.delete(f"/v1/jobs/{job['id']}")).status_code == 200
         assert job_keys(s3, bucket) == []  # the job's own objects go; source and destination stay
-        assert set(objects(s3, bucket, "team-a/bert/")) == {*model_dir(), "sub/"}
+        assert set(objects(s3, bucket, "team-a/bert/")) == {*model_dir(), "", "sub/"}
         assert objects(s3, bucket, "team-a/out/") == served
 
 
