@@ -42,6 +42,39 @@ WRITEBACK_BYTES = 16 * 1024 * 1024
 _UNSAFE_CHARS = re.compile(r"[^\w.\- ()+=,@]")
 
 
+def filename_param(disposition: bytes) -> bytes | None:
+    """The ``filename`` parameter of a ``Content-Disposition`` header as sent, unquoted as python-multipart
+    does (``\\\\`` and ``\\"`` inside quotes; any other backslash kept). Its own parser cuts a value like
+    ``C:\\dir\\x.json`` down to ``x.json`` (a workaround for old browsers that sent full Windows paths);
+    a model directory's part names are checked as the client wrote them, so such a name is refused, naming
+    the path, not renamed."""
+    text = disposition.decode("latin-1")
+    params, cur, quoted, i = [], [], False, 0
+    while i < len(text):
+        ch = text[i]
+        if quoted and ch == "\\" and text[i + 1:i + 2] in ("\\", '"'):
+            cur.append(text[i + 1])
+            i += 2
+            continue
+        if ch == '"':
+            quoted = not quoted
+        if ch == ";" and not quoted:
+            params.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+        i += 1
+    params.append("".join(cur))
+    for param in params[1:]:
+        key, eq, value = param.partition("=")
+        if eq and key.strip().lower() == "filename":
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] == '"':
+                value = value[1:-1]
+            return value.encode("latin-1")
+    return None
+
+
 def sanitize_filename(raw: str | None, *, default: str = "upload") -> str:
     """A display name: the last path component, no control characters, at most 200 characters."""
     if not raw:
@@ -156,7 +189,7 @@ class _Collector:
             raise ProblemException(400, f"multipart field {self._name!r} given twice")
         self._is_file = self._name in self.file_fields
         if self._is_file:
-            raw = options.get(b"filename")
+            raw = filename_param(self._headers.get(b"content-disposition", b""))
             filename = sanitize_filename(raw.decode("utf-8", "replace") if raw else None)
             path = self.tmp_dir / f"upload-{uuid.uuid4().hex}"
             # Registered before the first byte so cleanup() finds even a half-written file.
