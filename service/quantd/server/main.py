@@ -11,6 +11,18 @@ from .logging import configure_logging
 from .settings import Settings
 
 
+def check_backends(settings: Settings) -> None:
+    """Open and close the database and the file store once before the server starts: a schema to migrate
+    (``QUANTD_DB_MIGRATE=0``), a database or bucket that cannot be reached end the command with the reason on
+    one line (a QuantdError, which the CLI prints), not with the server's start-up traceback."""
+    from quantd.jobs.backends import open_backends
+
+    from .app import jobs_config
+
+    store, _ = open_backends(jobs_config(settings, workers=0))
+    store.close()
+
+
 def run_server(settings: Settings) -> None:
     """Serve the API with uvicorn (one process; its embedded workers run inside it). The CLI has set malloc
     (:func:`quantd.runtime.keep_freed_memory`) before this imports torch."""
@@ -22,6 +34,7 @@ def run_server(settings: Settings) -> None:
 
     configure_logging(settings.log_level)
     keep_kernel_cache_in(settings.data_dir)
+    check_backends(settings)
     app = create_app(settings)
 
     class Server(uvicorn.Server):

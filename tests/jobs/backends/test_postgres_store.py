@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from quantd.jobs import QueueFull
+from quantd.jobs.errors import StorageError
 from quantd.jobs.backends.postgres import CHANNEL, LATEST, PostgresJobStore, schema_version, upgrade
 
 
@@ -57,10 +58,22 @@ def test_migrations_are_versioned_and_applied_once(pg_url: str) -> None:
 
 
 def test_a_store_that_may_not_migrate_refuses_an_old_schema(pg_url: str) -> None:
-    with pytest.raises(RuntimeError, match="quantd db upgrade"):
+    with pytest.raises(StorageError, match="quantd db upgrade"):
         PostgresJobStore(pg_url, migrate=False).init()
     upgrade(pg_url)
     PostgresJobStore(pg_url, migrate=False).init()
+
+
+def test_a_schema_newer_than_this_release_is_refused(pg_url: str) -> None:
+    """A rollback onto a database a newer release migrated: refused, not 'up to date'."""
+    upgrade(pg_url)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO quantd_schema (version, description) VALUES (%s, 'from the future')", (LATEST + 1,))
+    for migrate in (True, False):
+        with pytest.raises(StorageError, match=f"version {LATEST + 1}, newer than this quantd's"):
+            PostgresJobStore(pg_url, migrate=migrate).init()
+    with pytest.raises(StorageError, match="newer"):
+        upgrade(pg_url)
 
 
 def test_claim_is_atomic_across_connections(pg_url: str) -> None:
@@ -267,3 +280,20 @@ def test_quantd_db_upgrade_command(pg_url: str, tmp_path: Any) -> None:
     bad = subprocess.run(run, env={**env, "QUANTD_DATABASE_URL": "mysql://x/y"}, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "database_url must start with" in bad.stderr
+
+
+def test_serve_on_an_unmigrated_or_unreachable_database_says_why_in_one_line(pg_url: str, tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from servers import free_port
+
+    env = {**os.environ, "QUANTD_DATA_DIR": str(tmp_path), "QUANTD_WARMUP": "0", "QUANTD_DB_MIGRATE": "0"}
+    for url, says in ((pg_url, "run `quantd db upgrade`"),
+                      (f"postgresql://quantd@127.0.0.1:{free_port()}/none", "the database cannot be reached")):
+        for cmd in (["serve", "--port", str(free_port())], ["worker"]):
+            r = subprocess.run([sys.executable, "-m", "quantd", *cmd], env={**env, "QUANTD_DATABASE_URL": url},
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 1 and says in r.stderr, (cmd, r.stderr[-2000:])
+            assert "Traceback" not in r.stderr, (cmd, r.stderr[-2000:])

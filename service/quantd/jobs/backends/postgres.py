@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from ..errors import DatabaseUnavailable, QueueFull
+from ..errors import DatabaseUnavailable, QueueFull, StorageError
 from ..records import STATUSES, JobRecord
 from ..store import LeaseState, worker_lost_error
 
@@ -89,14 +89,27 @@ def _js(value: Any) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"))
 
 
+@contextmanager
+def _admin(conninfo: str) -> Iterator[psycopg.Connection[Any]]:
+    """A connection of its own for the schema's checks and migrations; DatabaseUnavailable (with the driver's
+    reason, which names the host and never the password) when the database cannot be reached."""
+    try:
+        conn = psycopg.connect(conninfo, autocommit=True, connect_timeout=10)
+    except psycopg.OperationalError as e:
+        raise DatabaseUnavailable(f"the database cannot be reached: {str(e).strip()}") from e
+    with conn:
+        yield conn
+
+
 def upgrade(conninfo: str) -> list[int]:
     """Apply the migrations this database lacks, in order, under an advisory lock; returns those applied."""
     applied: list[int] = []
-    with psycopg.connect(conninfo, autocommit=True) as conn, conn.transaction():
+    with _admin(conninfo) as conn, conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
         conn.execute("CREATE TABLE IF NOT EXISTS quantd_schema (version INTEGER PRIMARY KEY,"
                      " description TEXT NOT NULL, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
         done = {r[0] for r in conn.execute("SELECT version FROM quantd_schema").fetchall()}
+        _check_not_newer(max(done, default=0))
         for version, description, sql in MIGRATIONS:
             if version in done:
                 continue
@@ -107,9 +120,15 @@ def upgrade(conninfo: str) -> list[int]:
     return applied
 
 
+def _check_not_newer(version: int) -> None:
+    if version > LATEST:
+        raise StorageError(f"the database schema is at version {version}, newer than this quantd's ({LATEST}): a "
+                           "newer release migrated it; run that release, or one at least as new")
+
+
 def schema_version(conninfo: str) -> int:
     """The newest migration applied (0 for a database quantd has not touched)."""
-    with psycopg.connect(conninfo, autocommit=True) as conn:
+    with _admin(conninfo) as conn:
         if conn.execute("SELECT to_regclass('quantd_schema')").fetchone() == (None,):
             return 0
         row = conn.execute("SELECT COALESCE(MAX(version), 0) FROM quantd_schema").fetchone()
@@ -195,8 +214,11 @@ class PostgresJobStore:
         ``migrate`` off, check that the schema is current."""
         if self.migrate:
             upgrade(self.conninfo)
-        elif (version := schema_version(self.conninfo)) < LATEST:
-            raise RuntimeError(f"database schema is at version {version}, this quantd needs {LATEST}: "
+            return
+        version = schema_version(self.conninfo)
+        _check_not_newer(version)
+        if version < LATEST:
+            raise StorageError(f"the database schema is at version {version}, this quantd needs {LATEST}: "
                                "run `quantd db upgrade`")
 
     def close(self) -> None:
