@@ -11,8 +11,8 @@ import psycopg
 import pytest
 
 from quantd.jobs import QueueFull
-from quantd.jobs.errors import StorageError
 from quantd.jobs.backends.postgres import CHANNEL, LATEST, PostgresJobStore, schema_version, upgrade
+from quantd.jobs.errors import StorageError
 
 
 class Clock:
