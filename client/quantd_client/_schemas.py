@@ -33,7 +33,7 @@ GranularityName = Literal["tensor", "channel", "group"]
 ObserverName = Literal["minmax", "percentile", "meanstd", "ema", "mse", "entropy"]
 # The one table of method names (the engine's method registry is pinned to it by a test).
 MethodName = Literal["rtn", "hqq", "gptq", "awq"]
-MethodArgValue = float | bool
+MethodArgValue = bool | int | float  # ints stay ints (an iteration count), bools stay bools
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 InputFormat = Literal["safetensors", "pytorch", "npy", "npz", "gguf"]

@@ -44,6 +44,15 @@ async def test_info_lists_every_method_with_its_arguments(server):
                        for v in (a["min"], a["max"])), a
 
 
+async def test_a_job_echoes_method_args_in_the_types_given(server):
+    args = {"iters": 3, "beta": 1000.0, "lp_norm": 0.7}
+    config = {"scheme": {"dtype": "int4", "group_size": 32, "method": "hqq", "method_args": args}}
+    r = await server.client.post("/v1/jobs", files=_files(None), data={"config": json.dumps(config)})
+    assert r.status_code == 202, r.text
+    echoed = json.loads(r.text)["config"]["scheme"]["method_args"]  # parsed as sent: 3, not 3.0
+    assert echoed == args and type(echoed["iters"]) is int and type(echoed["beta"]) is float
+
+
 async def test_gptq_job_with_a_calibration_file(server):
     config = {"scheme": {"dtype": "int4", "group_size": 32, "method": "gptq", "method_args": {"act_order": True}}}
     r = await server.client.post("/v1/jobs", files=_files(_rows()), data={"config": json.dumps(config)})
