@@ -480,7 +480,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             ["observers", " ".join(info.observers)],
             *[[f"method {m.name}", " ".join(f"{a.name}={_arg_default(a)}" for a in m.args) or "-"]
               for m in info.method_args],
-            ["input formats", " ".join(info.input_formats)],
+            ["granularities", " ".join(info.granularities)],
+            ["input formats", " ".join(info.input_formats)], ["output formats", " ".join(info.output_formats)],
             ["max upload bytes", info.limits.max_upload_bytes], ["max sync bytes", info.limits.max_sync_bytes],
             ["auth", info.auth]]))
     return 0
@@ -503,7 +504,8 @@ def _scheme_flags(p: argparse.ArgumentParser, *, many_dtypes: bool) -> None:
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false")
     p.add_argument("--observer", choices=get_args(ObserverName))
     p.add_argument("--method", choices=list(get_args(MethodName)),
-                   help="rtn (default) | hqq | gptq, awq (these two need --calibration)")
+                   help="rtn (default) | hqq (gptq and awq need calibration, which only quantize takes)"
+                   if many_dtypes else "rtn (default) | hqq | gptq, awq (these two need --calibration)")
     p.add_argument("--method-arg", action="append", metavar="KEY=VALUE",
                    help="an argument of the method, e.g. act_order=true; repeatable (quantd info lists them)")
 
@@ -523,8 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "serve":
             p.add_argument("--host", help="bind address (default: QUANTD_HOST, else 127.0.0.1)")
             p.add_argument("--port", type=int, help="port (default: QUANTD_PORT, else 8000)")
-        p.add_argument("--data-dir", help="jobs database and files (default: QUANTD_DATA_DIR)")
-        p.add_argument("--workers", type=int, help="worker count (default: QUANTD_WORKERS)")
+        p.add_argument("--data-dir", help="jobs database and files (default: QUANTD_DATA_DIR, else ./quantd-data)")
+        p.add_argument("--workers", type=int, help="worker count (default: QUANTD_WORKERS, else one per CUDA "
+                                                   "device, or one on the CPU without CUDA)")
         p.add_argument("--device", help=DEVICE_HELP)
         p.set_defaults(func=cmd_serve if name == "serve" else cmd_worker)
 

@@ -186,6 +186,7 @@ def test_server_paths(cli_server: str, model: Path, tmp_path: Path, capsys: pyte
     assert main(["info", "--server", cli_server]) == 0
     table = capsys.readouterr().out  # method arguments as their types read
     assert " iters=2 " in table and "act_order=true" in table and "iters=2.0" not in table
+    assert "compressed-tensors" in table and "gguf" in table and "channel" in table  # output formats, granularities
 
     with Client(cli_server) as c:
         job = c.submit(model, {"scheme": {"dtype": "int4", "group_size": 32}}, progress=False)

@@ -27,10 +27,12 @@ async def healthz() -> dict[str, str]:
                     "checks": {"type": "object", "properties": {
                         "database": {"type": "boolean"}, "storage": {"type": "boolean"},
                         "workers": {"type": "integer", "description": "workers with a live heartbeat"},
-                        "kernels": {"type": "string", "enum": ["compiled", "warming", "eager"], "description": (
+                        "kernels": {"type": "string", "enum": ["compiled", "warming", "on demand", "eager"],
+                                    "description": (
                             "the engine's CPU kernels: compiled; warming (being built in the background, "
-                            "requests run eager meanwhile and never wait on them); or eager (compiling off "
-                            "or unavailable)")},
+                            "requests run eager meanwhile and never wait on them); on demand (no warm-up, "
+                            "QUANTD_WARMUP=0: each scheme's first request or job builds its kernels while it "
+                            "runs); or eager (compiling off or unavailable)")},
                         "gguf_kernels": {"type": "string", "enum": ["compiled", "warming", "eager"],
                                          "description": (
                             "the GGUF k-quant searches' kernels: compiled (built by the warm-up, or "
@@ -40,7 +42,7 @@ async def healthz() -> dict[str, str]:
                 **problem_responses(503)})
 async def readyz(state: StateDep) -> JSONResponse:
     checks: dict[str, Any] = await anyio.to_thread.run_sync(state.jobs.ready)
-    checks["kernels"] = kernels_state()
+    checks["kernels"] = kernels_state(warmed=state.settings.warmup)
     checks["gguf_kernels"] = gguf_kernels_state()
     workers = int(checks.get("workers", 0))
     if checks.get("database") and checks.get("storage") and workers > 0:
@@ -53,13 +55,16 @@ async def readyz(state: StateDep) -> JSONResponse:
                         status_code=503, media_type="application/problem+json", headers={"Retry-After": "5"})
 
 
-def kernels_state() -> str:
-    """``compiled``, ``warming`` or ``eager``: see ``/readyz``'s schema."""
+def kernels_state(*, warmed: bool = True) -> str:
+    """``compiled``, ``warming``, ``on demand`` (kernels on, no warm-up builds them: ``warmed`` false) or
+    ``eager``: see ``/readyz``'s schema."""
     from quantd.engine.kernels import KERNELS
 
     if KERNELS.warming:
         return "warming"
-    return "compiled" if KERNELS.available() else "eager"
+    if not KERNELS.available():
+        return "eager"
+    return "compiled" if warmed else "on demand"
 
 
 def gguf_kernels_state() -> str:
