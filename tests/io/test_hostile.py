@@ -95,6 +95,18 @@ def test_a_header_of_too_many_entries_is_refused_before_it_is_parsed(tmp_path: P
     assert peak < 2 * len(header) + (8 << 20), (peak, len(header))
 
 
+def test_a_pytorch_checkpoint_with_deflated_entries_is_refused_not_inflated(tmp_path: Path) -> None:
+    """torch.load reads it; quantd maps checkpoints in place and would not inflate a 0.5 MB entry to 512 MB."""
+    plain, packed = tmp_path / "plain.pt", tmp_path / "packed.pt"
+    torch.save({"w": torch.zeros(1024, 1024)}, plain)
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(packed, "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for zi in src.infolist():
+            dst.writestr(zi.filename, src.read(zi.filename))
+    assert packed.stat().st_size < plain.stat().st_size // 100
+    with fast_error(UnsupportedFormatError, "compressed zip entry"):
+        open_model(packed)
+
+
 def test_offsets_past_end(st_file: Callable[..., Path]) -> None:
     h = {"w": {"dtype": "F32", "shape": [1000, 1000], "data_offsets": [0, 4_000_000]}}
     with fast_error(MalformedInputError, "'w'.*outside the data section"):

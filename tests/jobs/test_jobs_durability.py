@@ -33,7 +33,7 @@ async def test_sigkill_mid_job_then_restart_finishes_every_job(make_service: Mak
             wait_for, lambda: [r for r in map(api.store.get, ids) if r.status == "running"],
             timeout=60, what="the worker process to claim a job")
         assert len(running) == 1 and f"/{proc.pid}/" in running[0].lease_owner
-        await asyncio.to_thread(wait_for, lambda: any(api.storage.tmp.glob("artifact-*.part")),
+        await asyncio.to_thread(wait_for, lambda: any(api.storage.tmp_root.glob("p-*/artifact-*.part")),
                                 what="the partial artifact")
         os.kill(proc.pid, signal.SIGKILL)
     finally:
@@ -101,7 +101,7 @@ async def test_sigkill_mid_directory_job_then_restart_finishes_it(make_service: 
     proc = subprocess.Popen([sys.executable, str(HERE / "crash_dir_worker.py"), str(api.config.data_dir), "60"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        await asyncio.to_thread(wait_for, lambda: any(api.storage.tmp.glob("dirjob-*/out/partial.safetensors")),
+        await asyncio.to_thread(wait_for, lambda: any(api.storage.tmp_root.glob("p-*/dirjob-*/out/partial.safetensors")),
                                 timeout=60, what="the partial output")
         os.kill(proc.pid, signal.SIGKILL)
     finally:

@@ -3,6 +3,7 @@ the data dir, the server alive after; oversize uploads cut off while they stream
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -226,6 +227,27 @@ async def test_oversize_upload_is_cut_off_while_streaming(make_server):
                                          "Content-Length": str(10 * 1024 * 1024)})
         assert_problem(r, 413)
         assert (await h.client.get("/healthz")).status_code == 200
+
+
+async def test_an_upload_that_stops_sending_is_dropped(server, monkeypatch):
+    """A client that stops mid-body without closing held its temp file and connection for ever."""
+    from quantd.server import uploads
+
+    monkeypatch.setattr(uploads, "UPLOAD_IDLE_S", 0.5)
+
+    async def body():
+        yield (b'--B\r\nContent-Disposition: form-data; name="config"\r\n\r\n' + json.dumps(CONFIG).encode()
+               + b'\r\n--B\r\nContent-Disposition: form-data; name="file"; filename="m.safetensors"\r\n\r\n')
+        yield b"\0" * 65536
+        await asyncio.sleep(30)  # stalls; the server must not wait this out
+        yield b"\0"
+
+    t0 = time.monotonic()
+    r = await server.client.post("/v1/jobs", content=body(), headers={"Content-Type": "multipart/form-data; boundary=B"})
+    assert time.monotonic() - t0 < 10
+    assert "no bytes of the body arrived for 0.5 s" in assert_problem(r, 408)["detail"]
+    assert list(server.settings.tmp_dir.glob("upload-*")) == []
+    assert (await server.client.get("/v1/jobs")).json()["items"] == []
 
 
 def _npz_of_zeros(rows: int, cols: int) -> bytes:

@@ -202,6 +202,21 @@ def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor], path: tuple[in
         _flatten(v, f"{prefix}.{k}" if prefix else str(k), out, inner)
 
 
+def _check_stored(path: Path) -> None:
+    """A PyTorch zip checkpoint is read in place (memory-mapped), which needs its entries stored as they are,
+    as ``torch.save`` writes them; a compressed entry (an archive re-zipped by another tool, or one built to
+    inflate to far more than its size) is refused, never inflated."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            packed = next((zi for zi in zf.infolist() if zi.compress_type != zipfile.ZIP_STORED), None)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise MalformedInputError(f"corrupt PyTorch checkpoint (not a readable zip archive): {e}") from None
+    if packed is not None:
+        raise UnsupportedFormatError(
+            f"PyTorch checkpoint with a compressed zip entry ({packed.filename!r}): quantd reads checkpoints "
+            "as torch.save writes them, entries stored uncompressed; load and save it again with torch.save")
+
+
 class PyTorchReader(ModelReader):
     format: Format = "pytorch"
 
@@ -209,6 +224,8 @@ class PyTorchReader(ModelReader):
         super().__init__(path)
         with path.open("rb") as f:
             is_zip = f.read(4) == b"PK\x03\x04"
+        if is_zip:
+            _check_stored(path)
         try:
             with warnings.catch_warnings():  # the weights-only unpickler decides; its hint is noise
                 warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)

@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 
 from quantd.io.files import fsync_dir, sha256_file
 
+from . import scratch
 from .errors import StorageError
 
 UploadKind = Literal["input", "calibration"]
@@ -101,11 +102,17 @@ class LocalStorage:
         self.uploads = self.root / "uploads"
         self.artifacts = self.root / "artifacts"
         self.reports = self.root / "reports"
-        self.tmp = self.root / "tmp"
+        self.tmp_root = self.root / "tmp"
+
+    @property
+    def tmp(self) -> Path:
+        """This process's scratch folder, ``tmp/p-<id>/`` (:mod:`quantd.jobs.scratch`)."""
+        return scratch.process_dir(self.tmp_root)
 
     def init(self) -> None:
-        for d in (self.uploads, self.artifacts, self.reports, self.tmp):
+        for d in (self.uploads, self.artifacts, self.reports, self.tmp_root):
             d.mkdir(parents=True, exist_ok=True)
+        scratch.remove_dead(self.tmp_root)  # what processes killed on this data dir left
 
     def inside(self, path: Path) -> Path:
         """``path`` resolved, or StorageError when it resolves outside ``data_dir``."""
@@ -206,7 +213,7 @@ class LocalStorage:
                      self.artifact_path(job_id), self._job_file(self.reports, job_id, ".json")):
             path.unlink(missing_ok=True)  # (upload_path checked that job_id is a job id: safe in a glob)
         for pattern in (f"artifact-{job_id}-*.part*", f"report-{job_id}-*.part*"):  # .part.tmp: still being written
-            for draft in self.tmp.glob(pattern):
+            for draft in (*self.tmp_root.glob(pattern), *self.tmp_root.glob(f"{scratch.PREFIX}*/{pattern}")):
                 draft.unlink(missing_ok=True)
 
     def writable(self) -> bool:
@@ -219,9 +226,12 @@ class LocalStorage:
         return True
 
     def sweep_tmp(self, older_than_s: float) -> int:
-        """Delete leftovers in ``tmp/`` (uploads never submitted, parts of dead workers)."""
-        cutoff, n = time.time() - older_than_s, 0
-        for path in self.tmp.iterdir():
+        """Delete the scratch folders of ended processes at once, and leftovers older than ``older_than_s``
+        (uploads never submitted, a failed cleanup) in this process's folder and loose in ``tmp/``."""
+        cutoff, n = time.time() - older_than_s, scratch.remove_dead(self.tmp_root)
+        for path in (*self.tmp_root.iterdir(), *self.tmp.iterdir()):
+            if path.parent == self.tmp_root and scratch.is_process_entry(path):
+                continue  # a process's folder and lock: removed above once its process has ended, never by age
             try:
                 if path.is_file() and path.stat().st_mtime < cutoff:
                     path.unlink()

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from quantd.errors import JobCancelled, QuantdError
 from quantd_client import Progress, QuantConfig, Report
 
+from . import scratch
 from .errors import DatabaseUnavailable
 from .prepared import PreparedRun, PreparedRuns
 from .records import JobRecord
@@ -383,7 +384,8 @@ class Worker:
         """The server's own directories, never shown in a job's error: the data dir (or the local scratch
         of an object store), found from where its scratch paths go."""
         try:
-            return [self.storage.new_tmp_path(prefix="probe").parent.parent]
+            tmp = self.storage.tmp  # data_dir/tmp/p-<id> (data_dir/tmp where there is no flock)
+            return [tmp.parent.parent if scratch.is_process_entry(tmp) else tmp.parent]
         except Exception:  # a storage that cannot say: OSError file names are still left out
             return []
 

@@ -192,7 +192,10 @@ class Settings(BaseSettings):
 
     @property
     def tmp_dir(self) -> Path:
-        return self.data_dir / "tmp"
+        """This process's scratch folder under ``data_dir/tmp`` (:mod:`quantd.jobs.scratch`), the storage's."""
+        from quantd.jobs.scratch import process_dir
+
+        return process_dir(self.data_dir / "tmp")
 
     def is_loopback(self) -> bool:
         if self.host == "localhost":

@@ -32,6 +32,10 @@ from .problems import ProblemException
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
 
+# An upload that sends nothing for this long is dropped (408), its temp files with it: a client that
+# stopped without closing its connection holds no disk space and no connection slot for longer.
+UPLOAD_IDLE_S = 120.0
+
 # Room for the multipart framing and the small JSON fields around a file at the size limit.
 FORM_OVERHEAD_BYTES = 1024 * 1024
 MAX_FIELD_BYTES = 256 * 1024
@@ -344,8 +348,17 @@ async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: 
     # writes while the event loop receives the next ones (at most _BatchWriter.DEPTH batches in flight).
     pending: list[bytes] = []
     pending_bytes = 0
+    chunks = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                with anyio.fail_after(UPLOAD_IDLE_S):
+                    chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise ProblemException(408, f"no bytes of the body arrived for {UPLOAD_IDLE_S:g} s: the upload "
+                                            "was dropped", title="Request Timeout") from None
             total += len(chunk)
             if total > max_file_bytes + FORM_OVERHEAD_BYTES:
                 raise too_large(max_file_bytes, hint)

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save
 from servers import free_port
 
+from quantd.jobs import LocalStorage
 from quantd.jobs.backends.postgres import PostgresJobStore
 from quantd.jobs.backends.s3 import S3Storage
 from quantd.jobs.pool import TMP_MAX_AGE_S
@@ -219,7 +220,10 @@ async def test_sigkill_of_a_worker_mid_job_and_a_replica_mid_upload(cluster: Clu
     api1.wait(30)
     with pytest.raises(httpx.HTTPError):
         await upload
-    assert list((cluster.root / "api1" / "tmp").glob("upload-*")), "the upload was mid-way on the replica's scratch"
+    left = list((cluster.root / "api1" / "tmp").glob("p-*/upload-*"))
+    assert left, "the upload was mid-way on the replica's scratch"
+    LocalStorage(cluster.root / "api1").init()  # what the replica does when it starts again on its data dir
+    assert not any(p.exists() for p in left)
 
     recs = await asyncio.to_thread(final_states, cluster, ids, 240)
     assert {i: r.status for i, r in recs.items()} == dict.fromkeys(ids, "succeeded")

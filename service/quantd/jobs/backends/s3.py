@@ -198,7 +198,6 @@ class S3Storage:
         self.presign = presign
         self.client = client if client is not None else make_client(endpoint_url)
         self.scratch = LocalStorage(scratch_dir)
-        self.tmp = self.scratch.tmp
         self._transfer = transfer_config()
         self._streams: dict[Path, StreamingUpload] = {}
         self._streams_lock = threading.Lock()
@@ -259,6 +258,11 @@ class S3Storage:
             body.close()
 
     # -- the ArtifactStore protocol -------------------------------------------------------------
+    @property
+    def tmp(self) -> Path:
+        """This process's scratch folder (the local scratch's)."""
+        return self.scratch.tmp
+
     def init(self) -> None:
         self.scratch.init()
         try:
