@@ -8,13 +8,14 @@ from __future__ import annotations
 import fnmatch
 import math
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    Strict,
     ValidationError,
     model_serializer,
     model_validator,
@@ -33,7 +34,11 @@ GranularityName = Literal["tensor", "channel", "group"]
 ObserverName = Literal["minmax", "percentile", "meanstd", "ema", "mse", "entropy"]
 # The one table of method names (the engine's method registry is pinned to it by a test).
 MethodName = Literal["rtn", "hqq", "gptq", "awq"]
-MethodArgValue = bool | int | float  # ints stay ints (an iteration count), bools stay bools
+# A number in a config: NaN and ±Inf are refused where the config is read (a 422), never carried to a method.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+# A method argument is a JSON boolean, integer or finite number as given: no strings ("3", "yes") read
+# as one, integers kept integers (an iteration count), booleans kept booleans.
+MethodArgValue = Annotated[bool, Strict()] | Annotated[int, Strict()] | Annotated[FiniteFloat, Strict()]
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 InputFormat = Literal["safetensors", "pytorch", "npy", "npz", "gguf"]
@@ -98,7 +103,7 @@ class Scheme(_Strict):
     axis: int = 0
     group_size: int = Field(128, ge=1)
     observer: ObserverName = "minmax"
-    observer_args: dict[str, float] = Field(default_factory=dict)
+    observer_args: dict[str, FiniteFloat] = Field(default_factory=dict)
     method: MethodName = "rtn"
     method_args: dict[str, MethodArgValue] = Field(
         default_factory=dict, description="the method's own arguments (/v1/info.method_args lists them); "
@@ -165,7 +170,7 @@ class SchemeOverride(_Strict):
     axis: int | None = None
     group_size: int | None = Field(None, ge=1)
     observer: ObserverName | None = None
-    observer_args: dict[str, float] | None = None
+    observer_args: dict[str, FiniteFloat] | None = None
     method: MethodName | None = None
     method_args: dict[str, MethodArgValue] | None = None
     scale_dtype: ScaleDType | None = None
@@ -192,7 +197,7 @@ class ObserverSpec(_Strict):
     dtype: DType = "int8"
     symmetric: bool = False
     observer: ObserverName = "minmax"
-    observer_args: dict[str, float] = Field(default_factory=dict)
+    observer_args: dict[str, FiniteFloat] = Field(default_factory=dict)
     granularity: Literal["tensor", "channel"] = "tensor"
     axis: int = Field(-1, description="channel: the feature axis of the [N, ...] samples (default: the last)")
 

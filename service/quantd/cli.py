@@ -209,7 +209,7 @@ def _arg_default(arg: MethodArg) -> str:
 
 
 def _method_args(pairs: Sequence[str]) -> dict[str, float | bool]:
-    """``--method-arg KEY=VALUE`` pairs: true/false, else a number."""
+    """``--method-arg KEY=VALUE`` pairs: true/false, else a finite number (an integer stays one)."""
     out: dict[str, float | bool] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
@@ -220,9 +220,12 @@ def _method_args(pairs: Sequence[str]) -> dict[str, float | bool]:
             out[key] = low == "true"
             continue
         try:
-            out[key] = float(raw)
+            number = float(raw)
         except ValueError:
-            raise UsageError(f"--method-arg {pair!r}: the value must be true, false or a number") from None
+            number = math.nan
+        if not math.isfinite(number):
+            raise UsageError(f"--method-arg {pair!r}: the value must be true, false or a finite number") from None
+        out[key] = int(raw) if raw.strip().lstrip("+-").isdigit() else number
     return out
 
 

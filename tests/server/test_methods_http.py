@@ -53,6 +53,19 @@ async def test_a_job_echoes_method_args_in_the_types_given(server):
     assert echoed == args and type(echoed["iters"]) is int and type(echoed["beta"]) is float
 
 
+@pytest.mark.parametrize("args", ['{"damp": NaN}', '{"lp_norm": Infinity}', '{"iters": "3"}',
+                                  '{"act_order": "yes"}'])
+async def test_a_method_argument_that_is_no_finite_number_or_boolean_is_a_422_and_no_job(server, args):
+    """NaN passed the range checks: a 500 answered a job that was created and ran."""
+    method = "hqq" if "lp_norm" in args or "iters" in args else "gptq"
+    config = ('{"scheme": {"dtype": "int4", "group_size": 32, "method": "%s", "method_args": %s}}'
+              % (method, args))
+    r = await server.client.post("/v1/jobs", files=_files(_rows()), data={"config": config})
+    body = assert_problem(r, 422)
+    assert "method_args" in json.dumps(body["errors"]), body
+    assert (await server.client.get("/v1/jobs")).json()["items"] == []
+
+
 async def test_gptq_job_with_a_calibration_file(server):
     config = {"scheme": {"dtype": "int4", "group_size": 32, "method": "gptq", "method_args": {"act_order": True}}}
     r = await server.client.post("/v1/jobs", files=_files(_rows()), data={"config": json.dumps(config)})

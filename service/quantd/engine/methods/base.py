@@ -9,6 +9,7 @@ or per-input-channel ``channel_scale`` where the method produces them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -43,6 +44,8 @@ class Arg:
         if isinstance(value, bool):
             raise ConfigError(f"{method} takes a number, got {value!r}", field=where, tensor=tensor)
         v = float(value)
+        if not math.isfinite(v):
+            raise ConfigError(f"{method} takes a finite number, got {value!r}", field=where, tensor=tensor)
         if self.type == "int" and not v.is_integer():
             raise ConfigError(f"{method} takes an integer, got {value!r}", field=where, tensor=tensor)
         if (self.min is not None and v < self.min) or (self.max is not None and v > self.max):
