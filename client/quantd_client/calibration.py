@@ -37,7 +37,9 @@ def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, npt.NDArr
     offset = 0
     arrays = []
     for name, arr in tensors.items():
-        a = np.ascontiguousarray(arr)
+        a = np.asarray(arr)
+        if not a.flags.c_contiguous:  # (np.ascontiguousarray would also make a 0-d count [1])
+            a = a.copy(order="C")
         if a.dtype not in _ST_DTYPES:
             raise ValueError(f"{name}: dtype {a.dtype} is not one this writer stores")
         header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape),

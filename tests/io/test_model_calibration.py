@@ -126,6 +126,7 @@ def test_jsonl_is_told_by_its_content(tmp_path: Path) -> None:
     ('{"text": "a"\n', ["line 1", "not JSON"]),
     ('{"input_ids": ' + "[" * 100_000 + "]" * 100_000 + "}\n", ["line 1", "nested too deeply"]),
     ("\n\n", ["no lines"]),
+    ('{"text": "a"}\n{"text": "b \\ud800 c"}\n', ["line 2", "lone surrogate"]),  # no tokenizer takes it
 ])
 def test_bad_lines_are_named(tmp_path: Path, content: str, words: list[str]) -> None:
     (tmp_path / "c.jsonl").write_text(content)
@@ -260,6 +261,17 @@ def test_gptq_on_text_lines_writes_every_linear_with_its_output_error(llama_dir:
         a, b = model(input_ids=ids).logits, original(input_ids=ids).logits
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (llama_dir / "tokenizer.json").read_bytes()
+
+
+def test_lines_longer_than_the_models_positions_are_cut_there(tmp_path: Path) -> None:
+    """A max_seq_len past max_position_embeddings ran BERT past its position table (a torch error)."""
+    path = tiny_bert(tmp_path / "bert")
+    positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    cal = write_jsonl(tmp_path / "c.jsonl", [{"input_ids": [2 + i % 40 for i in range(positions + 50)]},
+                                             {"text": " ".join(sentences(60))}])
+    config = QuantConfig.model_validate({**GPTQ, "calibration": {"samples": 2, "max_seq_len": 4 * positions}})
+    report = quantize_directory(path, tmp_path / "out", config, device="cpu", calibration=cal)
+    assert all(t.stats is None or t.stats.output_rel_error is not None for t in report.tensors)
 
 
 def test_each_blocks_inputs_come_from_the_quantized_blocks_before_it(llama_dir: Path, tmp_path: Path,

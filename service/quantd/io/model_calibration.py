@@ -553,6 +553,16 @@ def _batches(seqs: Sequence[torch.Tensor], pad_id: int, device: torch.device) ->
     return out
 
 
+def sequence_limit(cfg: Any, max_seq_len: int) -> int:
+    """``max_seq_len``, at most the model's positions (``max_position_embeddings``): a longer line runs past
+    the position table (an error in the model's forward), so texts and token ids are cut there, as a
+    tokenizer cuts them at ``max_seq_len``."""
+    positions = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0:
+        return min(max_seq_len, positions)
+    return max_seq_len
+
+
 def quantize_with_text_calibration(files: ModelFiles, dst: str | os.PathLike[str], config: QuantConfig, *,
                                    device: str | torch.device, calibration: str | os.PathLike[str],
                                    job_id: str | None = None,
@@ -568,8 +578,9 @@ def quantize_with_text_calibration(files: ModelFiles, dst: str | os.PathLike[str
     checked = plan_text_calibration(files, config, calibration, real_buffers=True)
     plans, mplan = checked.plans, checked.model
     spec = config.calibration or CalibrationSpec()
-    seqs = token_sequences(checked.lines, checked.tokenizer, samples=spec.samples, max_seq_len=spec.max_seq_len)
     cfg = mplan.model.config
+    seqs = token_sequences(checked.lines, checked.tokenizer, samples=spec.samples,
+                           max_seq_len=sequence_limit(cfg, spec.max_seq_len))
     pad = getattr(checked.tokenizer, "pad_token_id", None)
     if not isinstance(pad, int):
         pad = getattr(cfg, "pad_token_id", None)

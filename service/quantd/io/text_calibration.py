@@ -80,6 +80,10 @@ def _parse(raw: bytes, n: int, vocab_size: int | None) -> CalibrationLine:
         text = obj["text"]
         if not isinstance(text, str) or not text.strip():
             raise _bad(f"calibration line {n}: \"text\" must be a non-empty string")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # JSON's \ud800 escape with no pair: no tokenizer takes it
+            raise _bad(f"calibration line {n}: \"text\" is not valid Unicode (a lone surrogate)") from None
         return CalibrationLine(n, text=text)
     ids = obj["input_ids"]
     if not isinstance(ids, list) or not ids:
