@@ -172,6 +172,9 @@ def test_config_errors(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="method 'hqq' cannot be held by GGUF") as e:
         _run(tiny, tmp_path / "x.gguf", scheme={"dtype": "q4_k", "method": "hqq"})
     assert e.value.field == "scheme.method"
+    with pytest.raises(ConfigError, match="method 'hqq' cannot go with gguf_mix 'Q4_K_M'") as e:
+        _run(tiny, tmp_path / "x.gguf", gguf_mix="Q4_K_M", scheme={"method": "hqq"})  # ran rtn, saying nothing
+    assert e.value.field == "scheme.method"
     st = tmp_path / "m.safetensors"
     from safetensors.torch import save_file
 

@@ -58,8 +58,7 @@ async def test_a_job_echoes_method_args_in_the_types_given(server):
 async def test_a_method_argument_that_is_no_finite_number_or_boolean_is_a_422_and_no_job(server, args):
     """NaN passed the range checks: a 500 answered a job that was created and ran."""
     method = "hqq" if "lp_norm" in args or "iters" in args else "gptq"
-    config = ('{"scheme": {"dtype": "int4", "group_size": 32, "method": "%s", "method_args": %s}}'
-              % (method, args))
+    config = (f'{{"scheme": {{"dtype": "int4", "group_size": 32, "method": "{method}", "method_args": {args}}}}}')
     r = await server.client.post("/v1/jobs", files=_files(_rows()), data={"config": config})
     body = assert_problem(r, 422)
     assert "method_args" in json.dumps(body["errors"]), body

@@ -128,7 +128,8 @@ class CompressedTensors(OutputFormat):
                               "tensor for; use the safetensors output", tensor=name, field="scheme.method")
         if (zp_domain == "float" or method in FLOAT_ZERO_POINT_METHODS) and not scheme.symmetric:
             raise ConfigError(f"method {method!r} gives float zero points; compressed-tensors stores integer ones: "
-                              "use symmetric: true or the safetensors output", tensor=name, field="scheme.method")
+                              "use the safetensors output, or another method (rtn, gptq, awq)", tensor=name,
+                              field="scheme.method")
         gran = granularity_of(scheme)
         axis = check_applicable(shape, gran, name=name)
         if scheme.granularity == "tensor" and info.kind == "int":

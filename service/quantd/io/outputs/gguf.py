@@ -69,6 +69,10 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
     scheme under ``skip_1d``/``min_numel``; 1-D tensors stay as they are whatever a rule says (llama.cpp's
     norm and add ops take them in float: a quantized or float16 norm aborts it). A ggml type whose block does not divide a row falls back as
     llama.cpp's does. ConfigError names the tensor when a dtype cannot be held by GGUF."""
+    if config.gguf_mix and config.scheme.method != "rtn":  # the mix stands in for the scheme: said, not dropped
+        raise ConfigError(f"method {config.scheme.method!r} cannot go with gguf_mix {config.gguf_mix!r}: the mix picks "
+                          "llama.cpp's round-to-nearest block types (use method 'rtn', or leave it out)",
+                          field="scheme.method")
     floats = [t for t in tensors if t.dtype in ("float32", "float16", "bfloat16")]
     mix = (mix_types(config.gguf_mix, [(t.name, t.shape) for t in floats], _params(tensors, metadata))
            if config.gguf_mix else {})
