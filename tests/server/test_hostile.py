@@ -122,12 +122,35 @@ async def test_an_empty_upload_says_the_file_is_empty(server, endpoint):
     assert "the file is empty" in body["detail"] and "first bytes" not in body["detail"]
 
 
-async def test_non_finite_weights(server):
-    """Sync: 422 at once. Jobs: the weights are only read by the worker, so the job fails with the reason."""
-    r = await server.client.post("/v1/quantize", files={"file": ("m.safetensors", NAN_MODEL, "x/y")},
-                                 data={"config": json.dumps(CONFIG)})
-    body = assert_problem(r, 422)
-    assert "'w'" in body["detail"]
+@pytest.mark.parametrize("name, data", [
+    ("m.safetensors", NAN_MODEL),
+    ("m.pt", pt_bytes({"w": torch.tensor([[1.0, float("nan")], [float("inf"), 0.0]]).repeat(2, 4)})),
+    ("w.npy", npy_bytes(np.array([[1.0, np.inf], [0.0, 2.0]], np.float32).repeat(4, 1))),
+], ids=["safetensors", "pytorch", "npy"])
+async def test_non_finite_weights_are_a_422_before_a_job_exists(server, name, data):
+    """CONTRACT §2: the sync routes quantize at once; a job's upload is checked before it is accepted (a
+    safetensors file while it streams)."""
+    for endpoint in ("/v1/quantize", "/v1/jobs"):
+        r = await server.client.post(endpoint, files={"file": (name, data, "x/y")}, data={"config": json.dumps(CONFIG)})
+        body = assert_problem(r, 422)
+        assert body["type"] == "urn:quantd:non-finite" and "'w'" in body["detail"], (endpoint, body)
+    assert (await server.client.get("/v1/jobs")).json()["items"] == []
+
+
+async def test_a_non_finite_tensor_the_job_leaves_as_it_is_is_no_reason_to_refuse(server):
+    data = st_bytes({"w": torch.randn(8, 64), "keep": torch.tensor([float("nan"), 1.0])})
+    config = {**CONFIG, "rules": [{"match": "keep", "skip": True}]}
+    r = await server.client.post("/v1/jobs", files={"file": ("m.safetensors", data, "x/y")},
+                                 data={"config": json.dumps(config)})
+    assert r.status_code == 202, r.text
+    assert (await server.wait_job(r.json()["id"]))["status"] == "succeeded"
+
+
+async def test_non_finite_weights_the_worker_finds_fail_the_job_saying_why(server, monkeypatch):
+    """Inputs the submit does not scan (a GGUF file, a source by reference) are checked by the worker."""
+    from quantd.server.routes import jobs as jobs_routes
+
+    monkeypatch.setattr(jobs_routes, "check_finite", lambda *a, **k: None)
     r = await server.submit(NAN_MODEL)
     assert r.status_code == 202
     job = await server.wait_job(r.json()["id"])

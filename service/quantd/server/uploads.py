@@ -26,6 +26,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from quantd.io.files import start_writeback
+from quantd.io.finite_scan import FiniteScan
 
 from .problems import ProblemException
 
@@ -99,6 +100,8 @@ class UploadedFile:
     bytes: int
     sha256: str
     raw_filename: str | None = None  # as the client sent it: a model directory's relative path, checked later
+    # Its float tensors with NaN or Inf, found while it streamed (a safetensors file; None: not followed)
+    non_finite: list[str] | None = None
 
 
 @dataclass
@@ -157,6 +160,7 @@ class _Collector:
         self._flushed = 0
         self._file: UploadedFile | None = None
         self._hash: Any = None
+        self._scan = FiniteScan()
         self._text = bytearray()
         self._is_file = False
 
@@ -207,6 +211,7 @@ class _Collector:
             self._fh = open(path, "xb")  # noqa: SIM115 - closed in _part_end / close()
             self._flushed = 0  # bytes handed to the disk's writeback so far
             self._hash = hashlib.sha256()
+            self._scan = FiniteScan()
             if self.on_file_start is not None and first:
                 self._sink = self.on_file_start(self._file, dict(self.form.fields))
         elif self._name not in self.text_fields:
@@ -222,6 +227,7 @@ class _Collector:
             if self._file.bytes > self.max_file_bytes or self._files_bytes > self.max_file_bytes:
                 raise too_large(self.max_file_bytes, self.hint)
             self._hash.update(chunk)
+            self._scan.feed(chunk)
             self._fh.write(chunk)
             if self._sink is not None:
                 self._fh.flush()  # visible to the sink's own reads
@@ -242,6 +248,7 @@ class _Collector:
             self._fh.close()
             self._fh = None
             self._file.sha256 = self._hash.hexdigest()
+            self._file.non_finite = self._scan.non_finite()
             if self._sink is not None:
                 self._sink.advance(self._file.bytes)
                 self._sink.complete()

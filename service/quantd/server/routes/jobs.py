@@ -4,6 +4,8 @@ follow (SSE), report, artifact (Range/ETag), cancel."""
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -48,6 +50,30 @@ _CONFIG = TypeAdapter(QuantConfig)
 _JOB_ERRORS = problem_responses(401, 404, 410)
 _IDEM_MAX = 200
 
+def check_finite(up: UploadedFile, fmt: str, plans: Sequence[Any], *, max_total_bytes: int | None = None) -> None:
+    """A NaN or Inf in a tensor the job would quantize is a 422 naming it, before the job is accepted
+    (CONTRACT §2). A safetensors upload was scanned while it streamed (``up.non_finite``); PyTorch and NumPy
+    files are read once more here, tensor by tensor. A GGUF input is checked by the worker (the job fails
+    with the reason)."""
+    from quantd.errors import NonFiniteError
+
+    quantized = [p.info.name for p in plans if p.scheme is not None and math.prod(p.info.shape)]
+    if not quantized:
+        return
+    bad = up.non_finite
+    if bad is None and fmt in ("pytorch", "npy", "npz"):
+        import torch
+
+        from quantd import io
+
+        with io.open_model(up.path, filename=up.filename, max_total_bytes=max_total_bytes) as reader:
+            bad = [n for n in quantized if reader.info(n).dtype in ("float16", "bfloat16", "float32", "float64")
+                   and not bool(torch.isfinite(reader.load_transient(n, "cpu")).all())]
+    first = next((n for n in (bad or ()) if n in set(quantized)), None)
+    if first is not None:
+        raise NonFiniteError(f"tensor {first!r} has NaN or Inf values", tensor=first)
+
+
 def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: UploadedFile | None = None, *,
                   max_total_bytes: int | None = None, imatrix: UploadedFile | None = None) -> Any:
     """Format by magic bytes, tensor list, and (for the model) the config planned against it and the
@@ -77,6 +103,7 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: Upl
             with naming("the calibration file"):
                 index = MethodCalibration.describe(calibration.path)
         plans = io.plan(tensors, config, index)
+        check_finite(up, fmt, plans, max_total_bytes=max_total_bytes)
         if imatrix is not None and config.output == "gguf":
             from quantd.io.imatrix import load_imatrix
             from quantd.io.outputs.gguf import check_importance
@@ -150,6 +177,8 @@ def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
             with naming("the calibration file"):
                 index = MethodCalibration.describe(calibration.path)
         plans, _ = plan_directory(model, config, index)
+    for rel, shard_plans in plans.items():
+        check_finite(by_path[rel], io.detect_format(by_path[rel].path), shard_plans)
     manifest = pack_tar(sorted((rel, up.path) for rel, up in by_path.items()), dst)
     digest = directory_digest({f["path"]: f["sha256"] for f in manifest})
     return StoredUpload(path=dst, filename="model", bytes=sum(f["bytes"] for f in manifest), sha256=digest,

@@ -1,0 +1,132 @@
+"""Which tensors of a safetensors file hold NaN or Inf, found while its bytes stream by.
+
+A job's upload is checked before the job is accepted (CONTRACT §2: NaN/Inf weights are a 4xx), without a
+second read of a file that may be many gigabytes: the server feeds each chunk of the upload to a
+:class:`FiniteScan` as it writes and hashes it, and at submit asks which tensors it found non-finite; those
+the job would quantize make the submit a 422 naming the first. Float tensors are tested on their bit
+patterns (an all-ones exponent is NaN or ±Inf), a pass over memory the chunk is already in. Anything the
+scan cannot follow (not safetensors, a header it cannot read) ends it quietly: the file's own checks say
+what is wrong, and the worker checks every tensor it quantizes in any case.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from .st_header import MAX_HEADER_BYTES
+
+# The unsigned view of each float dtype and the mask of its exponent bits.
+_EXPONENT: dict[str, tuple[np.dtype[np.unsignedinteger], int]] = {
+    "F64": (np.dtype("<u8"), 0x7FF0_0000_0000_0000),
+    "F32": (np.dtype("<u4"), 0x7F80_0000),
+    "F16": (np.dtype("<u2"), 0x7C00),
+    "BF16": (np.dtype("<u2"), 0x7F80),
+}
+
+
+@dataclass
+class _Span:
+    name: str
+    begin: int  # absolute offsets in the file
+    end: int
+    view: np.dtype[np.unsignedinteger]
+    mask: int
+
+
+class FiniteScan:
+    """Fed a file's bytes in order (:meth:`feed`); :meth:`non_finite` then names the float tensors with a
+    NaN or Inf, or is None when the scan could not follow the file."""
+
+    def __init__(self) -> None:
+        self._head = bytearray()
+        self._spans: list[_Span] | None = None
+        self._next = 0  # index of the first span not yet wholly seen
+        self._pos = 0  # absolute offset of the next byte fed
+        self._carry = b""  # the bytes of a current span's element split across chunks
+        self._bad: list[str] = []
+        self._failed = False
+
+    def feed(self, data: bytes | memoryview) -> None:
+        if self._failed:
+            return
+        if self._spans is None:
+            data = self._read_header(data)
+            if self._spans is None or self._failed:
+                return
+        self._scan(memoryview(data))
+
+    def non_finite(self) -> list[str] | None:
+        """The tensors holding NaN or Inf, in file order; None if the file was not followed to its end."""
+        if self._failed or self._spans is None or self._next < len(self._spans):
+            return None
+        return list(self._bad)
+
+    def _read_header(self, data: bytes | memoryview) -> bytes | memoryview:
+        """Gathers the length and header; returns what of ``data`` lies after the header."""
+        start = len(self._head)
+        self._head += data
+        if len(self._head) < 8:
+            return b""
+        n = int.from_bytes(self._head[:8], "little")
+        if n > MAX_HEADER_BYTES:
+            self._failed = True
+            return b""
+        if len(self._head) < 8 + n:
+            return b""
+        try:
+            header = json.loads(bytes(self._head[8:8 + n]))
+            spans = []
+            for name, entry in header.items():
+                if name == "__metadata__" or entry.get("dtype") not in _EXPONENT:
+                    continue
+                begin, end = (int(o) for o in entry["data_offsets"])
+                view, mask = _EXPONENT[entry["dtype"]]
+                if not 0 <= begin <= end or (end - begin) % view.itemsize:
+                    raise ValueError(name)
+                if end > begin:  # an empty tensor holds nothing to test
+                    spans.append(_Span(name, 8 + n + begin, 8 + n + end, view, mask))
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
+            self._failed = True  # the upload's own checks will say what is wrong with it
+            return b""
+        spans.sort(key=lambda s: s.begin)
+        if any(b.begin < a.end for a, b in itertools.pairwise(spans)):
+            self._failed = True
+            return b""
+        self._spans = spans
+        self._pos = 8 + n
+        consumed = 8 + n - start  # the bytes of this chunk that were header
+        rest = memoryview(data)[consumed:]
+        self._head = bytearray()
+        return rest
+
+    def _scan(self, data: memoryview) -> None:
+        spans = self._spans
+        assert spans is not None
+        pos, end = self._pos, self._pos + len(data)
+        while self._next < len(spans) and spans[self._next].begin < end:
+            span = spans[self._next]
+            lo, hi = max(span.begin, pos), min(span.end, end)
+            if hi > lo:
+                piece = data[lo - pos:hi - pos]
+                if span.name not in self._bad:
+                    self._check(span, piece)
+            if span.end > end:
+                break
+            self._next += 1
+            self._carry = b""
+        self._pos = end
+
+    def _check(self, span: _Span, piece: memoryview) -> None:
+        size = span.view.itemsize
+        buf: bytes | memoryview = self._carry + bytes(piece) if self._carry else piece
+        whole = len(buf) - len(buf) % size
+        self._carry = bytes(buf[whole:])
+        if whole == 0:
+            return
+        bits = np.frombuffer(buf, dtype=span.view, count=whole // size)
+        if bool(np.any((bits & span.mask) == span.mask)):
+            self._bad.append(span.name)
