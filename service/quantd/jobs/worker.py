@@ -508,4 +508,6 @@ class Worker:
         elif state == "ok":  # the pipeline stopped on its own accord: do not leave it running
             self.store.fail(job.id, owner, _error("urn:quantd:internal", "Internal error",
                                                   "the pipeline stopped without a cancel"))
-        # "lost": the job was re-queued or ended by someone else; nothing of ours to record.
+        else:  # "lost": re-queued or ended by someone else (this worker stalled past its lease): nothing to record
+            log.warning("worker %s: job %s: the lease was lost (the job was taken over or ended elsewhere); "
+                        "this attempt's result is dropped", self.id, job.id)

@@ -125,16 +125,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         _register_gauges(metrics, state)
         app.state.quantd = state
-        if settings.warmup:
-            from quantd.jobs import worker_devices
+        from quantd.jobs import worker_devices
 
+        workers = ([] if service.config.workers == 0
+                   else await anyio.to_thread.run_sync(worker_devices, service.config))
+        if settings.warmup:
             # GGUF's k-quant kernels serve CPU engines only: CUDA workers run GGUF jobs on the eager ops.
-            workers = ([] if service.config.workers == 0
-                       else await anyio.to_thread.run_sync(worker_devices, service.config))
             devices = list(dict.fromkeys([device, *workers]))  # the sync requests' device and the workers'
             runtime.start_warm_up(activity, gguf=settings.warmup_gguf and "cpu" in devices, devices=devices)
         log.info("quantd started", extra={"data_dir": str(settings.data_dir), "auth": bool(keys),
-                                          "embedded_workers": embedded_worker_count(settings),
+                                          "embedded_workers": len(workers), "worker_devices": workers,
                                           "sync_device": device})
         try:
             yield
