@@ -146,3 +146,24 @@ def test_recording_the_result_waits_out_a_short_outage(monkeypatch: pytest.Monke
     w.lease_s = 0.1  # longer than the lease: the error goes up, the lease expires and the job is retried
     with pytest.raises(DatabaseUnavailable):
         w._record(_FlakyStore(failures=100).complete, "j", "w#1", {})
+
+
+def test_a_complete_whose_files_were_installed_is_not_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installing moves the files: a second try would find them gone and fail a job that succeeded."""
+    from quantd.jobs import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod.time, "sleep", lambda s: None)
+    w = worker_mod.Worker.__new__(worker_mod.Worker)
+    w.id, w.lease_s, w.stop = "w", 30.0, threading.Event()
+    installs: list[int] = []
+
+    def complete(*args: Any, before_commit: Any) -> bool:
+        before_commit()
+        raise DatabaseUnavailable()  # the connection dropped after the files moved, before COMMIT
+
+    def install() -> None:
+        installs.append(1)
+
+    with pytest.raises(DatabaseUnavailable):
+        w._record(complete, "j", "w#1", {}, before_commit=install, retry_while=lambda: not installs)
+    assert installs == [1]
