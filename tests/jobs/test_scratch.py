@@ -60,3 +60,47 @@ def test_a_killed_process_scratch_is_removed_and_a_live_one_kept(tmp_path: Path)
             proc.stdout.close()  # type: ignore[union-attr]
     assert storage.sweep_tmp(86400.0) >= 1 and not live_dir.exists()
     assert scratch.process_dir(storage.tmp_root) == mine  # one folder per process, kept
+
+
+def test_other_hosts_folders_go_by_age_and_orphan_locks_by_age_and_lock(tmp_path: Path) -> None:
+    """flock is trusted among one kernel's processes only; a lock file with no folder yet may be a process
+    between creating and locking it."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    other_old, other_new = root / "p-00000000-aaaa", root / "p-00000000-bbbb"
+    for folder in (other_old, other_new):
+        folder.mkdir()
+        (folder / "part").write_bytes(b"x")
+    day_ago = time.time() - 2 * 86400
+    os.utime(other_old, (day_ago, day_ago))
+    young_orphan, old_orphan = root / f"p-{scratch.HOST}-cccc.lock", root / f"p-{scratch.HOST}-dddd.lock"
+    young_orphan.touch()
+    old_orphan.touch()
+    os.utime(old_orphan, (day_ago, day_ago))
+    assert scratch.remove_dead(root) == 0 and other_old.exists()  # no age given: other hosts' stay
+    assert scratch.remove_dead(root, older_than_s=86400) == 1
+    assert not other_old.exists() and other_new.exists()
+    assert young_orphan.exists() and not old_orphan.exists()
+
+
+def test_without_flock_the_scratch_is_the_shared_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(scratch.fcntl, "flock", no_flock)
+    root = tmp_path / "nfs-tmp"
+    assert scratch.process_dir(root) == root.resolve()
+    assert list(root.iterdir()) == []  # no lock file left behind
+
+
+def test_a_folder_removed_under_the_process_is_made_again_and_the_old_lock_released(tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "tmp"
+    first = scratch.process_dir(root)
+    shutil.rmtree(first)
+    second = scratch.process_dir(root)
+    assert second != first and second.is_dir()
+    assert sorted(p.name for p in root.iterdir()) == sorted([second.name, f"{second.name}.lock"])

@@ -2,17 +2,26 @@
 
 A server streams uploads into scratch and a worker writes its artifact and stages its inputs there; a process
 killed (``kill -9``, the OOM killer) leaves them behind, up to twice a model's size per job. Each process
-therefore writes under ``tmp/p-<id>/`` and holds an exclusive ``flock`` on ``tmp/p-<id>.lock`` (beside the
-folder, which holds only the scratch files) for its lifetime: the kernel drops the lock when the process ends however it ends, so any process sharing the data
-dir (another replica or worker on the host, or this one after a restart) can tell a dead owner's folder from
-a live one by trying the lock, and removes it at once instead of after the 24-hour sweep of loose files.
+therefore writes under ``tmp/p-<host>-<id>/`` and holds an exclusive ``flock`` on ``tmp/p-<host>-<id>.lock``
+(beside the folder, which holds only the scratch files) for its lifetime: the kernel drops the lock when the
+process ends however it ends, so any process of the same host sharing the data dir (another replica or
+worker, or this one after a restart) can tell a dead owner's folder from a live one by trying the lock, and
+removes it at once instead of after the 24-hour sweep of loose files.
+
+``<host>`` is the running kernel's boot id: ``flock`` is reliable among the processes of one kernel (a
+network filesystem may keep locks per host), so a process judges only its own host's folders by their
+locks; another host's folder goes only once it has not been touched for a day (each process touches its own
+at every sweep). Where ``flock`` does not work, a process writes into ``tmp/`` itself, swept by age only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -32,29 +41,65 @@ _YOUNG_S = 60.0
 
 _lock = threading.Lock()
 _mine: dict[Path, Path] = {}
-_held: list[int] = []  # the owner files' descriptors: open, and so locked, until the process ends
+# Each root's lock file and its descriptor: open, and so locked, until the process ends.
+_held: dict[Path, tuple[int, Path]] = {}
+
+
+def _host_id() -> str:
+    """8 hex digits naming this kernel: its boot id (shared by the containers of one host), else the host name."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = socket.gethostname()
+    return hashlib.sha256(boot.encode()).hexdigest()[:8]
+
+
+HOST = _host_id()
 
 
 def process_dir(tmp_root: Path) -> Path:
     """This process's scratch folder under ``tmp_root`` (made and locked on first use; the same for every
-    caller in the process)."""
+    caller in the process; made again if something removed it)."""
     root = Path(tmp_root).resolve()
     with _lock:
         if root in _mine and _mine[root].is_dir():
             return _mine[root]
-        if fcntl is None:
-            root.mkdir(parents=True, exist_ok=True)
-            _mine[root] = root
-            return root
-        name = f"{PREFIX}{uuid.uuid4().hex[:16]}"
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / f"{name}{LOCK}", os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # before the folder exists: no sweeper sees it unlocked
-        _held.append(fd)
-        folder = root / name
-        folder.mkdir()
-        _mine[root] = folder
-        return folder
+        old = _held.pop(root, None)
+        if old is not None:  # our folder was removed under us: its lock goes with it
+            os.close(old[0])
+            old[1].unlink(missing_ok=True)
+        folder = _lock_new(root) if fcntl is not None else None
+        _mine[root] = folder or root
+        return _mine[root]
+
+
+def _lock_new(root: Path) -> Path | None:
+    """A new folder under ``root`` with its lock held, or None where ``flock`` does not work there."""
+    for _ in range(5):
+        name = f"{PREFIX}{HOST}-{uuid.uuid4().hex[:16]}"
+        lock = root / f"{name}{LOCK}"
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # A sweeper may have taken an unlocked lock file for an orphan and unlinked it in between: then
+            # the lock held is on a file no longer there, and a new name is tried.
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        except OSError as e:  # ENOLCK, EOPNOTSUPP: no flock on this filesystem
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                lock.unlink()
+            log.warning("no flock in %s (%s): scratch files are swept by age only", root, e)
+            return None
+        if not same:
+            os.close(fd)
+            continue
+        (root / name).mkdir()
+        _held[root] = (fd, lock)
+        return root / name
+    raise OSError(f"could not lock a scratch folder in {root}")
 
 
 def owned_by_this_process(folder: Path) -> bool:
@@ -66,50 +111,70 @@ def is_process_entry(path: Path) -> bool:
     return path.name.startswith(PREFIX)
 
 
-def remove_dead(tmp_root: Path) -> int:
-    """Remove the scratch folders under ``tmp_root`` whose owner has ended; returns how many."""
+def _this_host(name: str) -> bool:
+    return name.startswith(f"{PREFIX}{HOST}-")
+
+
+def _try_lock(lock: Path) -> bool | None:
+    """True: locked by us now (its owner has ended); False: held by a live process; None: cannot tell (gone,
+    or not ours to open)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)  # flock needs no write access: another user's lock file is read
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # (a lock taken here goes with it: the entry is removed next)
+
+
+def touch_mine(tmp_root: Path) -> None:
+    """Mark this process's folder as alive for the other hosts' age sweep."""
+    folder = _mine.get(Path(tmp_root).resolve())
+    if folder is not None and folder.name.startswith(PREFIX):
+        with contextlib.suppress(OSError):
+            os.utime(folder)
+
+
+def remove_dead(tmp_root: Path, *, older_than_s: float | None = None) -> int:
+    """Remove the scratch folders under ``tmp_root`` whose owner has ended: this host's by their locks,
+    other hosts' once untouched for ``older_than_s`` (None: left alone). Returns how many."""
     if fcntl is None:
         return 0
     removed = 0
     root = Path(tmp_root)
-    for folder in root.glob(f"{PREFIX}*"):
-        if folder.suffix == LOCK or not folder.is_dir() or owned_by_this_process(folder):
-            continue
-        lock = root / f"{folder.name}{LOCK}"
+    now = time.time()
+    for entry in root.glob(f"{PREFIX}*"):
         try:
-            fd = os.open(lock, os.O_RDWR)
-        except FileNotFoundError:  # its lock is gone: a sweeper took it and is removing the folder
-            try:
-                stale = time.time() - folder.stat().st_mtime > _YOUNG_S
-            except FileNotFoundError:
-                continue
-            if stale:
-                shutil.rmtree(folder, ignore_errors=True)
-                removed += 1
+            age = now - entry.stat().st_mtime
+        except FileNotFoundError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # its process lives
+        if entry.name.endswith(LOCK):
+            folder = root / entry.name[:-len(LOCK)]
+            # a lock whose folder never came (its process died in between) or is gone
+            if not folder.exists() and age > _YOUNG_S and _try_lock(entry):
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+            continue
+        if not entry.is_dir() or owned_by_this_process(entry):
+            continue
+        lock = root / f"{entry.name}{LOCK}"
+        if _this_host(entry.name):
+            dead = _try_lock(lock)
+            if dead is None and not lock.exists():
+                dead = age > _YOUNG_S  # no lock: a sweeper took it and is removing the folder
         else:
-            shutil.rmtree(folder, ignore_errors=True)
-            lock.unlink(missing_ok=True)
+            dead = older_than_s is not None and age > older_than_s
+        if dead:
+            shutil.rmtree(entry, ignore_errors=True)
+            with contextlib.suppress(OSError):  # gone already, or another user's to remove
+                lock.unlink()
             removed += 1
-        finally:
-            os.close(fd)
-    for lock in root.glob(f"{PREFIX}*{LOCK}"):  # a lock whose folder never came or was removed
-        if not (root / lock.name[:-len(LOCK)]).exists():
-            try:
-                fd = os.open(lock, os.O_RDWR)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                lock.unlink(missing_ok=True)
-            except BlockingIOError:
-                pass
-            finally:
-                os.close(fd)
     if removed:
         log.info("removed the scratch folders of %d ended process(es)", removed, extra={"tmp": str(tmp_root)})
     return removed

@@ -228,7 +228,8 @@ class LocalStorage:
     def sweep_tmp(self, older_than_s: float) -> int:
         """Delete the scratch folders of ended processes at once, and leftovers older than ``older_than_s``
         (uploads never submitted, a failed cleanup) in this process's folder and loose in ``tmp/``."""
-        cutoff, n = time.time() - older_than_s, scratch.remove_dead(self.tmp_root)
+        scratch.touch_mine(self.tmp_root)
+        cutoff, n = time.time() - older_than_s, scratch.remove_dead(self.tmp_root, older_than_s=older_than_s)
         for path in (*self.tmp_root.iterdir(), *self.tmp.iterdir()):
             if path.parent == self.tmp_root and scratch.is_process_entry(path):
                 continue  # a process's folder and lock: removed above once its process has ended, never by age
