@@ -17,6 +17,9 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     Strict,
     ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     model_serializer,
     model_validator,
 )
@@ -90,6 +93,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _as_stored(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+    """``method_args`` as a job row holds them, when read back with the context ``{"stored": True}``: an
+    older release took values today's rules refuse (a NaN), and such a job is still shown, not a 500."""
+    if isinstance(info.context, dict) and info.context.get("stored") and isinstance(value, dict):
+        try:
+            return handler(value)
+        except ValidationError:
+            return value
+    return handler(value)
+
+
 class Scheme(_Strict):
     """How one tensor is quantized. ``symmetric`` left out means: affine for integer dtypes,
     symmetric for nf4/fp8 (they have no zero point). ``granularity`` left out means: per channel for
@@ -105,7 +119,7 @@ class Scheme(_Strict):
     observer: ObserverName = "minmax"
     observer_args: dict[str, FiniteFloat] = Field(default_factory=dict)
     method: MethodName = "rtn"
-    method_args: dict[str, MethodArgValue] = Field(
+    method_args: Annotated[dict[str, MethodArgValue], WrapValidator(_as_stored)] = Field(
         default_factory=dict, description="the method's own arguments (/v1/info.method_args lists them); "
                                           "an argument the method does not take is refused with 422")
     scale_dtype: ScaleDType = "float16"
@@ -172,7 +186,7 @@ class SchemeOverride(_Strict):
     observer: ObserverName | None = None
     observer_args: dict[str, FiniteFloat] | None = None
     method: MethodName | None = None
-    method_args: dict[str, MethodArgValue] | None = None
+    method_args: Annotated[dict[str, MethodArgValue] | None, WrapValidator(_as_stored)] = None
     scale_dtype: ScaleDType | None = None
 
 

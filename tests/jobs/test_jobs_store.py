@@ -232,3 +232,22 @@ def test_a_requeued_job_keeps_its_progress_totals(store: SQLiteJobStore, clock: 
     b = store.claim("B", "cpu", 10.0)
     assert b is not None and store.release(job_id, b.lease_owner)
     assert store.get(job_id).progress["tensors_total"] == 8
+
+
+def test_a_stored_config_that_todays_rules_refuse_is_still_shown(tmp_path: Path) -> None:
+    """An older release took a NaN method argument; reading that job back must not fail (a 500 on its GET
+    and on every listing page it is on)."""
+    import math
+
+    store = SQLiteJobStore(tmp_path / "q.db")
+    store.init()
+    job_id = uuid.uuid4().hex
+    config = {"scheme": {"dtype": "int4", "method": "gptq", "method_args": {"damp": math.nan}}}
+    store.insert(job_id=job_id, tenant="t", config=config, input={"filename": "m", "bytes": 5, "sha256": "0" * 64,
+                 "format": "safetensors", "tensors": 1}, calibration=None, idempotency_key=None, max_attempts=3,
+                 max_queue=10, retry_after=1, before_commit=lambda: None)
+    record = store.get(job_id)
+    assert record is not None
+    job = record.to_job()
+    assert math.isnan(job.config.scheme.method_args["damp"])
+    store.close()

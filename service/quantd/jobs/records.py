@@ -64,7 +64,7 @@ class JobRecord:
             "result": self.result, "error": self.error, "attempts": self.attempts,
             "cancel_requested": self.cancel_requested, "expired_at": _dt(self.expired_at),
             "source": self.input.get("source"), "destination": self.input.get("destination"),
-        })
+        }, context={"stored": True})  # (a config an older release took is shown as stored: see _as_stored)
 
     def _input(self) -> dict[str, Any]:
         """The input as accepted; a job by reference's sha256 (and its files') once its worker has read the
