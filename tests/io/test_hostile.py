@@ -74,30 +74,20 @@ def test_header_not_an_object(tmp_path: Path) -> None:
 
 
 def test_a_header_of_too_many_entries_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
-    """Parsed, each tiny entry costs ~15 times its bytes: the count is checked on the raw header."""
+    """Parsed, each tiny entry costs ~15 times its bytes: the header's keys, list items and nestings are
+    counted on the raw bytes, whatever the entries look like (tensors, or not; keys spelled with escapes)."""
     import json
     import tracemalloc
 
     from quantd.io.st_header import MAX_STRUCTURE
 
-    n = MAX_STRUCTURE // 10 + 1000  # each entry below has 10 keys, list items and nestings
-    header = json.dumps({f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
-                         for i in range(n)}, separators=(",", ":")).encode()
-    p = tmp_path / "many.safetensors"
-    p.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4 * n))
-    tracemalloc.start()
-    try:
-        with fast_error(MalformedInputError, "more than 131072 tensors"):
-            open_model(p)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 5 * len(header) + (8 << 20), (peak, len(header))  # a few passes over the raw bytes
-    # entries that are no tensors (no "data_offsets" to count), and keys spelled with escapes, count alike
     many = MAX_STRUCTURE + 4000
-    for body in (b",".join(b'"%d":[]' % i for i in range(many // 3)),  # 3 apiece
+    tensors = json.dumps({f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+                          for i in range(many // 11)}, separators=(",", ":")).encode()  # 11 apiece
+    p = tmp_path / "many.safetensors"
+    for body in (tensors[1:-1], b",".join(b'"%d":[]' % i for i in range(many // 3)),  # 3 apiece
                  b",".join(b'"d\\u0061ta%d":[1,2]' % i for i in range(many // 4))):  # 4 apiece
-        p.write_bytes(struct.pack("<Q", len(body) + 2) + b"{" + body + b"}")
+        p.write_bytes(struct.pack("<Q", len(body) + 2) + b"{" + body + b"}" + bytes(4 * (many // 11)))
         tracemalloc.start()
         try:
             with fast_error(MalformedInputError, "more than 131072 tensors"):
@@ -105,19 +95,7 @@ def test_a_header_of_too_many_entries_is_refused_before_it_is_parsed(tmp_path: P
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-        assert peak < 5 * len(body) + (8 << 20), (peak, len(body))
-
-
-def test_a_pytorch_checkpoint_with_deflated_entries_is_refused_not_inflated(tmp_path: Path) -> None:
-    """torch.load reads it; quantd maps checkpoints in place and would not inflate a 0.5 MB entry to 512 MB."""
-    plain, packed = tmp_path / "plain.pt", tmp_path / "packed.pt"
-    torch.save({"w": torch.zeros(1024, 1024)}, plain)
-    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(packed, "w", compression=zipfile.ZIP_DEFLATED) as dst:
-        for zi in src.infolist():
-            dst.writestr(zi.filename, src.read(zi.filename))
-    assert packed.stat().st_size < plain.stat().st_size // 100
-    with fast_error(UnsupportedFormatError, "compressed zip entry"):
-        open_model(packed)
+        assert peak < 5 * len(body) + (8 << 20), (peak, len(body))  # a few passes over the raw bytes
 
 
 def test_offsets_past_end(st_file: Callable[..., Path]) -> None:
