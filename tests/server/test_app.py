@@ -377,3 +377,38 @@ async def test_the_servers_storage_failing_under_an_upload_is_a_problem_to_retry
                                  data={"config": json.dumps(CONFIG)})
     body = assert_problem(r, status)
     assert body["type"] == kind and int(r.headers["retry-after"]) >= 1 and "/srv/" not in body["detail"]
+
+
+async def test_a_stopping_server_answers_uploads_503_and_claims_no_more_jobs(make_server):
+    """SIGTERM during an upload: it was cut after the 30 s graceful timeout with a plain 500, and the
+    embedded worker went on claiming jobs accepted meanwhile."""
+    import asyncio
+    import json
+
+    from .conftest import CONFIG, assert_problem, st_bytes
+
+    async with make_server() as h:
+        jobs = h.app.state.quantd.jobs
+        sent_some = asyncio.Event()
+
+        async def body():
+            yield (b'--B\r\nContent-Disposition: form-data; name="config"\r\n\r\n' + json.dumps(CONFIG).encode()
+                   + b'\r\n--B\r\nContent-Disposition: form-data; name="file"; filename="m.safetensors"\r\n\r\n')
+            for _ in range(200):
+                yield b"\0" * 65536
+                sent_some.set()
+                await asyncio.sleep(0.01)
+
+        upload = asyncio.create_task(h.client.post("/v1/jobs", content=body(),
+                                                   headers={"Content-Type": "multipart/form-data; boundary=B"}))
+        await sent_some.wait()
+        jobs.begin_shutdown()  # what the server's signal handler calls
+        r = await asyncio.wait_for(upload, 10)
+        problem = assert_problem(r, 503)
+        assert r.headers["retry-after"] == "5" and "shutting down" in problem["detail"]
+        assert list(h.settings.tmp_dir.glob("upload-*")) == []
+        jobs.draining = False  # a submit that completed before the signal: accepted, and left queued
+        r = await h.submit(st_bytes())
+        assert r.status_code == 202
+        await asyncio.sleep(1.0)
+        assert (await h.client.get(f"/v1/jobs/{r.json()['id']}")).json()["status"] == "queued"

@@ -68,12 +68,20 @@ class WorkerPool:
                 for i, device in enumerate(worker_devices(config))
             ]
         self.prepared = prepared
+        self.draining = False
         for w in self.workers:
             w.may_claim = self._may_claim
         self._reaper = threading.Thread(target=self._reap_loop, name="quantd-reaper", daemon=True)
 
+    def drain(self) -> None:
+        """Claim no more jobs (the process is stopping): running ones go on until :meth:`stop`."""
+        self.draining = True
+
     def _may_claim(self, worker: Worker) -> bool:
-        """Not while runs during uploads take every idle worker's place on its device (they would share it)."""
+        """Not once the process is stopping, nor while runs during uploads take every idle worker's place on
+        its device (they would share it)."""
+        if self.draining:
+            return False
         if self.prepared is None:
             return True
         idle = sum(w.device == worker.device for w in self._idle_workers())

@@ -90,6 +90,7 @@ class JobService:
         self._store: JobStore | None = None
         self._storage: ArtifactStore | None = None
         self._pool: WorkerPool | None = None
+        self.draining = False
         self._prepared: PreparedRuns | None = None
         self._signals = JobSignals()  # this process's workers wake the event streams of their jobs
         self._streams_closed = False
@@ -570,6 +571,15 @@ class JobService:
             await self._signals.wait(job_id, self._stream_poll_s)
             rec = await self._run(self._record, tenant, job_id)
         yield rec.status, rec.to_job().model_dump(mode="json")
+
+    def begin_shutdown(self) -> None:
+        """The process was asked to stop (from any thread): workers claim no more jobs (one accepted now waits
+        in the queue for the next start), uploads in flight are answered 503 (:attr:`draining`), and event
+        streams end; running jobs go on until :meth:`stop` gives them back to the queue."""
+        self.draining = True
+        if self._pool is not None:
+            self._pool.drain()
+        self.close_streams()
 
     def close_streams(self) -> None:
         """End every event stream of an unfinished job now (from any thread): a stopping server waits for

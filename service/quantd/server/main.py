@@ -44,7 +44,7 @@ def run_server(settings: Settings) -> None:
                 # Scheduled, not called: this signal handler runs on the event loop's thread, which may
                 # hold the streams' lock right now (JobSignals.wait): calling in would deadlock.
                 with contextlib.suppress(RuntimeError):  # no loop running: nothing is streaming
-                    asyncio.get_running_loop().call_soon_threadsafe(state.jobs.close_streams)
+                    asyncio.get_running_loop().call_soon_threadsafe(state.jobs.begin_shutdown)
             super().handle_exit(sig, frame)
 
     # log_config=None keeps our JSON handlers; the access log is ours (RequestMiddleware).

@@ -329,12 +329,14 @@ class _BatchWriter:
 async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: int, file_fields: set[str],
                             text_fields: set[str], required: set[str], hint: str = "",
                             on_file_start: OnFileStart | None = None,
-                            repeatable: frozenset[str] = frozenset()) -> MultipartForm:
+                            repeatable: frozenset[str] = frozenset(),
+                            stopping: Callable[[], bool] = lambda: False) -> MultipartForm:
     """Parse a ``multipart/form-data`` body while it streams. Raises ProblemException 400/413/415;
     on any failure the temp files written so far are deleted (and their sinks aborted).
     ``on_file_start``: see :data:`OnFileStart`; it must not raise; it is called for a field's first part.
     ``repeatable``: file fields that may come several times (``form.file_lists``); ``max_file_bytes``
-    bounds the sum of all file parts."""
+    bounds the sum of all file parts. ``stopping()`` true (the server is shutting down): the upload is
+    answered 503 with ``Retry-After`` at its next chunk, rather than cut after the graceful timeout."""
     ctype, options = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or not options.get(b"boundary"):
         raise ProblemException(415, "expected a multipart/form-data body with a boundary",
@@ -366,6 +368,10 @@ async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: 
             except TimeoutError:
                 raise ProblemException(408, f"no bytes of the body arrived for {UPLOAD_IDLE_S:g} s: the upload "
                                             "was dropped", title="Request Timeout") from None
+            if stopping():
+                raise ProblemException(503, "the server is shutting down: send the upload again (to another "
+                                            "replica, or once it is back)", title="Service Unavailable",
+                                       headers={"Retry-After": "5"})
             total += len(chunk)
             if total > max_file_bytes + FORM_OVERHEAD_BYTES:
                 raise too_large(max_file_bytes, hint)

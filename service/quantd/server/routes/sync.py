@@ -64,7 +64,8 @@ def compact_json(obj: object) -> str:
 async def _receive(request: Request, state: AppState, text_field: str, *optional: str) -> MultipartForm:
     form = await receive_multipart(
         request, tmp_dir=state.settings.tmp_dir, max_file_bytes=state.settings.max_sync_bytes,
-        file_fields={"file"}, text_fields={text_field, *optional}, required={"file", text_field}, hint=_SYNC_HINT)
+        file_fields={"file"}, text_fields={text_field, *optional}, required={"file", text_field}, hint=_SYNC_HINT,
+        stopping=lambda: state.jobs.draining)
     state.metrics.inc("quantd_uploads_total", endpoint=request.url.path)
     return form
 
