@@ -18,7 +18,20 @@ if TYPE_CHECKING:
 POLL_FIRST = 0.5
 POLL_FACTOR = 1.5
 POLL_MAX = 5.0
+# A wait without a timeout gives up after the server has been unreachable this long (a restart takes seconds).
+UNREACHABLE_MAX_S = 300.0
 
+
+
+
+def _still_down(since: float | None, now: float, deadline: float | None) -> float | None:
+    """When the server became unreachable (``since``, or ``now`` at the first failure), or None once the
+    wait's deadline or :data:`UNREACHABLE_MAX_S` has passed and the caller gives up: each poll alone gives
+    up after the client's retries (seconds, shorter than a restart)."""
+    since = now if since is None else since
+    if (deadline is not None and now >= deadline) or (deadline is None and now - since > UNREACHABLE_MAX_S):
+        return None
+    return since
 
 class _HandleBase:
     model: Job
@@ -128,8 +141,15 @@ class JobHandle(_HandleBase):
     def _poll(self, deadline: float | None, reporter: Reporter) -> None:
         c = self._client
         delay = POLL_FIRST
+        down_since: float | None = None
         while True:
-            self.refresh()
+            try:
+                self.refresh()
+                down_since = None
+            except APIConnectionError:  # the server restarting: the job lives on; poll again, for a while
+                down_since = _still_down(down_since, c._clock(), deadline)
+                if down_since is None:
+                    raise
             reporter.set(self.progress.fraction)
             if self.done:
                 return
@@ -204,8 +224,15 @@ class AsyncJobHandle(_HandleBase):
     async def _poll(self, deadline: float | None, reporter: Reporter) -> None:
         c = self._client
         delay = POLL_FIRST
+        down_since: float | None = None
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+                down_since = None
+            except APIConnectionError:  # the server restarting: the job lives on; poll again, for a while
+                down_since = _still_down(down_since, c._clock(), deadline)
+                if down_since is None:
+                    raise
             reporter.set(self.progress.fraction)
             if self.done:
                 return

@@ -287,3 +287,37 @@ def test_list_jobs_beyond_one_page_asks_for_full_pages(api: Api) -> None:
     jobs = api.collect(api.client(h).list_jobs(limit=150))
     assert len(jobs) == 150 and jobs[-1].id == "j149"
     assert seen == [100, 50]
+
+
+def test_wait_polls_through_a_server_restart(api: Api) -> None:
+    """Each poll gives up after the client's retries (seconds); a restart takes longer, and the job lives on."""
+    t = FakeTime()
+    answers: list[Any] = ["running", *[httpx.ConnectError("refused")] * 30, "succeeded"]
+
+    def h(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/events"):
+            return problem(404)
+        a = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(a, Exception):
+            raise a
+        return httpx.Response(200, json=job_json("j1", a, fraction=1.0 if a == "succeeded" else 0.25,
+                                                 sha="a" * 64 if a == "succeeded" else None))
+
+    job = api.call(api.call(api.client(h, t), "get_job", "j1"), "wait", timeout=600)
+    assert job.status == "succeeded"
+
+
+def test_wait_gives_up_on_a_server_that_stays_away(api: Api) -> None:
+    t = FakeTime()
+
+    def h(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/events"):
+            return problem(404)
+        if t.now > 0:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, json=job_json("j1", "running", fraction=0.25))
+
+    job = api.call(api.client(h, t), "get_job", "j1")
+    with pytest.raises(ex.APIConnectionError):
+        api.call(job, "wait", timeout=60)
+    assert t.now >= 60
