@@ -68,6 +68,10 @@ async def test_submit_follow_and_download(server):
     assert r.headers["content-range"] == f"bytes */{len(art)}"
     r = await server.client.get(f"/v1/jobs/{job['id']}/artifact", headers={"If-None-Match": f'"{sha}"'})
     assert r.status_code == 304 and r.content == b""
+    for if_match, status in (('"nope"', 412), (f'W/"{sha}"', 412), (f'"x", "{sha}"', 200), ("*", 200)):
+        r = await server.client.get(f"/v1/jobs/{job['id']}/artifact", headers={"If-Match": if_match})
+        assert r.status_code == status, (if_match, r.status_code)  # RFC 9110: strong comparison, 412 otherwise
+        assert status == 200 or r.headers["etag"] == f'"{sha}"'
     r = await server.client.get(f"/v1/jobs/{job['id']}/artifact",
                                 headers={"Range": "bytes=0-3", "If-Range": '"stale"'})
     assert r.status_code == 200 and r.content == art  # If-Range mismatch → the whole file

@@ -1,4 +1,5 @@
-"""Serving a stored file: ETag, If-None-Match (304), single ``Range`` (206 / 416), streamed in chunks."""
+"""Serving a stored file: ETag, If-Match (412), If-None-Match (304), single ``Range`` (206 / 416), streamed in
+chunks."""
 
 from __future__ import annotations
 
@@ -102,6 +103,12 @@ def ranged_response(request: Request, size: int, read: ChunkReader, *, etag_hex:
     if filename:
         base["Content-Disposition"] = content_disposition(filename)
     background = BackgroundTask(on_done) if on_done else None
+    im = request.headers.get("if-match")  # strong comparison (RFC 9110 §13.1.1): a weak tag never matches
+    if im is not None and im.strip() != "*" and etag not in [t.strip() for t in im.split(",")]:
+        resp = problem_response(412, f"If-Match {im!r} does not match the current ETag {etag}",
+                                title="Precondition Failed", headers={"ETag": etag}, request_id=request_id_of(request))
+        resp.background = background
+        return resp
     inm = request.headers.get("if-none-match")
     if inm is not None and (inm.strip() == "*" or etag in [t.strip().removeprefix("W/") for t in inm.split(",")]):
         return Response(status_code=304, headers={"ETag": etag}, background=background)

@@ -113,6 +113,8 @@ ARTIFACT_PARAMETERS = [
      "description": "The ETag of the copy being resumed: Range is honoured only when it still matches"},
     {"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"},
      "description": "An ETag (or *): 304 with no body when it matches"},
+    {"name": "If-Match", "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "ETags (or *): 412 when none is the file's (strong comparison)"},
 ]
 
 SUMMARY_HEADER = {"Quantd-Summary": {

@@ -395,7 +395,7 @@ async def job_report(job_id: str, state: StateDep, tenant: TenantDep) -> Report:
 
 _ARTIFACT_304 = {"description": "Not modified (If-None-Match matched the ETag)",
                  "headers": {"ETag": {"schema": {"type": "string"}}}}
-_ARTIFACT_ERRORS = {**_JOB_ERRORS, **problem_responses(409, 416)}
+_ARTIFACT_ERRORS = {**_JOB_ERRORS, **problem_responses(409, 412, 416)}
 _ARTIFACT_HEADERS = {"parameters": ARTIFACT_PARAMETERS}
 
 
