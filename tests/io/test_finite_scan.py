@@ -43,3 +43,23 @@ def test_what_the_scan_cannot_follow_is_none() -> None:
     assert _scan(raw[:-4], rng) is None  # cut short: the last tensor not wholly seen
     assert _scan((2**40).to_bytes(8, "little") + b"{}", rng) is None  # a header length past any limit
     assert _scan(raw, rng) == []
+
+
+def test_a_header_the_reader_refuses_ends_the_scan_quietly_and_cheaply() -> None:
+    """An Infinity offset raised OverflowError out of the upload (a 500); a header of millions of tiny
+    entries was parsed in full for the scan although the reader refuses it unparsed."""
+    import struct
+    import time
+
+    from quantd.io.st_header import MAX_STRUCTURE
+
+    rng = random.Random(2)
+    head = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,Infinity]}}'
+    assert _scan(struct.pack("<Q", len(head)) + head + bytes(8), rng) is None
+    body = b"{" + b",".join(b'"%d":[]' % i for i in range(MAX_STRUCTURE // 3 + 10)) + b"}"
+    assert _scan(struct.pack("<Q", len(body)) + body, rng) is None
+    many = save({f"t{i}": torch.tensor([float("nan")]) for i in range(20_000)})  # every tensor bad
+    t0 = time.perf_counter()
+    scan = FiniteScan()
+    scan.feed(many)
+    assert len(scan.non_finite() or []) == 20_000 and time.perf_counter() - t0 < 5

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .st_header import MAX_HEADER_BYTES
+from .st_header import MAX_HEADER_BYTES, MAX_STRUCTURE, structure_count
 
 # The unsigned view of each float dtype and the mask of its exponent bits.
 _EXPONENT: dict[str, tuple[np.dtype[np.unsignedinteger], int]] = {
@@ -48,16 +48,24 @@ class FiniteScan:
         self._pos = 0  # absolute offset of the next byte fed
         self._carry = b""  # the bytes of a current span's element split across chunks
         self._bad: list[str] = []
+        self._bad_set: set[str] = set()
         self._failed = False
 
     def feed(self, data: bytes | memoryview) -> None:
         if self._failed:
             return
-        if self._spans is None:
-            data = self._read_header(data)
-            if self._spans is None or self._failed:
-                return
-        self._scan(memoryview(data))
+        try:
+            if self._spans is None:
+                data = self._read_header(data)
+                if self._spans is None or self._failed:
+                    return
+            self._scan(memoryview(data))
+        except Exception:  # a header no reader takes (an Infinity offset...): its own checks say what is wrong
+            self._fail()
+
+    def _fail(self) -> None:
+        self._failed = True
+        self._head = bytearray()  # nothing more is held for a file the scan gave up on
 
     def non_finite(self) -> list[str] | None:
         """The tensors holding NaN or Inf, in file order; None if the file was not followed to its end."""
@@ -73,12 +81,16 @@ class FiniteScan:
             return b""
         n = int.from_bytes(self._head[:8], "little")
         if n > MAX_HEADER_BYTES:
-            self._failed = True
+            self._fail()
             return b""
         if len(self._head) < 8 + n:
             return b""
+        raw = bytes(self._head[8:8 + n])
+        if structure_count(raw) > MAX_STRUCTURE:  # the reader refuses it unparsed: so does the scan
+            self._fail()
+            return b""
         try:
-            header = json.loads(bytes(self._head[8:8 + n]))
+            header = json.loads(raw)
             spans = []
             for name, entry in header.items():
                 if name == "__metadata__" or entry.get("dtype") not in _EXPONENT:
@@ -89,12 +101,12 @@ class FiniteScan:
                     raise ValueError(name)
                 if end > begin:  # an empty tensor holds nothing to test
                     spans.append(_Span(name, 8 + n + begin, 8 + n + end, view, mask))
-        except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
-            self._failed = True  # the upload's own checks will say what is wrong with it
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError, OverflowError):
+            self._fail()  # the upload's own checks will say what is wrong with it
             return b""
         spans.sort(key=lambda s: s.begin)
         if any(b.begin < a.end for a, b in itertools.pairwise(spans)):
-            self._failed = True
+            self._fail()
             return b""
         self._spans = spans
         self._pos = 8 + n
@@ -112,7 +124,7 @@ class FiniteScan:
             lo, hi = max(span.begin, pos), min(span.end, end)
             if hi > lo:
                 piece = data[lo - pos:hi - pos]
-                if span.name not in self._bad:
+                if span.name not in self._bad_set:
                     self._check(span, piece)
             if span.end > end:
                 break
@@ -130,3 +142,4 @@ class FiniteScan:
         bits = np.frombuffer(buf, dtype=span.view, count=whole // size)
         if bool(np.any((bits & span.mask) == span.mask)):
             self._bad.append(span.name)
+            self._bad_set.add(span.name)

@@ -105,7 +105,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def _structure(raw: bytes) -> int:
+def structure_count(raw: bytes) -> int:
     """``:``, ``,``, ``[`` and ``{`` outside JSON strings, in a few vectorised passes (a few times the header's
     bytes of memory, no Python object per token): escapes are dropped, then every quote left opens or closes
     a string, and a byte lies inside one where the running count of quotes is odd."""
@@ -134,7 +134,7 @@ def read_header(f: BinaryIO | GrowingFile, file_size: int | None = None) -> STHe
     # Counted before parsing: parsed, a header's keys, lists and numbers take ~15-30× its bytes (a 38 MB header
     # of 600 000 tiny entries took 0.6 GB), so one with more of them than MAX_TENSORS entries can have is
     # refused while only the raw bytes are held. Strings are taken out first (a name may hold any character).
-    if (count := _structure(raw)) > MAX_STRUCTURE:
+    if (count := structure_count(raw)) > MAX_STRUCTURE:
         raise MalformedInputError(f"safetensors header has {count} keys, list items and nestings, more than "
                                   f"{MAX_TENSORS} tensors (the limit) could have")
     try:

@@ -69,7 +69,8 @@ def check_finite(up: UploadedFile, fmt: str, plans: Sequence[Any], *, max_total_
         with io.open_model(up.path, filename=up.filename, max_total_bytes=max_total_bytes) as reader:
             bad = [n for n in quantized if reader.info(n).dtype in ("float16", "bfloat16", "float32", "float64")
                    and not bool(torch.isfinite(reader.load_transient(n, "cpu")).all())]
-    first = next((n for n in (bad or ()) if n in set(quantized)), None)
+    planned = set(quantized)
+    first = next((n for n in (bad or ()) if n in planned), None)
     if first is not None:
         raise NonFiniteError(f"tensor {first!r} has NaN or Inf values", tensor=first)
 
