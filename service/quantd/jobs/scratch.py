@@ -62,16 +62,28 @@ def process_dir(tmp_root: Path) -> Path:
     caller in the process; made again if something removed it)."""
     root = Path(tmp_root).resolve()
     with _lock:
-        if root in _mine and _mine[root].is_dir():
+        if root in _mine and not _gone(_mine[root]):
             return _mine[root]
         root.mkdir(parents=True, exist_ok=True)
         old = _held.pop(root, None)
         if old is not None:  # our folder was removed under us: its lock goes with it
+            with contextlib.suppress(OSError):
+                old[1].unlink()
             os.close(old[0])
-            old[1].unlink(missing_ok=True)
         folder = _lock_new(root) if fcntl is not None else None
         _mine[root] = folder or root
         return _mine[root]
+
+
+def _gone(folder: Path) -> bool:
+    """Whether ``folder`` no longer exists (an error other than that, ESTALE say, is not taken for gone)."""
+    try:
+        os.stat(folder)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _lock_new(root: Path) -> Path | None:
@@ -96,7 +108,11 @@ def _lock_new(root: Path) -> Path | None:
         if not same:
             os.close(fd)
             continue
-        (root / name).mkdir()
+        try:
+            (root / name).mkdir()
+        except OSError:
+            os.close(fd)
+            raise
         _held[root] = (fd, lock)
         return root / name
     raise OSError(f"could not lock a scratch folder in {root}")
@@ -115,22 +131,42 @@ def _this_host(name: str) -> bool:
     return name.startswith(f"{PREFIX}{HOST}-")
 
 
-def _try_lock(lock: Path) -> bool | None:
-    """True: locked by us now (its owner has ended); False: held by a live process; None: cannot tell (gone,
-    or not ours to open)."""
-    try:
-        fd = os.open(lock, os.O_RDONLY)  # flock needs no write access: another user's lock file is read
-    except OSError:
+def _open_lock(lock: Path) -> int | None:
+    """A descriptor of ``lock`` to try: read-write (NFS takes flock as a POSIX lock, which an exclusive lock
+    needs a writable descriptor for), else read-only (another user's file: a local flock needs no write
+    access); None when it cannot be opened."""
+    for flags in (os.O_RDWR, os.O_RDONLY):
+        try:
+            return os.open(lock, flags)
+        except (PermissionError, IsADirectoryError):
+            continue
+        except OSError:
+            return None
+    return None
+
+
+def _remove_if_dead(lock: Path, folder: Path | None) -> bool | None:
+    """Lock ``lock`` if its owner has ended and, holding it, remove ``folder`` (if any) and ``lock``: True;
+    False: a live process holds it; None: cannot tell (gone, not ours to open, no lock to take there)."""
+    fd = _open_lock(lock)
+    if fd is None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
     except BlockingIOError:
+        os.close(fd)
         return False
     except OSError:
+        os.close(fd)
         return None
+    try:  # removed while the lock is held: no process can take this name's lock meanwhile
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):  # gone already, or another user's to remove
+            lock.unlink()
     finally:
-        os.close(fd)  # (a lock taken here goes with it: the entry is removed next)
+        os.close(fd)
+    return True
 
 
 def touch_mine(tmp_root: Path) -> None:
@@ -157,24 +193,28 @@ def remove_dead(tmp_root: Path, *, older_than_s: float | None = None) -> int:
         if entry.name.endswith(LOCK):
             folder = root / entry.name[:-len(LOCK)]
             # a lock whose folder never came (its process died in between) or is gone
-            if not folder.exists() and age > _YOUNG_S and _try_lock(entry):
-                with contextlib.suppress(OSError):
-                    entry.unlink()
+            if not folder.exists() and age > _YOUNG_S:
+                _remove_if_dead(entry, None)
             continue
         if not entry.is_dir() or owned_by_this_process(entry):
             continue
         lock = root / f"{entry.name}{LOCK}"
         if _this_host(entry.name):
-            dead = _try_lock(lock)
-            if dead is None and not lock.exists():
-                dead = age > _YOUNG_S  # no lock: a sweeper took it and is removing the folder
+            verdict = _remove_if_dead(lock, entry)
+            if verdict is None:  # no lock to try: a sweeper is removing it, or locks fail here; by age, then
+                stale = age > (_YOUNG_S if not lock.exists() else (older_than_s or float("inf")))
+                if stale:
+                    shutil.rmtree(entry, ignore_errors=True)
+                    with contextlib.suppress(OSError):
+                        lock.unlink()
+                verdict = stale
         else:
-            dead = older_than_s is not None and age > older_than_s
-        if dead:
-            shutil.rmtree(entry, ignore_errors=True)
-            with contextlib.suppress(OSError):  # gone already, or another user's to remove
-                lock.unlink()
-            removed += 1
+            verdict = older_than_s is not None and age > older_than_s
+            if verdict:
+                shutil.rmtree(entry, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    lock.unlink()
+        removed += bool(verdict)
     if removed:
         log.info("removed the scratch folders of %d ended process(es)", removed, extra={"tmp": str(tmp_root)})
     return removed
