@@ -103,6 +103,7 @@ class JobService:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start_sync(self) -> None:
+        self.draining = False
         self._store, self._storage = open_backends(self.config)
         storage = self._storage
         self._planned_device = worker_devices(self.config)[0] if self.config.workers != 0 else None

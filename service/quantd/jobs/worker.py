@@ -325,8 +325,15 @@ class Worker:
                 self.storage.install_report(report_tmp, job.id)
 
             try:
-                done = self._record(self.store.complete, job.id, owner, result, before_commit=install,
-                                    retry_while=lambda: not installed)
+                try:
+                    done = self._record(self.store.complete, job.id, owner, result, before_commit=install,
+                                        retry_while=lambda: not installed)
+                except DatabaseUnavailable:
+                    if not installed:
+                        raise
+                    # the files moved, the commit did not: record it again without moving them (each try
+                    # still checks the lease)
+                    done = self._record(self.store.complete, job.id, owner, result)
             except OSError as e:  # this host's storage refused the result (full, read-only): the job says why
                 log.exception("worker %s: job %s: the result could not be stored", self.id, job.id)
                 done = self._record(self.store.fail, job.id, owner, _error(

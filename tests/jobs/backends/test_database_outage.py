@@ -167,3 +167,27 @@ def test_a_complete_whose_files_were_installed_is_not_tried_again(monkeypatch: p
     with pytest.raises(DatabaseUnavailable):
         w._record(complete, "j", "w#1", {}, before_commit=install, retry_while=lambda: not installs)
     assert installs == [1]
+
+
+def test_a_complete_whose_commit_failed_after_the_install_is_recorded_without_moving_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What run_job does when complete() fails after its files moved: complete again, with no before_commit."""
+    from quantd.jobs import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod.time, "sleep", lambda s: None)
+    w = worker_mod.Worker.__new__(worker_mod.Worker)
+    w.id, w.lease_s, w.stop = "w", 30.0, threading.Event()
+    calls: list[bool] = []
+
+    def complete(*args: Any, before_commit: Any = None) -> bool:
+        calls.append(before_commit is not None)
+        if before_commit is not None:
+            before_commit()
+            raise DatabaseUnavailable()
+        return True
+
+    installed: list[bool] = []
+    with pytest.raises(DatabaseUnavailable):
+        w._record(complete, "j", "w#1", {}, before_commit=lambda: installed.append(True),
+                  retry_while=lambda: not installed)
+    assert w._record(complete, "j", "w#1", {}) is True and calls == [True, False]
