@@ -33,7 +33,7 @@ from ._exceptions import APIConnectionError, APIStatusError, ChecksumMismatch
 from ._job import AsyncJobHandle
 from ._progress import ProgressArg, Reporter
 from ._results import Artifact
-from ._schemas import AnalyzeResponse, CalibrateResponse, Info, Job, JobList, ObserverSpec, Report
+from ._schemas import STORED, AnalyzeResponse, CalibrateResponse, Info, Job, JobList, ObserverSpec, Report
 from ._upload import UploadInput
 
 
@@ -152,13 +152,13 @@ class AsyncClient(BaseClient):
                name: str | None = None) -> AsyncJobHandle:
         """Upload a model (streamed from disk) as a job; 202 → a :class:`AsyncJobHandle`."""
         spec = self._spec_submit(x, config, calibration, idempotency_key, progress, name)
-        return AsyncJobHandle(self, Job.model_validate(await self._json(spec)))
+        return AsyncJobHandle(self, Job.model_validate(await self._json(spec), context=STORED))
 
     async def get_job(self, job_id: str) -> AsyncJobHandle:
         return AsyncJobHandle(self, await self._get_job_model(job_id))
 
     async def _get_job_model(self, job_id: str) -> Job:
-        return Job.model_validate(await self._json(RequestSpec("GET", f"/v1/jobs/{job_id}")))
+        return Job.model_validate(await self._json(RequestSpec("GET", f"/v1/jobs/{job_id}")), context=STORED)
 
     async def list_jobs(self, status: str | None = None, limit: int | None = None, *,
                   page_size: int | None = None) -> AsyncIterator[AsyncJobHandle]:
@@ -169,7 +169,7 @@ class AsyncClient(BaseClient):
         while True:
             size = page_size if limit is None else min(page_size or limit, limit - yielded)
             page = JobList.model_validate(await self._json(RequestSpec(
-                "GET", "/v1/jobs", params=self._jobs_params(status, size, cursor))))
+                "GET", "/v1/jobs", params=self._jobs_params(status, size, cursor))), context=STORED)
             for job in page.items:
                 if limit is not None and yielded >= limit:
                     return
@@ -184,7 +184,7 @@ class AsyncClient(BaseClient):
         response = await self._request(RequestSpec("DELETE", f"/v1/jobs/{job_id}"))
         if response.status_code == 204 or not response.content:
             return None
-        return AsyncJobHandle(self, Job.model_validate(response.json()))
+        return AsyncJobHandle(self, Job.model_validate(response.json(), context=STORED))
 
     async def _report(self, job_id: str) -> Report:
         return Report.model_validate(await self._json(RequestSpec("GET", f"/v1/jobs/{job_id}/report")))

@@ -32,7 +32,7 @@ from ._exceptions import APIConnectionError, APIStatusError, ChecksumMismatch
 from ._job import JobHandle
 from ._progress import ProgressArg, Reporter
 from ._results import Artifact
-from ._schemas import AnalyzeResponse, CalibrateResponse, Info, Job, JobList, ObserverSpec, Report
+from ._schemas import STORED, AnalyzeResponse, CalibrateResponse, Info, Job, JobList, ObserverSpec, Report
 from ._upload import UploadInput
 
 
@@ -150,13 +150,13 @@ class Client(BaseClient):
                name: str | None = None) -> JobHandle:
         """Upload a model (streamed from disk) as a job; 202 → a :class:`JobHandle`."""
         spec = self._spec_submit(x, config, calibration, idempotency_key, progress, name)
-        return JobHandle(self, Job.model_validate(self._json(spec)))
+        return JobHandle(self, Job.model_validate(self._json(spec), context=STORED))
 
     def get_job(self, job_id: str) -> JobHandle:
         return JobHandle(self, self._get_job_model(job_id))
 
     def _get_job_model(self, job_id: str) -> Job:
-        return Job.model_validate(self._json(RequestSpec("GET", f"/v1/jobs/{job_id}")))
+        return Job.model_validate(self._json(RequestSpec("GET", f"/v1/jobs/{job_id}")), context=STORED)
 
     def list_jobs(self, status: str | None = None, limit: int | None = None, *,
                   page_size: int | None = None) -> Iterator[JobHandle]:
@@ -167,7 +167,7 @@ class Client(BaseClient):
         while True:
             size = page_size if limit is None else min(page_size or limit, limit - yielded)
             page = JobList.model_validate(self._json(RequestSpec(
-                "GET", "/v1/jobs", params=self._jobs_params(status, size, cursor))))
+                "GET", "/v1/jobs", params=self._jobs_params(status, size, cursor))), context=STORED)
             for job in page.items:
                 if limit is not None and yielded >= limit:
                     return
@@ -182,7 +182,7 @@ class Client(BaseClient):
         response = self._request(RequestSpec("DELETE", f"/v1/jobs/{job_id}"))
         if response.status_code == 204 or not response.content:
             return None
-        return JobHandle(self, Job.model_validate(response.json()))
+        return JobHandle(self, Job.model_validate(response.json(), context=STORED))
 
     def _report(self, job_id: str) -> Report:
         return Report.model_validate(self._json(RequestSpec("GET", f"/v1/jobs/{job_id}/report")))

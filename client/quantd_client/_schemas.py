@@ -93,9 +93,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# The validation context of a job read back (from the database, or from the server by the SDK): see _as_stored.
+STORED = {"stored": True}
+
+
 def _as_stored(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
-    """``method_args`` as a job row holds them, when read back with the context ``{"stored": True}``: an
-    older release took values today's rules refuse (a NaN), and such a job is still shown, not a 500."""
+    """``method_args`` and ``observer_args`` as a job row holds them, when read back with the context
+    ``{"stored": True}`` (the server reading its database, the SDK reading the server's jobs): an older release
+    took values today's rules refuse (a NaN, served as null), and such a job is still shown, not an error."""
     if isinstance(info.context, dict) and info.context.get("stored") and isinstance(value, dict):
         try:
             return handler(value)
@@ -117,7 +122,7 @@ class Scheme(_Strict):
     axis: int = 0
     group_size: int = Field(128, ge=1)
     observer: ObserverName = "minmax"
-    observer_args: dict[str, FiniteFloat] = Field(default_factory=dict)
+    observer_args: Annotated[dict[str, FiniteFloat], WrapValidator(_as_stored)] = Field(default_factory=dict)
     method: MethodName = "rtn"
     method_args: Annotated[dict[str, MethodArgValue], WrapValidator(_as_stored)] = Field(
         default_factory=dict, description="the method's own arguments (/v1/info.method_args lists them); "
@@ -184,7 +189,7 @@ class SchemeOverride(_Strict):
     axis: int | None = None
     group_size: int | None = Field(None, ge=1)
     observer: ObserverName | None = None
-    observer_args: dict[str, FiniteFloat] | None = None
+    observer_args: Annotated[dict[str, FiniteFloat] | None, WrapValidator(_as_stored)] = None
     method: MethodName | None = None
     method_args: Annotated[dict[str, MethodArgValue] | None, WrapValidator(_as_stored)] = None
     scale_dtype: ScaleDType | None = None
@@ -211,7 +216,7 @@ class ObserverSpec(_Strict):
     dtype: DType = "int8"
     symmetric: bool = False
     observer: ObserverName = "minmax"
-    observer_args: dict[str, FiniteFloat] = Field(default_factory=dict)
+    observer_args: Annotated[dict[str, FiniteFloat], WrapValidator(_as_stored)] = Field(default_factory=dict)
     granularity: Literal["tensor", "channel"] = "tensor"
     axis: int = Field(-1, description="channel: the feature axis of the [N, ...] samples (default: the last)")
 

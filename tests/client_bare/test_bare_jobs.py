@@ -321,3 +321,18 @@ def test_wait_gives_up_on_a_server_that_stays_away(api: Api) -> None:
     with pytest.raises(ex.APIConnectionError):
         api.call(job, "wait", timeout=60)
     assert t.now >= 60
+
+
+def test_a_job_an_older_server_stored_with_a_nan_argument_is_still_read(api: Api) -> None:
+    """The server serves such a NaN as null; the SDK shows the job rather than failing get, list and wait."""
+    body = job_json("j1", "failed")
+    body["config"] = {"scheme": {"dtype": "int4", "method": "gptq", "method_args": {"damp": None, "act_order": True}}}
+
+    def h(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/jobs":
+            return httpx.Response(200, json={"items": [body], "next_cursor": None})
+        return httpx.Response(200, json=body)
+
+    c = api.client(h)
+    job = api.call(c, "get_job", "j1")
+    assert job.model.config.scheme.method_args == {"damp": None, "act_order": True}

@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from quantd_client import Job
+from quantd_client._schemas import STORED
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 STATUSES = ("queued", "running", *TERMINAL)
@@ -64,7 +65,7 @@ class JobRecord:
             "result": self.result, "error": self.error, "attempts": self.attempts,
             "cancel_requested": self.cancel_requested, "expired_at": _dt(self.expired_at),
             "source": self.input.get("source"), "destination": self.input.get("destination"),
-        }, context={"stored": True})  # (a config an older release took is shown as stored: see _as_stored)
+        }, context=STORED)  # (a config an older release took is shown as stored: see _as_stored)
 
     def _input(self) -> dict[str, Any]:
         """The input as accepted; a job by reference's sha256 (and its files') once its worker has read the
