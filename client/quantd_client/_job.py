@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._base import TERMINAL_STATUSES, ServerSentEvent, event_fraction, hash_existing
-from ._exceptions import APIConnectionError, APIStatusError, AuthError, JobTimeout, ValidationError
+from ._exceptions import (
+    APIConnectionError,
+    APIStatusError,
+    AuthError,
+    JobTimeout,
+    ServerError,
+    ValidationError,
+)
 from ._progress import ProgressArg, Reporter
 from ._schemas import FileEntry, Job, JobError, JobResult, JobStatus, Progress, Report
 
@@ -20,6 +27,8 @@ POLL_FACTOR = 1.5
 POLL_MAX = 5.0
 # A wait without a timeout gives up after the server has been unreachable this long (a restart takes seconds).
 UNREACHABLE_MAX_S = 300.0
+# What a proxy in front of a restarting server answers.
+_RESTARTING = frozenset({502, 503, 504})
 
 
 
@@ -146,9 +155,13 @@ class JobHandle(_HandleBase):
             try:
                 self.refresh()
                 down_since = None
-            except APIConnectionError:  # the server restarting: the job lives on; poll again, for a while
+            except (APIConnectionError, ServerError) as e:  # a restart: the job lives on; poll again, a while
+                if isinstance(e, ServerError) and e.status not in _RESTARTING:
+                    raise
                 down_since = _still_down(down_since, c._clock(), deadline)
                 if down_since is None:
+                    if deadline is not None and c._clock() >= deadline:
+                        raise JobTimeout(f"job {self.id}: the server was unreachable at the timeout") from e
                     raise
             reporter.set(self.progress.fraction)
             if self.done:
@@ -229,9 +242,13 @@ class AsyncJobHandle(_HandleBase):
             try:
                 await self.refresh()
                 down_since = None
-            except APIConnectionError:  # the server restarting: the job lives on; poll again, for a while
+            except (APIConnectionError, ServerError) as e:  # a restart: the job lives on; poll again, a while
+                if isinstance(e, ServerError) and e.status not in _RESTARTING:
+                    raise
                 down_since = _still_down(down_since, c._clock(), deadline)
                 if down_since is None:
+                    if deadline is not None and c._clock() >= deadline:
+                        raise JobTimeout(f"job {self.id}: the server was unreachable at the timeout") from e
                     raise
             reporter.set(self.progress.fraction)
             if self.done:
