@@ -33,14 +33,21 @@ _RESTARTING = frozenset({502, 503, 504})
 
 
 
-def _still_down(since: float | None, now: float, deadline: float | None) -> float | None:
-    """When the server became unreachable (``since``, or ``now`` at the first failure), or None once the
-    wait's deadline or :data:`UNREACHABLE_MAX_S` has passed and the caller gives up: each poll alone gives
-    up after the client's retries (seconds, shorter than a restart)."""
+def _still_down(job_id: str, error: APIConnectionError | ServerError, since: float | None, now: float,
+                deadline: float | None) -> float:
+    """When the server became unreachable (``since``, or ``now`` at the first failure) while a wait polls
+    job ``job_id``; ``error`` goes up when it is no restart (a 5xx other than a proxy's 502/503/504), and
+    JobTimeout at the wait's deadline, or ``error`` after :data:`UNREACHABLE_MAX_S` without one: each poll
+    alone gives up after the client's retries (seconds, shorter than a restart)."""
+    if isinstance(error, ServerError) and error.status not in _RESTARTING:
+        raise error
     since = now if since is None else since
-    if (deadline is not None and now >= deadline) or (deadline is None and now - since > UNREACHABLE_MAX_S):
-        return None
+    if deadline is not None and now >= deadline:
+        raise JobTimeout(f"job {job_id}: the server was unreachable at the timeout") from error
+    if deadline is None and now - since > UNREACHABLE_MAX_S:
+        raise error
     return since
+
 
 class _HandleBase:
     model: Job
@@ -156,13 +163,7 @@ class JobHandle(_HandleBase):
                 self.refresh()
                 down_since = None
             except (APIConnectionError, ServerError) as e:  # a restart: the job lives on; poll again, a while
-                if isinstance(e, ServerError) and e.status not in _RESTARTING:
-                    raise
-                down_since = _still_down(down_since, c._clock(), deadline)
-                if down_since is None:
-                    if deadline is not None and c._clock() >= deadline:
-                        raise JobTimeout(f"job {self.id}: the server was unreachable at the timeout") from e
-                    raise
+                down_since = _still_down(self.id, e, down_since, c._clock(), deadline)
             reporter.set(self.progress.fraction)
             if self.done:
                 return
@@ -243,13 +244,7 @@ class AsyncJobHandle(_HandleBase):
                 await self.refresh()
                 down_since = None
             except (APIConnectionError, ServerError) as e:  # a restart: the job lives on; poll again, a while
-                if isinstance(e, ServerError) and e.status not in _RESTARTING:
-                    raise
-                down_since = _still_down(down_since, c._clock(), deadline)
-                if down_since is None:
-                    if deadline is not None and c._clock() >= deadline:
-                        raise JobTimeout(f"job {self.id}: the server was unreachable at the timeout") from e
-                    raise
+                down_since = _still_down(self.id, e, down_since, c._clock(), deadline)
             reporter.set(self.progress.fraction)
             if self.done:
                 return
