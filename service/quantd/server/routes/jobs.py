@@ -50,6 +50,7 @@ _CONFIG = TypeAdapter(QuantConfig)
 _JOB_ERRORS = problem_responses(401, 404, 410)
 _IDEM_MAX = 200
 
+
 def check_finite(up: UploadedFile, fmt: str, plans: Sequence[Any], *, max_total_bytes: int | None = None) -> None:
     """A NaN or Inf in a tensor the job would quantize is a 422 naming it, before the job is accepted
     (CONTRACT §2). A safetensors upload was scanned while it streamed (``up.non_finite``); PyTorch and NumPy
