@@ -104,3 +104,16 @@ def test_a_folder_removed_under_the_process_is_made_again_and_the_old_lock_relea
     second = scratch.process_dir(root)
     assert second != first and second.is_dir()
     assert sorted(p.name for p in root.iterdir()) == sorted([second.name, f"{second.name}.lock"])
+
+
+def test_a_clean_stop_removes_its_empty_folder_and_keeps_a_busy_one(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "data")
+    storage.init()
+    folder = storage.tmp
+    storage.release_scratch()
+    assert list(storage.tmp_root.iterdir()) == []  # folder and lock gone
+    busy = storage.tmp  # a new one, on first use
+    assert busy != folder
+    (busy / "upload-x").write_bytes(b"x")
+    storage.release_scratch()
+    assert (busy / "upload-x").exists()

@@ -118,6 +118,24 @@ def _lock_new(root: Path) -> Path | None:
     raise OSError(f"could not lock a scratch folder in {root}")
 
 
+def release(tmp_root: Path) -> None:
+    """At a clean stop: this process's folder and lock removed if the folder is empty (what is left in it
+    stays for the next start's sweep)."""
+    root = Path(tmp_root).resolve()
+    with _lock:
+        folder, held = _mine.get(root), _held.get(root)
+        if folder is None or held is None or folder == root:
+            return
+        try:
+            folder.rmdir()
+        except OSError:  # not empty, or gone
+            return
+        del _mine[root], _held[root]
+        with contextlib.suppress(OSError):
+            held[1].unlink()
+        os.close(held[0])
+
+
 def owned_by_this_process(folder: Path) -> bool:
     return Path(folder).resolve() in _mine.values()
 

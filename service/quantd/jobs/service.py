@@ -144,6 +144,8 @@ class JobService:
             self._prepared.close()
         if self._store is not None:
             self._store.close()
+        if self._storage is not None:
+            self._storage.release_scratch()
         self._pool = self._store = self._storage = self._prepared = None
 
     async def start(self) -> None:

@@ -412,6 +412,9 @@ class S3Storage:
             return False
         return self.scratch.writable()
 
+    def release_scratch(self) -> None:
+        self.scratch.release_scratch()
+
     def sweep_tmp(self, older_than_s: float) -> int:
         """Scratch leftovers, and multipart uploads under the prefix that a process began and never
         finished (it died mid-transfer): their parts are stored, and billed, until aborted."""
