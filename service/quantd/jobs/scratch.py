@@ -40,9 +40,8 @@ LOCK = ".lock"
 _YOUNG_S = 60.0
 
 _lock = threading.Lock()
-_mine: dict[Path, Path] = {}
-# Each root's lock file and its descriptor: open, and so locked, until the process ends.
-_held: dict[Path, tuple[int, Path]] = {}
+# Per tmp root: this process's folder and the descriptor of its held lock (None: no flock, the root itself).
+_mine: dict[Path, tuple[Path, int | None]] = {}
 
 
 def _host_id() -> str:
@@ -57,22 +56,24 @@ def _host_id() -> str:
 HOST = _host_id()
 
 
+def _lock_of(folder: Path) -> Path:
+    return folder.with_name(folder.name + LOCK)
+
+
 def process_dir(tmp_root: Path) -> Path:
     """This process's scratch folder under ``tmp_root`` (made and locked on first use; the same for every
     caller in the process; made again if something removed it)."""
     root = Path(tmp_root).resolve()
     with _lock:
-        if root in _mine and not _gone(_mine[root]):
-            return _mine[root]
+        if root in _mine:
+            folder, fd = _mine[root]
+            if not _gone(folder):
+                return folder
+            if fd is not None:  # our folder was removed under us: its lock goes with it
+                _drop_lock(folder, fd)
         root.mkdir(parents=True, exist_ok=True)
-        old = _held.pop(root, None)
-        if old is not None:  # our folder was removed under us: its lock goes with it
-            with contextlib.suppress(OSError):
-                old[1].unlink()
-            os.close(old[0])
-        folder = _lock_new(root) if fcntl is not None else None
-        _mine[root] = folder or root
-        return _mine[root]
+        _mine[root] = (_lock_new(root) if fcntl is not None else None) or (root, None)
+        return _mine[root][0]
 
 
 def _gone(folder: Path) -> bool:
@@ -86,11 +87,18 @@ def _gone(folder: Path) -> bool:
     return False
 
 
-def _lock_new(root: Path) -> Path | None:
-    """A new folder under ``root`` with its lock held, or None where ``flock`` does not work there."""
+def _drop_lock(folder: Path, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        _lock_of(folder).unlink()
+    os.close(fd)
+
+
+def _lock_new(root: Path) -> tuple[Path, int] | None:
+    """A new folder under ``root`` and the descriptor of its held lock, or None where ``flock`` does not
+    work there."""
     for _ in range(5):
-        name = f"{PREFIX}{HOST}-{uuid.uuid4().hex[:16]}"
-        lock = root / f"{name}{LOCK}"
+        folder = root / f"{PREFIX}{HOST}-{uuid.uuid4().hex[:16]}"
+        lock = _lock_of(folder)
         fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -100,21 +108,18 @@ def _lock_new(root: Path) -> Path | None:
         except FileNotFoundError:
             same = False
         except OSError as e:  # ENOLCK, EOPNOTSUPP: no flock on this filesystem
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                lock.unlink()
+            _drop_lock(folder, fd)
             log.warning("no flock in %s (%s): scratch files are swept by age only", root, e)
             return None
         if not same:
             os.close(fd)
             continue
         try:
-            (root / name).mkdir()
+            folder.mkdir()
         except OSError:
             os.close(fd)
             raise
-        _held[root] = (fd, lock)
-        return root / name
+        return folder, fd
     raise OSError(f"could not lock a scratch folder in {root}")
 
 
@@ -123,26 +128,30 @@ def release(tmp_root: Path) -> None:
     stays for the next start's sweep)."""
     root = Path(tmp_root).resolve()
     with _lock:
-        folder, held = _mine.get(root), _held.get(root)
-        if folder is None or held is None or folder == root:
+        folder, fd = _mine.get(root, (root, None))
+        if fd is None:
             return
         try:
             folder.rmdir()
         except OSError:  # not empty, or gone
             return
-        del _mine[root], _held[root]
-        with contextlib.suppress(OSError):
-            held[1].unlink()
-        os.close(held[0])
+        del _mine[root]
+        _drop_lock(folder, fd)
 
 
 def owned_by_this_process(folder: Path) -> bool:
-    return Path(folder).resolve() in _mine.values()
+    return any(Path(folder).resolve() == mine for mine, _ in _mine.values())
 
 
 def is_process_entry(path: Path) -> bool:
     """Whether ``path`` (an entry of ``tmp/``) is a process's scratch folder or its lock file."""
     return path.name.startswith(PREFIX)
+
+
+def glob_all(tmp_root: Path, pattern: str) -> list[Path]:
+    """The files matching ``pattern`` in every process's scratch folder under ``tmp_root``, and loose in it."""
+    root = Path(tmp_root)
+    return [*root.glob(pattern), *root.glob(f"{PREFIX}*/{pattern}")]
 
 
 def _this_host(name: str) -> bool:
@@ -163,6 +172,13 @@ def _open_lock(lock: Path) -> int | None:
     return None
 
 
+def _remove(folder: Path | None, lock: Path) -> None:
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):  # gone already, or another user's to remove
+        lock.unlink()
+
+
 def _remove_if_dead(lock: Path, folder: Path | None) -> bool | None:
     """Lock ``lock`` if its owner has ended and, holding it, remove ``folder`` (if any) and ``lock``: True;
     False: a live process holds it; None: cannot tell (gone, not ours to open, no lock to take there)."""
@@ -178,10 +194,7 @@ def _remove_if_dead(lock: Path, folder: Path | None) -> bool | None:
         os.close(fd)
         return None
     try:  # removed while the lock is held: no process can take this name's lock meanwhile
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        with contextlib.suppress(OSError):  # gone already, or another user's to remove
-            lock.unlink()
+        _remove(folder, lock)
     finally:
         os.close(fd)
     return True
@@ -189,8 +202,8 @@ def _remove_if_dead(lock: Path, folder: Path | None) -> bool | None:
 
 def touch_mine(tmp_root: Path) -> None:
     """Mark this process's folder as alive for the other hosts' age sweep."""
-    folder = _mine.get(Path(tmp_root).resolve())
-    if folder is not None and folder.name.startswith(PREFIX):
+    folder, fd = _mine.get(Path(tmp_root).resolve(), (Path(tmp_root), None))
+    if fd is not None:
         with contextlib.suppress(OSError):
             os.utime(folder)
 
@@ -209,30 +222,24 @@ def remove_dead(tmp_root: Path, *, older_than_s: float | None = None) -> int:
         except FileNotFoundError:
             continue
         if entry.name.endswith(LOCK):
-            folder = root / entry.name[:-len(LOCK)]
             # a lock whose folder never came (its process died in between) or is gone
-            if not folder.exists() and age > _YOUNG_S:
+            if not (root / entry.name[:-len(LOCK)]).exists() and age > _YOUNG_S:
                 _remove_if_dead(entry, None)
             continue
         if not entry.is_dir() or owned_by_this_process(entry):
             continue
-        lock = root / f"{entry.name}{LOCK}"
+        lock = _lock_of(entry)
+        limit = older_than_s  # another host's folder: by age only
         if _this_host(entry.name):
-            verdict = _remove_if_dead(lock, entry)
-            if verdict is None:  # no lock to try: a sweeper is removing it, or locks fail here; by age, then
-                stale = age > (_YOUNG_S if not lock.exists() else (older_than_s or float("inf")))
-                if stale:
-                    shutil.rmtree(entry, ignore_errors=True)
-                    with contextlib.suppress(OSError):
-                        lock.unlink()
-                verdict = stale
-        else:
-            verdict = older_than_s is not None and age > older_than_s
-            if verdict:
-                shutil.rmtree(entry, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    lock.unlink()
-        removed += bool(verdict)
+            dead = _remove_if_dead(lock, entry)
+            if dead is not None:
+                removed += dead
+                continue
+            # no lock to try: a sweeper is removing it (no lock file), or locks fail here; by age, then
+            limit = _YOUNG_S if not lock.exists() else older_than_s
+        if limit is not None and age > limit:
+            _remove(entry, lock)
+            removed += 1
     if removed:
         log.info("removed the scratch folders of %d ended process(es)", removed, extra={"tmp": str(tmp_root)})
     return removed

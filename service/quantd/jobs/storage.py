@@ -214,7 +214,7 @@ class LocalStorage:
                      self.artifact_path(job_id), self._job_file(self.reports, job_id, ".json")):
             path.unlink(missing_ok=True)  # (upload_path checked that job_id is a job id: safe in a glob)
         for pattern in (f"artifact-{job_id}-*.part*", f"report-{job_id}-*.part*"):  # .part.tmp: still being written
-            for draft in (*self.tmp_root.glob(pattern), *self.tmp_root.glob(f"{scratch.PREFIX}*/{pattern}")):
+            for draft in scratch.glob_all(self.tmp_root, pattern):
                 draft.unlink(missing_ok=True)
 
     def writable(self) -> bool:

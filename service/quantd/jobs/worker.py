@@ -127,6 +127,19 @@ def _error(type_: str, title: str, detail: str) -> dict[str, str]:
     return {"type": type_, "title": title, "detail": detail}
 
 
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` that runs to its end at most once; later calls do nothing."""
+    done = False
+
+    def call() -> None:
+        nonlocal done
+        if not done:
+            fn()
+            done = True
+
+    return call
+
+
 def redact_paths(message: str, private: Sequence[Path]) -> str:
     """``message`` with every path under ``private`` (the data dir, its scratch) replaced by ``<server path>``."""
     roots = {str(p) for root in private for p in (Path(root), Path(root).resolve())}
@@ -309,10 +322,8 @@ class Worker:
                 result["files"] = files
             result.update(self._input_hashes.pop(job.id, {}))
 
-            installed: list[bool] = []
-
+            @_once  # a retry of complete() after a commit that failed finds the files already moved
             def install() -> None:  # only while the lease is held (store.complete): the files are the job's
-                installed.append(True)  # from here on a retry of complete() could not install again
                 destination = job.input.get("destination")
                 if destination is not None and files is not None:  # every file under the prefix
                     self.references.put_tree(tmp, destination)
@@ -325,15 +336,7 @@ class Worker:
                 self.storage.install_report(report_tmp, job.id)
 
             try:
-                try:
-                    done = self._record(self.store.complete, job.id, owner, result, before_commit=install,
-                                        retry_while=lambda: not installed)
-                except DatabaseUnavailable:
-                    if not installed:
-                        raise
-                    # the files moved, the commit did not: record it again without moving them (each try
-                    # still checks the lease)
-                    done = self._record(self.store.complete, job.id, owner, result)
+                done = self._record(self.store.complete, job.id, owner, result, before_commit=install)
             except OSError as e:  # this host's storage refused the result (full, read-only): the job says why
                 log.exception("worker %s: job %s: the result could not be stored", self.id, job.id)
                 done = self._record(self.store.fail, job.id, owner, _error(
@@ -492,21 +495,18 @@ class Worker:
         run.cancel()  # its artifact goes (now, or as the run ends)
         return None
 
-    def _record(self, end: Callable[..., bool], *args: Any, retry_while: Callable[[], bool] = lambda: True,
-                **kwargs: Any) -> bool:
+    def _record(self, end: Callable[..., bool], *args: Any, **kwargs: Any) -> bool:
         """``end(*args, **kwargs)`` (the store's ``complete`` or ``fail``), tried again while the database is
-        unavailable and ``retry_while()`` holds, for up to a lease: a restart of the database does not cost the
-        job's work. Each try is one transaction that checks the lease, so a retry after a commit whose answer
-        was lost finds the lease gone and records nothing twice. ``complete`` is not tried again once its
-        ``before_commit`` has moved the files (that cannot run twice): the lease then expires and the job is
-        run again, as before any retry."""
+        unavailable, for up to a lease: a restart of the database does not cost the job's work. Each try is
+        one transaction that checks the lease, so a retry after a commit whose answer was lost finds the lease
+        gone and records nothing twice (``complete``'s ``before_commit`` must be safe to call again)."""
         deadline = time.monotonic() + self.lease_s
         pause = 0.5
         while True:
             try:
                 return end(*args, **kwargs)
             except DatabaseUnavailable:
-                if time.monotonic() + pause > deadline or self.stop.is_set() or not retry_while():
+                if time.monotonic() + pause > deadline or self.stop.is_set():
                     raise
                 log.warning("worker %s: the database is unavailable; recording again in %.1f s", self.id, pause)
                 time.sleep(pause)

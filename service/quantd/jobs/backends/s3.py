@@ -401,8 +401,8 @@ class S3Storage:
         self.client.delete_objects(Bucket=self.bucket, Delete={
             "Objects": [{"Key": k} for k in self._job_keys(job_id)], "Quiet": True})
         self.scratch.delete_job_files(job_id)
-        root = self.scratch.tmp_root  # any process's scratch on this data dir (a dead attempt's staged inputs)
-        for staged in (*root.glob(f"staged-{job_id}-*"), *root.glob(f"{scratch.PREFIX}*/staged-{job_id}-*")):
+        # any process's scratch on this data dir (a dead attempt's staged inputs)
+        for staged in scratch.glob_all(self.scratch.tmp_root, f"staged-{job_id}-*"):
             staged.unlink(missing_ok=True)
 
     def writable(self) -> bool:
