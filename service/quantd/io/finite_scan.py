@@ -11,14 +11,17 @@ what is wrong, and the worker checks every tensor it quantizes in any case.
 
 from __future__ import annotations
 
-import itertools
-import json
+import io
 from dataclasses import dataclass
 
 import numpy as np
 
-from .st_header import MAX_HEADER_BYTES, MAX_STRUCTURE, structure_count
+from quantd.errors import MalformedInputError
 
+from .st_header import MAX_HEADER_BYTES, read_header
+
+# A bound on a file still streaming in: the header's offsets are checked against the bytes later.
+_ANY_SIZE = 1 << 62
 # The unsigned view of each float dtype and the mask of its exponent bits.
 _EXPONENT: dict[str, tuple[np.dtype[np.unsignedinteger], int]] = {
     "F64": (np.dtype("<u8"), 0x7FF0_0000_0000_0000),
@@ -85,29 +88,14 @@ class FiniteScan:
             return b""
         if len(self._head) < 8 + n:
             return b""
-        raw = bytes(self._head[8:8 + n])
-        if structure_count(raw) > MAX_STRUCTURE:  # the reader refuses it unparsed: so does the scan
-            self._fail()
-            return b""
-        try:
-            header = json.loads(raw)
-            spans = []
-            for name, entry in header.items():
-                if name == "__metadata__" or entry.get("dtype") not in _EXPONENT:
-                    continue
-                begin, end = (int(o) for o in entry["data_offsets"])
-                view, mask = _EXPONENT[entry["dtype"]]
-                if not 0 <= begin <= end or (end - begin) % view.itemsize:
-                    raise ValueError(name)
-                if end > begin:  # an empty tensor holds nothing to test
-                    spans.append(_Span(name, 8 + n + begin, 8 + n + end, view, mask))
-        except (ValueError, TypeError, AttributeError, KeyError, RecursionError, OverflowError):
+        try:  # the reader's own parsing and checks (counts, offsets, overlaps); the data section unseen yet
+            header = read_header(io.BytesIO(bytes(self._head[:8 + n])), file_size=_ANY_SIZE)
+        except MalformedInputError:
             self._fail()  # the upload's own checks will say what is wrong with it
             return b""
-        spans.sort(key=lambda s: s.begin)
-        if any(b.begin < a.end for a, b in itertools.pairwise(spans)):
-            self._fail()
-            return b""
+        spans = sorted((_Span(e.name, header.data_start + e.begin, header.data_start + e.end, *_EXPONENT[e.dtype])
+                        for e in header.entries.values() if e.dtype in _EXPONENT and e.end > e.begin),
+                       key=lambda s: s.begin)  # (an empty tensor holds nothing to test)
         self._spans = spans
         self._pos = 8 + n
         consumed = 8 + n - start  # the bytes of this chunk that were header

@@ -20,7 +20,7 @@ import re
 import warnings
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO, TypeVar
@@ -97,6 +97,12 @@ class ModelReader:
         """As :meth:`load`, but the tensor may live in a buffer the reader reuses: valid only until the
         next ``load_transient`` (the one-tensor-at-a-time pipeline, spared a fresh allocation per tensor)."""
         return self.load(name, device)
+
+    def non_finite(self, names: Iterable[str]) -> list[str]:
+        """Those of ``names`` whose float tensors hold NaN or Inf, read one at a time."""
+        floats = ("float16", "bfloat16", "float32", "float64")
+        return [n for n in names if self.info(n).dtype in floats
+                and not bool(torch.isfinite(self.load_transient(n, "cpu")).all())]
 
     def _load(self, name: str) -> torch.Tensor:
         raise NotImplementedError

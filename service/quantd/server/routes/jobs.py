@@ -51,25 +51,22 @@ _JOB_ERRORS = problem_responses(401, 404, 410)
 _IDEM_MAX = 200
 
 
-def check_finite(up: UploadedFile, fmt: str, plans: Sequence[Any], *, max_total_bytes: int | None = None) -> None:
+def check_finite(up: UploadedFile, plans: Sequence[Any], reader: Any = None) -> None:
     """A NaN or Inf in a tensor the job would quantize is a 422 naming it, before the job is accepted
-    (CONTRACT §2). A safetensors upload was scanned while it streamed (``up.non_finite``); PyTorch and NumPy
-    files are read once more here, tensor by tensor. A GGUF input is checked by the worker (the job fails
-    with the reason)."""
+    (CONTRACT §2). A safetensors upload was scanned while it streamed (``up.non_finite``); a PyTorch or NumPy
+    file is read once more, tensor by tensor (through ``reader``, the upload's open reader, if given). A GGUF
+    input is checked by the worker (the job fails with the reason)."""
+    from quantd import io
     from quantd.errors import NonFiniteError
 
     quantized = [p.info.name for p in plans if p.scheme is not None and math.prod(p.info.shape)]
-    if not quantized:
-        return
     bad = up.non_finite
-    if bad is None and fmt in ("pytorch", "npy", "npz"):
-        import torch
-
-        from quantd import io
-
-        with io.open_model(up.path, filename=up.filename, max_total_bytes=max_total_bytes) as reader:
-            bad = [n for n in quantized if reader.info(n).dtype in ("float16", "bfloat16", "float32", "float64")
-                   and not bool(torch.isfinite(reader.load_transient(n, "cpu")).all())]
+    if quantized and bad is None and io.detect_format(up.path) in ("pytorch", "npy", "npz"):
+        if reader is None:
+            with io.open_model(up.path, filename=up.filename) as opened:
+                bad = opened.non_finite(quantized)
+        else:
+            bad = reader.non_finite(quantized)
     planned = set(quantized)
     first = next((n for n in (bad or ()) if n in planned), None)
     if first is not None:
@@ -93,25 +90,25 @@ def _check_upload(up: UploadedFile, config: QuantConfig | None, calibration: Upl
         check_format(fmt, config)
     with io.open_model(up.path, filename=up.filename, max_total_bytes=max_total_bytes) as reader:
         tensors = list(reader.tensors)
-    if config is not None:
-        from quantd.errors import ConfigError
-        from quantd.io.outputs import get_format
+        if config is not None:
+            from quantd.errors import ConfigError
+            from quantd.io.outputs import get_format
 
-        if get_format(config.output).writes_config and fmt not in ("safetensors", "pytorch"):
-            raise ConfigError(f"{config.output} writes a model directory: its input is a safetensors file or a "
-                              f"PyTorch state dict, not {fmt}", field="output")
-        index = None
-        if calibration is not None:
-            with naming("the calibration file"):
-                index = MethodCalibration.describe(calibration.path)
-        plans = io.plan(tensors, config, index)
-        check_finite(up, fmt, plans, max_total_bytes=max_total_bytes)
-        if imatrix is not None and config.output == "gguf":
-            from quantd.io.imatrix import load_imatrix
-            from quantd.io.outputs.gguf import check_importance
+            if get_format(config.output).writes_config and fmt not in ("safetensors", "pytorch"):
+                raise ConfigError(f"{config.output} writes a model directory: its input is a safetensors file or "
+                                  f"a PyTorch state dict, not {fmt}", field="output")
+            index = None
+            if calibration is not None:
+                with naming("the calibration file"):
+                    index = MethodCalibration.describe(calibration.path)
+            plans = io.plan(tensors, config, index)
+            check_finite(up, plans, reader)
+            if imatrix is not None and config.output == "gguf":
+                from quantd.io.imatrix import load_imatrix
+                from quantd.io.outputs.gguf import check_importance
 
-            with naming("the calibration file"):
-                check_importance(plans, load_imatrix(imatrix.path))
+                with naming("the calibration file"):
+                    check_importance(plans, load_imatrix(imatrix.path))
     return StoredUpload(path=up.path, filename=up.filename, bytes=up.bytes, sha256=up.sha256, format=fmt,
                         tensors=len(tensors))
 
@@ -180,7 +177,7 @@ def _check_directory(parts: list[UploadedFile], config: QuantConfig, dst: Any,
                 index = MethodCalibration.describe(calibration.path)
         plans, _ = plan_directory(model, config, index)
     for rel, shard_plans in plans.items():
-        check_finite(by_path[rel], io.detect_format(by_path[rel].path), shard_plans)
+        check_finite(by_path[rel], shard_plans)
     manifest = pack_tar(sorted((rel, up.path) for rel, up in by_path.items()), dst)
     digest = directory_digest({f["path"]: f["sha256"] for f in manifest})
     return StoredUpload(path=dst, filename="model", bytes=sum(f["bytes"] for f in manifest), sha256=digest,
