@@ -75,6 +75,10 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "gptq_paper": {"method": "gptq", "method_args": {"act_order": False, "clip_grid": 0, "damp": 0.01}},
     "gptq_paper_act_order": {"method": "gptq", "method_args": {"act_order": True, "clip_grid": 0, "damp": 0.01}},
     "gptq_static_act_order": {"method": "gptq", "method_args": {"act_order": True, "static_groups": True}},
+    # the scale refit off (the defaults and the static groups compressed-tensors output takes)
+    "gptq_no_refit": {"method": "gptq", "method_args": {"refit_scale": False}},
+    "gptq_static_no_refit": {"method": "gptq", "method_args": {"act_order": True, "static_groups": True,
+                                                                "refit_scale": False}},
     # AWQ's channel scales before GPTQ, and the Hessian shrunk towards its diagonal (artifact with channel_scale)
     "gptq_tuned": {"method": "gptq", "method_args": {"act_order": True, "awq_scales": True, "diag_damp": 0.2}},
 }
@@ -106,8 +110,8 @@ def run_agnostic(probe: EmbeddingProbe, weights: Path, calibration: Path, tmp: P
     rows = []
     for g in groups:
         for name in schemes:
-            if GROUP_SCHEMES[g]["symmetric"] and name in ("hqq", "awq", "gptq_static_act_order"):
-                continue  # hqq is affine only; the symmetric g128 row compares GPTQ with llm-compressor's
+            if GROUP_SCHEMES[g]["symmetric"] and name in ("hqq", "awq"):
+                continue  # hqq is affine only; the symmetric g128 rows compare GPTQ with llm-compressor's
             config = QuantConfig.model_validate({"scheme": {**GROUP_SCHEMES[g], **SCHEMES[name]}})
             out = tmp / f"{name}_{g}.safetensors"
             t0 = time.perf_counter()  # the first call also builds the compiled kernels its shapes need

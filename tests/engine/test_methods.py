@@ -93,7 +93,8 @@ def test_gptq_matches_a_per_column_reference_on_a_tiny_layer() -> None:
     w, x = _layer(rows=24, cols=64, n=256)
     h = x.T @ x
     scheme = Scheme(dtype="int4", group_size=16, method="gptq",
-                    method_args={"block_size": 32, "act_order": False, "clip_grid": 0, "damp": 0.01})
+                    method_args={"block_size": 32, "act_order": False, "clip_grid": 0, "damp": 0.01,
+                                 "refit_scale": False})
     qt = quantize_tensor(w, scheme, name="w", calibration=LayerHessian(h, x.shape[0]))
     ours = dequantize(qt)
     ref = _gptq_reference(w, h / x.shape[0], scheme, damp=0.01)
@@ -550,7 +551,7 @@ def test_gptq_clip_search_never_loses_to_the_observer_range(static_groups: bool)
     error of the original weight is no larger with the search (static groups: exactly that criterion)."""
     w, x = _layer(rows=32, cols=128, n=1024)
     h = x.T @ x
-    args = {"static_groups": static_groups, "act_order": False}
+    args = {"static_groups": static_groups, "act_order": False, "refit_scale": False}
     qts = [quantize_tensor(w, Scheme(dtype="int4", group_size=32, method="gptq",
                                      method_args={**args, "clip_grid": grid}), name="w",
                            calibration=LayerHessian(h, x.shape[0])) for grid in (0, 20)]
@@ -565,6 +566,60 @@ def test_gptq_clip_search_never_loses_to_the_observer_range(static_groups: bool)
         assert bool((errs[1] <= errs[0] * (1 + 1e-5)).all()) and float(errs[1].sum()) < float(errs[0].sum())
         assert not torch.equal(qts[0].scale, qts[1].scale)
     assert _rel(w, dequantize(qts[1]), x) < _rel(w, dequantize(qts[0]), x)
+
+
+def _damped_objective(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, damp: float) -> torch.Tensor:
+    """Each row's ``(w − ŵ) H_damped (w − ŵ)ᵀ`` in float64: what GPTQ minimises."""
+    hd = h.double() + damp * torch.diagonal(h).double().mean() * torch.eye(h.shape[0], dtype=torch.float64)
+    d = (w - w_hat).double()
+    return ((d @ hd) * d).sum(dim=1)
+
+
+@pytest.mark.parametrize(("granularity", "args"), [
+    ("group", {"act_order": False}), ("group", {}), ("group", {"static_groups": True}), ("channel", {})])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_scale_refit_is_the_least_squares_scale_for_its_codes(
+        granularity: str, args: dict[str, Any], symmetric: bool) -> None:
+    """The refit keeps GPTQ's codes and zero points and moves each row's group scales to the solution of the
+    damped-Hessian least squares for those codes (checked row by row against ``lstsq`` in float64 on
+    ``H^½``), so no row's objective grows."""
+    w, x = _layer(rows=24, cols=128, n=1024)
+    h, n = x.T @ x, x.shape[0]
+    scheme = Scheme(dtype="int4", granularity=granularity, group_size=32, symmetric=symmetric, method="gptq",
+                    method_args=args)
+    cal = LayerHessian(h, n)
+    on = quantize_tensor(w, scheme, name="w", calibration=cal)
+    off = quantize_tensor(w, scheme.model_copy(update={"method_args": {**args, "refit_scale": False}}), name="w",
+                          calibration=cal)
+    assert torch.equal(on.codes, off.codes) and (on.g_idx is None) == (off.g_idx is None)
+    assert on.zero_point is None if symmetric else torch.equal(on.zero_point, off.zero_point)
+    assert on.scale is not None and off.scale is not None and not torch.equal(on.scale, off.scale)
+    before, after = (_damped_objective(w, dequantize(qt), h / n, 0.1) for qt in (off, on))
+    assert bool((after <= before * (1 + 1e-6)).all()) and float(after.sum()) < 0.99 * float(before.sum())
+    # the least-squares scales, row by row: ŵ = A a with A[j, g] = (code_j − z_j) for j in group g
+    gs = 32 if granularity == "group" else 128
+    g_idx = on.g_idx.long() if on.g_idx is not None else torch.arange(128) // gs
+    zero = 0.0 if on.zero_point is None else on.zero_point.double().reshape(24, -1)[:, g_idx]
+    q = on.codes.double() - zero
+    hd = (h / n).double() + 0.1 * torch.diagonal(h / n).double().mean() * torch.eye(128, dtype=torch.float64)
+    root = torch.linalg.cholesky(hd).T  # hd = rootᵀ root
+    onehot = torch.nn.functional.one_hot(g_idx).double()
+    for r in range(24):
+        a = torch.linalg.lstsq(root @ (q[r, :, None] * onehot), root @ w[r].double()).solution
+        torch.testing.assert_close(on.scale.double().reshape(24, -1)[r], a, rtol=2e-3, atol=0)
+
+
+def test_gptq_scale_refit_lowers_the_held_out_error() -> None:
+    """On inputs other than the calibration rows the refitted scales still do better (act-order, groups)."""
+    w, inputs = _loud_inputs(256, seed=2, correlation=0.3)
+    x, held_out = inputs(1024), inputs(4096)
+    cal = LayerHessian(x.T @ x, x.shape[0])
+    for symmetric in (True, False):
+        scheme = Scheme(dtype="int4", group_size=64, symmetric=symmetric, method="gptq")
+        on = dequantize(quantize_tensor(w, scheme, name="w", calibration=cal))
+        off = dequantize(quantize_tensor(w, scheme.model_copy(update={"method_args": {"refit_scale": False}}),
+                                         name="w", calibration=cal))
+        assert _rel(w, on, held_out) < _rel(w, off, held_out)
 
 
 def test_the_docs_tables_list_every_method_and_argument() -> None:

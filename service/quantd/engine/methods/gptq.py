@@ -15,7 +15,9 @@ the least rounding error weighted by ``diag H``. ``act_order`` visits columns by
 ``diag H``; the groups then follow that order and ``g_idx`` maps each column to its group, unless
 ``static_groups`` fixes every group's parameters on the original weight first (groups stay contiguous, no
 ``g_idx``). Dead inputs (``H_jj = 0``) get zero weights, as in the reference implementations.
-``awq_scales`` first scales the input channels as AWQ does (:mod:`quantd.engine.methods.awq`, searched
+``refit_scale`` then refits each row's group scales, the codes fixed, by least squares against the damped
+``H``: the scales that GPTQ's own objective prefers for the codes it chose (the zero points stay integers, as
+stored). ``awq_scales`` first scales the input channels as AWQ does (:mod:`quantd.engine.methods.awq`, searched
 against the damped ``H``), stored as ``channel_scale``. Memory: a few ``[in, in]`` and ``[out, in]``
 float32 matrices.
 """
@@ -28,7 +30,7 @@ from collections.abc import Mapping
 import torch
 
 from quantd.engine.observers import observe_range
-from quantd.engine.qparams import choose_qparams
+from quantd.engine.qparams import choose_qparams, scale_torch_dtype
 from quantd.engine.types import QuantizedTensor
 from quantd.errors import ConfigError, MalformedInputError
 from quantd_client import Scheme
@@ -106,8 +108,53 @@ def _qparams_searched(w: torch.Tensor, importance: torch.Tensor, scheme: Scheme,
     return best_s, best_z
 
 
+# Elements of the per-row normal equations ``[rows, G, G]`` the scale refit builds and solves at once.
+_REFIT_ELEMENTS = 1 << 23
+
+
+def refit_group_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, gs: int,
+                       scale_dtype: torch.dtype) -> torch.Tensor:
+    """Each row's group scales ``a`` that minimise ``(w − ŵ) H (w − ŵ)ᵀ`` for ``ŵ_j = a_g(j) · q_j``, with the
+    codes ``q = code − zero`` fixed and the groups contiguous: per row the normal equations ``M a = b``,
+    ``M_gh = q_gᵀ H_gh q_h`` and ``b_g = q_gᵀ (H w)_g``, one ``[G, G]`` system per row, all rows at once.
+    ``M`` is built group by group, one matmul ``q_g H_g·`` each for its upper triangle (``rows·in²/2``
+    multiply-adds in all, as GPTQ's own updates), in row chunks so that memory stays a few ``[rows, in]``
+    blocks. A group keeps its old scale where the new one, rounded to ``scale_dtype``, is not positive and
+    finite, and a row keeps all of its old scales unless the new ones lower its objective ``aᵀ M a − 2 aᵀ b``."""
+    rows, cols = w.shape
+    n_groups = cols // gs
+    hw = w @ h
+    qb = (q * hw).view(rows, n_groups, gs).sum(2)
+    per_chunk = max(1, _REFIT_ELEMENTS // max(n_groups * n_groups, cols))
+    out = scale.clone()
+    for r0 in range(0, rows, per_chunk):
+        r1 = min(r0 + per_chunk, rows)
+        qc = q[r0:r1]
+        m = torch.empty(r1 - r0, n_groups, n_groups, device=w.device, dtype=w.dtype)
+        for g in range(n_groups):  # the upper triangle ``h ≥ g``; M is symmetric
+            c0 = g * gs
+            t = qc[:, c0:c0 + gs] @ h[c0:c0 + gs, c0:]
+            m[:, g, g:] = (t * qc[:, c0:]).view(r1 - r0, n_groups - g, gs).sum(2)
+            m[:, g + 1:, g] = m[:, g, g + 1:]
+        b = qb[r0:r1]
+        ridge = 1e-6 * torch.diagonal(m, dim1=1, dim2=2).mean(1).clamp_min(torch.finfo(w.dtype).tiny)
+        chol, info = torch.linalg.cholesky_ex(m + torch.diag_embed(ridge.unsqueeze(1).expand(-1, n_groups)))
+        a = torch.cholesky_solve(b.unsqueeze(2), chol)[..., 0].to(scale_dtype).to(w.dtype)
+        old = scale[r0:r1]
+
+        def objective(x: torch.Tensor, m: torch.Tensor = m, b: torch.Tensor = b) -> torch.Tensor:
+            return (torch.einsum("rg,rgh,rh->r", x, m, x) - 2.0 * (x * b).sum(1))
+
+        ok = (info == 0).unsqueeze(1) & torch.isfinite(a) & (a > 0)
+        a = torch.where(ok, a, old)
+        keep = objective(a) < objective(old)
+        out[r0:r1] = torch.where(keep.unsqueeze(1), a, old)
+    return out
+
+
 def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, damp: float, block_size: int,
-         act_order: bool, static_groups: bool, name: str, clip_grid: int = 0, max_shrink: float = 0.0
+         act_order: bool, static_groups: bool, name: str, clip_grid: int = 0, max_shrink: float = 0.0,
+         refit_scale: bool = False
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Codes ``[out, in]`` (float32 integers, original column order), scale and zero point ``[out, G]``
     (float32), and ``g_idx`` (None when the groups are the contiguous ones)."""
@@ -182,6 +229,12 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, d
             w1[i + 1:].addr_(u1[i, i + 1:], e, alpha=-1.0)
         wt[b1:].addmm_(u[b0:b1, b1:].T, err, alpha=-1.0)
     q = qt.T
+    if refit_scale:  # on columns ordered so that each group is contiguous (visit order for dynamic groups)
+        order = torch.argsort(col_group, stable=True) if perm is not None and static is not None else None
+        hd = h + damp * float(hdiag.mean()) * torch.eye(cols, device=w.device, dtype=h.dtype)
+        wq, qq = (w, qt.T) if order is None else (w[:, order], qt.T[:, order])
+        hq = hd if order is None else hd[order][:, order]
+        scale = refit_group_scales(wq, hq, qq, scale, gs, scale_torch_dtype(scheme.scale_dtype))
     if zero is not None:
         q = q + zero[:, col_group]
     g_idx = None
@@ -236,14 +289,15 @@ def _quantize(x: torch.Tensor, scheme: Scheme, args: Mapping[str, float | bool],
     codes, scale, zero, g_idx = gptq(w, h, scheme, info,
                                      damp=damp, block_size=int(args["block_size"]),
                                      act_order=act_order, static_groups=bool(args["static_groups"]), name=name,
-                                     clip_grid=int(args["clip_grid"]), max_shrink=float(args["max_shrink"]))
+                                     clip_grid=int(args["clip_grid"]), max_shrink=float(args["max_shrink"]),
+                                     refit_scale=bool(args["refit_scale"]))
     return _result(x, scheme, info, codes, scale, zero, g_idx, method="gptq", channel_scale=channel_scale)
 
 
 def _result(x: torch.Tensor, scheme: Scheme, info: DTypeInfo, codes: torch.Tensor, scale: torch.Tensor,
             zero: torch.Tensor | None, g_idx: torch.Tensor | None, *, method: str,
             channel_scale: torch.Tensor | None = None) -> QuantizedTensor:
-    from quantd.engine.qparams import code_dtype, scale_torch_dtype, zero_point_dtype
+    from quantd.engine.qparams import code_dtype, zero_point_dtype
 
     sshape = (x.shape[0],) if scheme.granularity == "channel" else tuple(scale.shape)
     return QuantizedTensor(
@@ -281,5 +335,7 @@ GPTQ = register(Method(
         Arg("clip_grid", "int", 20, "search each group's range shrink on this grid (0: the observer's range as "
                                     "it is), for the least rounding error weighted by diag H", 0, 200),
         Arg("max_shrink", "float", 0.2, "the most a group's range is shrunk by the search", 0.0, 0.9),
+        Arg("refit_scale", "bool", True, "refit each group's scale to the codes by least squares against the "
+                                         "damped Hessian after the column loop"),
         Arg("awq_scales", "bool", False, "scale the input channels as AWQ does before GPTQ (stores channel_scale)"),
     )))
