@@ -191,6 +191,19 @@ def hash_existing(path: Path) -> tuple[hashlib._Hash, int]:
     return h, n
 
 
+def redirect_location(response: httpx.Response) -> str | None:
+    """Where a 3xx download answer sends the client (a presigned storage URL), absolute; None otherwise."""
+    location = response.headers.get("location")
+    if response.status_code not in (301, 302, 303, 307, 308) or not location:
+        return None
+    return str(response.request.url.join(location))
+
+
+def storage_request_headers(have: int) -> dict[str, str]:
+    """Headers for a presigned storage URL: a Range when resuming, and none of the API's (its key stays here)."""
+    return {"Range": f"bytes={have}-"} if have else {}
+
+
 def content_range_start(response: httpx.Response) -> int | None:
     """The first byte of a 206's ``Content-Range: bytes a-b/n``."""
     value = response.headers.get("content-range", "")

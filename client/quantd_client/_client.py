@@ -26,6 +26,8 @@ from ._base import (
     etag_sha256,
     hash_existing,
     part_path,
+    redirect_location,
+    storage_request_headers,
     summary_header,
 )
 from ._exceptions import APIConnectionError, APIStatusError, ChecksumMismatch
@@ -187,8 +189,9 @@ class Client(BaseClient):
     def _report(self, job_id: str) -> Report:
         return Report.model_validate(self._json(RequestSpec("GET", f"/v1/jobs/{job_id}/report")))
 
-    def _events(self, job_id: str, read_timeout: float | None) -> Iterator[ServerSentEvent]:
-        """The job's SSE stream, decoded. Raises ``APIStatusError`` if the server will not stream."""
+    def _events(self, job_id: str, read_timeout: float | None) -> Iterator[ServerSentEvent | None]:
+        """The job's SSE stream, decoded (None for each keep-alive comment). Raises ``APIStatusError`` if the
+        server will not stream."""
         # No retries here: when the stream cannot be had, waiting falls back to polling instead.
         spec = RequestSpec("GET", f"/v1/jobs/{job_id}/events", headers={"Accept": "text/event-stream"},
                            max_retries=0)
@@ -205,6 +208,8 @@ class Client(BaseClient):
                 event = decoder.feed(line)
                 if event is not None:
                     yield event
+                elif line.startswith(":"):
+                    yield None  # a keep-alive comment: the waiter's clock moves on
         except httpx.TransportError as e:
             raise self._transport_error(e) from e
         finally:
@@ -231,6 +236,27 @@ class Client(BaseClient):
                     raise
                 restarted = True  # a partial file left by something else: removed, the whole artifact once more
 
+    def _from_storage(self, url: str, part: Path, have: int) -> tuple[httpx.Response, int]:
+        """GET a presigned storage URL (a 307 of a download) without the API's headers, resuming from ``have``;
+        a 416 (the partial file no longer fits) starts over. Returns the streaming response and ``have``."""
+        for _ in range(2):
+            request = self._http.build_request("GET", url, headers=storage_request_headers(have))
+            try:
+                response = self._http.send(request, stream=True)
+            except httpx.TransportError as e:
+                raise self._transport_error(e) from e
+            if response.status_code == 416 and have:
+                response.close()
+                part.unlink(missing_ok=True)
+                have = 0
+                continue
+            if response.status_code >= 300:
+                response.close()
+                raise APIStatusError(f"the artifact's storage answered {response.status_code} to its presigned URL",
+                                     status=response.status_code)
+            return response, have
+        raise APIStatusError("the artifact's storage refused the download", status=416)
+
     def _download_once(self, job_id: str, dst: Path, part: Path, expected: str | None,
                        progress: ProgressArg, file: str | None = None) -> Path:
         have = part.stat().st_size if part.exists() else 0
@@ -242,13 +268,17 @@ class Client(BaseClient):
             part.unlink()  # the partial file does not fit the artifact any more: start over
             have = 0
             response = self._request(self._spec_download(job_id, 0, expected, file), stream=True)
+        want = expected or etag_sha256(response)
+        location = redirect_location(response)
+        if location is not None:  # the storage serves the bytes (a presigned URL); the ETag came from the API
+            response.close()
+            response, have = self._from_storage(location, part, have)
         try:
             if response.status_code == 206 and content_range_start(response) == have:
                 digest, done = hash_existing(part)
                 mode = "ab"
             else:
                 digest, done, mode = hashlib.sha256(), 0, "wb"
-            want = expected or etag_sha256(response)
             length = response.headers.get("content-length")
             reporter = Reporter(progress, f"download {dst.name}", done + int(length) if length else None)
             reporter.set(done)

@@ -49,6 +49,13 @@ def _still_down(job_id: str, error: APIConnectionError | ServerError, since: flo
     return since
 
 
+def _next_keepalive_late(deadline: float | None, now: float, last: float) -> bool:
+    """A wait with a deadline leaves the event stream at a keep-alive when the next one, as far apart as this
+    one from the line before, would come after the deadline: the stream's read timeout only measures the
+    gaps between lines, which keep-alives reset."""
+    return deadline is not None and now + (now - last) >= deadline
+
+
 class _HandleBase:
     model: Job
 
@@ -145,10 +152,16 @@ class JobHandle(_HandleBase):
     def _follow_events(self, deadline: float | None, reporter: Reporter) -> bool:
         c = self._client
         remaining = None if deadline is None else max(0.0, deadline - c._clock())
+        last = c._clock()
         try:
             for event in c._events(self.id, remaining):
-                if self._on_event(event, reporter, deadline, c._clock()):
+                now = c._clock()
+                if event is None:
+                    if _next_keepalive_late(deadline, now, last):
+                        return False  # polling stops at the deadline; the stream's next line may come after it
+                elif self._on_event(event, reporter, deadline, now):
                     return True
+                last = now
         except (APIConnectionError, APIStatusError, ValueError) as e:
             if isinstance(e, AuthError):
                 raise  # polling would fail the same way; anything else falls back to polling
@@ -226,10 +239,16 @@ class AsyncJobHandle(_HandleBase):
     async def _follow_events(self, deadline: float | None, reporter: Reporter) -> bool:
         c = self._client
         remaining = None if deadline is None else max(0.0, deadline - c._clock())
+        last = c._clock()
         try:
             async for event in c._events(self.id, remaining):
-                if self._on_event(event, reporter, deadline, c._clock()):
+                now = c._clock()
+                if event is None:
+                    if _next_keepalive_late(deadline, now, last):
+                        return False  # polling stops at the deadline; the stream's next line may come after it
+                elif self._on_event(event, reporter, deadline, now):
                     return True
+                last = now
         except (APIConnectionError, APIStatusError, ValueError) as e:
             if isinstance(e, AuthError):
                 raise  # polling would fail the same way; anything else falls back to polling

@@ -338,3 +338,80 @@ def test_a_job_an_older_server_stored_with_a_nan_argument_is_still_read(api: Api
     c = api.client(h)
     job = api.call(c, "get_job", "j1")
     assert job.model.config.scheme.method_args == {"damp": None, "act_order": True}
+
+
+class KeepAlives(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """An event stream that only sends keep-alive comments, ``every`` seconds of ``t`` apart (at most ``n``)."""
+
+    def __init__(self, t: FakeTime, every: float, n: int = 200) -> None:
+        self.t, self.every, self.n = t, every, n
+
+    def __iter__(self) -> Any:
+        for _ in range(self.n):
+            self.t.now += self.every
+            yield b": keep-alive\n\n"
+
+    async def __aiter__(self) -> Any:
+        for chunk in self:
+            yield chunk
+
+
+@pytest.mark.parametrize("timeout", [3.0, 20.0, 44.0])
+def test_wait_timeout_holds_while_the_stream_sends_only_keep_alives(api: Api, timeout: float) -> None:
+    """A queued job sends no events, and each keep-alive resets the stream's read timeout: the wait still
+    raises JobTimeout at its deadline (it leaves the stream when the next keep-alive would come too late)."""
+    t = FakeTime()
+    server = JobServer(httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                      stream=KeepAlives(t, every=15.0)), ["queued"])
+    job = handle(api, server, t)
+    with pytest.raises(ex.JobTimeout):
+        api.call(job, "wait", timeout=timeout)
+    assert timeout <= t.now <= max(timeout, 15.0 * (timeout // 15.0 + 1)) and t.now < timeout + 15.0
+
+
+def test_download_follows_a_presigned_redirect_without_the_api_key(api: Api, tmp_path: Path) -> None:
+    """With presigned downloads the API answers 307 (its ETag the artifact's sha256) and the storage serves the
+    bytes: the client follows, resumes with Range there, starts over on the storage's 416, and sends the
+    storage none of the API's headers."""
+    storage_headers: list[httpx.Headers] = []
+
+    def h(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "storage.test":
+            storage_headers.append(request.headers)
+            rng = request.headers.get("range")
+            start = int(rng[6:-1]) if rng else 0
+            if start >= len(ART):
+                return httpx.Response(416)
+            headers = {"etag": '"d41d8cd98f00b204e9800998ecf8427e"'}  # the store's own (an MD5), not a sha256
+            if start:
+                headers["content-range"] = f"bytes {start}-{len(ART) - 1}/{len(ART)}"
+            return httpx.Response(206 if start else 200, headers=headers, content=ART[start:])
+        if request.url.path.endswith("/artifact"):
+            return httpx.Response(307, headers={"location": "http://storage.test/b/j1.safetensors?X-Amz-Signature=s",
+                                                "etag": f'"{sha(ART)}"'})
+        return httpx.Response(200, json=job_json("j1", "succeeded", sha=sha(ART), nbytes=len(ART)))
+
+    c = api.client(h, api_key="secret-key")
+    job = api.call(c, "get_job", "j1")
+    for part, ranges in [(None, [None]), (ART[:5000], ["bytes=5000-"]), (b"x" * (len(ART) + 3), [f"bytes={len(ART) + 3}-", None])]:
+        dst = tmp_path / f"out{len(storage_headers)}.safetensors"
+        if part is not None:
+            (tmp_path / f"{dst.name}.part").write_bytes(part)
+        before = len(storage_headers)
+        assert api.call(job, "download", dst, progress=False) == dst
+        assert dst.read_bytes() == ART and not (tmp_path / f"{dst.name}.part").exists()
+        assert [hd.get("range") for hd in storage_headers[before:]] == ranges
+    assert all("authorization" not in hd and "idempotency-key" not in hd for hd in storage_headers)
+
+
+def test_download_reports_the_storage_refusing_a_presigned_url(api: Api, tmp_path: Path) -> None:
+    def h(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "storage.test":
+            return httpx.Response(403, content=b"<Error><Code>AccessDenied</Code></Error>")
+        if request.url.path.endswith("/artifact"):
+            return httpx.Response(307, headers={"location": "http://storage.test/b/x"})
+        return httpx.Response(200, json=job_json("j1", "succeeded", sha=sha(ART), nbytes=len(ART)))
+
+    job = api.call(api.client(h), "get_job", "j1")
+    with pytest.raises(ex.APIStatusError, match="storage answered 403"):
+        api.call(job, "download", tmp_path / "o.safetensors", progress=False)
