@@ -134,14 +134,18 @@ async def test_openapi_documents_multipart_bodies_and_problem_responses(server):
     assert set(body["schema"]["required"]) == {"file", "config"}
     assert body["example"]
     post = paths["/v1/jobs"]["post"]["responses"]
-    assert {"202", "413", "415", "422", "429"} <= set(post)
+    assert {"202", "408", "413", "415", "422", "429", "503", "507"} <= set(post)
     assert "application/problem+json" in post["422"]["content"]
     assert "Location" in post["202"]["headers"]
     assert post["202"]["content"]["application/json"]["example"]["status"] == "queued"
     assert post["202"]["content"]["application/json"]["schema"]["$ref"].endswith("/Job")
     art = paths["/v1/jobs/{job_id}/artifact"]["get"]["responses"]
-    assert {"200", "206", "409", "416"} <= set(art)
-    assert "Quantd-Summary" in paths["/v1/quantize"]["post"]["responses"]["200"]["headers"]
+    assert {"200", "206", "307", "409", "416"} <= set(art)
+    assert {"Location", "ETag"} <= set(art["307"]["headers"])
+    for route in ("/v1/quantize", "/v1/analyze", "/v1/calibrate"):  # an idle upload, a drain, a full disk
+        assert {"408", "503", "507"} <= set(paths[route]["post"]["responses"]), route
+    assert {"Quantd-Summary", "ETag", "Content-Disposition"} <= set(
+        paths["/v1/quantize"]["post"]["responses"]["200"]["headers"])
     assert paths["/v1/analyze"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"][
         "configs"]["maxItems"] == 16
     for name in ("QuantConfig", "Scheme", "ObserverSpec", "Job", "Report"):

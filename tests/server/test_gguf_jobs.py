@@ -33,6 +33,9 @@ async def test_gguf_job_over_http(server, tmp_path: Path) -> None:
     resp = await server.client.get(f"/v1/jobs/{job['id']}/artifact")
     assert f'filename="{job["id"]}.gguf"' in resp.headers["content-disposition"]
     art = resp.content
+    listed = (await server.client.get(f"/v1/jobs/{job['id']}/files")).json()["files"]
+    assert [f["path"] for f in listed] == ["tiny.gguf"]  # the input's stem and the format's suffix
+    assert (await server.client.get(f"/v1/jobs/{job['id']}/files/tiny.gguf")).content == art
     out = tmp_path / "job.gguf"
     out.write_bytes(art)
     local = tmp_path / "local.gguf"

@@ -500,7 +500,8 @@ class JobService:
 
     async def files(self, tenant: str, job_id: str) -> list[dict[str, Any]]:
         """The job's output files ``[{"path","bytes","sha256"}]``: a directory output's, or the one artifact
-        (named ``{input stem}.quantd{suffix}``). 409 until succeeded; 410 once deleted."""
+        (named ``{input stem}`` and the format's suffix: ``.quantd.safetensors``, ``.gguf``). 409 until succeeded;
+        410 once deleted."""
         def listing() -> list[dict[str, Any]]:
             return self._output_files(self._succeeded(tenant, job_id), job_id)
 
@@ -510,8 +511,11 @@ class JobService:
         result = rec.result or {}
         if result.get("files") is not None:
             return list(result["files"])
+        from quantd.io.outputs import artifact_suffix
+
         stem = Path(str(rec.input.get("filename") or "model")).stem or "model"
-        return [{"path": f"{stem}.quantd.safetensors", "bytes": result.get("artifact_bytes", 0),
+        output = str((rec.config or {}).get("output") or "safetensors")
+        return [{"path": f"{stem}{artifact_suffix(output)}", "bytes": result.get("artifact_bytes", 0),
                  "sha256": result.get("artifact_sha256", "")}]
 
     async def output_file(self, tenant: str, job_id: str, path: str

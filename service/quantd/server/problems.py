@@ -282,7 +282,9 @@ _EXAMPLES: dict[int, tuple[str, str]] = {
     416: ("Range Not Satisfiable", "range starts past the end of the 1234-byte artifact"),
     422: ("Config cannot apply", "field 'group_size' tensor 'layers.0.weight': 100 does not divide 4096"),
     429: ("Queue full", "1000 jobs queued; retry later"),
-    503: ("Service Unavailable", "no worker heartbeat in the last 60 s"),
+    408: ("Request Timeout", "no bytes of the body arrived for 120 s: the upload is dropped"),
+    503: ("Service Unavailable", "the server is shutting down; retry on another replica"),
+    507: ("Insufficient Storage", "the server's storage is full; retry later"),
 }
 
 

@@ -80,7 +80,7 @@ CALIBRATE_BODY = multipart_body(
     {"file": "(binary)", "observer": {"dtype": "int8", "symmetric": False, "observer": "percentile",
                                       "observer_args": {"percentile": 99.99}}})
 
-UPLOAD_ERRORS = problem_responses(400, 401, 413, 415, 422, 500)
+UPLOAD_ERRORS = problem_responses(400, 401, 408, 413, 415, 422, 500, 503, 507)
 
 _STRING = {"type": "string"}
 _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
@@ -100,6 +100,11 @@ ARTIFACT_200 = {"description": "The artifact: the output file (safetensors CONTR
                 "headers": _FILE_HEADERS, "content": _ARTIFACT_CONTENT}
 ARTIFACT_206 = {"description": "Partial content: the one range asked for", "headers": _RANGE_HEADERS,
                 "content": _ARTIFACT_CONTENT}
+# QUANTD_STORAGE_PRESIGN: the object store serves the bytes.
+ARTIFACT_307 = {"description": "With presigned downloads on: the artifact at a presigned object-store URL (send "
+                               "no API key there); the ETag is the artifact's sha256",
+                "headers": {"Location": {"description": "The presigned URL", "schema": _STRING},
+                            "ETag": _FILE_HEADERS["ETag"]}}
 # HEAD: the headers GET would send, no body.
 ARTIFACT_HEAD_200 = {"description": "The artifact's headers, no body", "headers": _FILE_HEADERS}
 ARTIFACT_HEAD_206 = {"description": "The headers of the range asked for, no body", "headers": _RANGE_HEADERS}
@@ -117,6 +122,8 @@ ARTIFACT_PARAMETERS = [
      "description": "ETags (or *): 412 when none is the file's (strong comparison)"},
 ]
 
+SYNC_FILE_HEADERS = {"ETag": _FILE_HEADERS["ETag"], "Content-Disposition": {
+    "schema": _STRING, "example": 'attachment; filename="w.quantd.safetensors"'}}
 SUMMARY_HEADER = {"Quantd-Summary": {
     "description": "Compact JSON of the Summary (tensors_quantized, compression_ratio, mean_sqnr_db, ...)",
     "schema": {"type": "string"}}}

@@ -28,6 +28,7 @@ from ..uploads import FileSink, UploadedFile, receive_multipart
 from ._docs import (
     ARTIFACT_200,
     ARTIFACT_206,
+    ARTIFACT_307,
     ARTIFACT_HEAD_200,
     ARTIFACT_HEAD_206,
     ARTIFACT_PARAMETERS,
@@ -407,14 +408,16 @@ def _artifact_filename(job_id: str, output: str) -> str:
 
 @router.head("/{job_id}/artifact", summary="The artifact's headers (size, ETag, ranges), no body",
              response_class=Response, openapi_extra=_ARTIFACT_HEADERS,
-             responses={200: ARTIFACT_HEAD_200, 206: ARTIFACT_HEAD_206, 304: _ARTIFACT_304, **_ARTIFACT_ERRORS})
+             responses={200: ARTIFACT_HEAD_200, 206: ARTIFACT_HEAD_206, 304: _ARTIFACT_304, 307: ARTIFACT_307,
+                        **_ARTIFACT_ERRORS})
 async def job_artifact_head(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
     return await job_artifact(job_id, request, state, tenant)
 
 
 @router.get("/{job_id}/artifact", summary="The artifact, streamed; ETag = sha256; Range honoured",
             response_class=Response, openapi_extra=_ARTIFACT_HEADERS,
-            responses={200: ARTIFACT_200, 206: ARTIFACT_206, 304: _ARTIFACT_304, **_ARTIFACT_ERRORS})
+            responses={200: ARTIFACT_200, 206: ARTIFACT_206, 304: _ARTIFACT_304, 307: ARTIFACT_307,
+                       **_ARTIFACT_ERRORS})
 async def job_artifact(job_id: str, request: Request, state: StateDep, tenant: TenantDep) -> Response:
     job = await state.jobs.get(tenant, job_id)
     is_tar = job.result is not None and job.result.files is not None  # a directory output: one tar

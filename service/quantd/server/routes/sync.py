@@ -29,6 +29,7 @@ from ._docs import (
     CALIBRATE_EXAMPLE,
     QUANTIZE_BODY,
     SUMMARY_HEADER,
+    SYNC_FILE_HEADERS,
     UPLOAD_ERRORS,
     json_example,
 )
@@ -90,7 +91,7 @@ async def analyze(request: Request, state: StateDep, _tenant: TenantDep) -> Anal
 
 
 @router.post("/quantize", openapi_extra=QUANTIZE_BODY, response_class=Response,
-             responses={200: {**ARTIFACT_200, "headers": SUMMARY_HEADER}, **UPLOAD_ERRORS},
+             responses={200: {**ARTIFACT_200, "headers": {**SYNC_FILE_HEADERS, **SUMMARY_HEADER}}, **UPLOAD_ERRORS},
              summary="Quantize a file now; the response body is the artifact")
 async def quantize(request: Request, state: StateDep, _tenant: TenantDep) -> Response:
     from quantd import io
