@@ -117,10 +117,10 @@ class Scheme(_Strict):
     dtype: DType = "int4"
     symmetric: bool = False
     granularity: GranularityName = Field(
-        "group", description="tensor | channel | group. Left out: channel for 8-bit dtypes (int8, uint8, fp8), "
+        default="group", description="tensor | channel | group. Left out: channel for 8-bit dtypes (int8, uint8, fp8), "
                              "group for narrower ones or when group_size is given")
     axis: int = 0
-    group_size: int = Field(128, ge=1)
+    group_size: int = Field(default=128, ge=1)
     observer: ObserverName = "minmax"
     observer_args: Annotated[dict[str, FiniteFloat], WrapValidator(_as_stored)] = Field(default_factory=dict)
     method: MethodName = "rtn"
@@ -187,7 +187,7 @@ class SchemeOverride(_Strict):
     symmetric: bool | None = None
     granularity: GranularityName | None = None
     axis: int | None = None
-    group_size: int | None = Field(None, ge=1)
+    group_size: int | None = Field(default=None, ge=1)
     observer: ObserverName | None = None
     observer_args: Annotated[dict[str, FiniteFloat] | None, WrapValidator(_as_stored)] = None
     method: MethodName | None = None
@@ -218,7 +218,7 @@ class ObserverSpec(_Strict):
     observer: ObserverName = "minmax"
     observer_args: Annotated[dict[str, FiniteFloat], WrapValidator(_as_stored)] = Field(default_factory=dict)
     granularity: Literal["tensor", "channel"] = "tensor"
-    axis: int = Field(-1, description="channel: the feature axis of the [N, ...] samples (default: the last)")
+    axis: int = Field(default=-1, description="channel: the feature axis of the [N, ...] samples (default: the last)")
 
     @model_validator(mode="after")
     def _check(self) -> ObserverSpec:
@@ -245,9 +245,9 @@ class CalibrationSpec(_Strict):
     """How a JSONL calibration part is used (CONTRACT §10): the worker runs the model on the first
     ``samples`` lines, each truncated to ``max_seq_len`` tokens."""
 
-    samples: int = Field(128, ge=1, le=MAX_CALIBRATION_SAMPLES,
+    samples: int = Field(default=128, ge=1, le=MAX_CALIBRATION_SAMPLES,
                          description="calibration lines used (the first ones of the file)")
-    max_seq_len: int = Field(512, ge=1, le=MAX_CALIBRATION_SEQ_LEN,
+    max_seq_len: int = Field(default=512, ge=1, le=MAX_CALIBRATION_SEQ_LEN,
                              description="tokens per line at most (longer lines are truncated)")
 
 
@@ -256,21 +256,21 @@ class QuantConfig(_Strict):
     rules: list[Rule] = Field(default_factory=list)
     skip_1d: bool = True
     skip_embeddings: bool = Field(
-        True, description="embedding tables and output heads stay in full precision unless a rule matches "
+        default=True, description="embedding tables and output heads stay in full precision unless a rule matches "
                           "them: weights whose module name (the last part before .weight) matches one of "
                           + ", ".join(repr(p) for p in EMBEDDING_MODULES) + " (fnmatch, case-insensitive)")
-    min_numel: int = Field(0, ge=0)
-    output: OutputFormatName = Field("safetensors", description="the artifact's format (GET /v1/info lists them)")
+    min_numel: int = Field(default=0, ge=0)
+    output: OutputFormatName = Field(default="safetensors", description="the artifact's format (GET /v1/info lists them)")
     activations: ObserverSpec | None = Field(
-        None, description="how activation ranges are observed when a job comes with a calibration file "
+        default=None, description="how activation ranges are observed when a job comes with a calibration file "
                           "(default: int8 affine min-max per tensor); the ranges land in the report and "
                           "the artifact's metadata for static activation quantization")
     gguf_mix: GGUFMix | None = Field(
-        None, description="with output \"gguf\": pick each tensor's ggml type as llama.cpp's mix of this name "
+        default=None, description="with output \"gguf\": pick each tensor's ggml type as llama.cpp's mix of this name "
                           "does (llama-quantize's file type), in place of the default scheme; rules still "
                           "override it per tensor")
     calibration: CalibrationSpec | None = Field(
-        None, description="with a JSONL calibration part on a model directory (gptq, awq): how many lines the "
+        default=None, description="with a JSONL calibration part on a model directory (gptq, awq): how many lines the "
                           "worker runs through the model and how many tokens each keeps (defaults 128 and 512)")
 
     model_config = ConfigDict(
@@ -421,7 +421,7 @@ class InputInfo(_FilesWhenSet):
     format: InputFormat | CalibrationFormat
     tensors: int
     files: list[FileEntry] | None = Field(
-        None, description="a model directory job's files (relative paths); absent for a one-file job")
+        default=None, description="a model directory job's files (relative paths); absent for a one-file job")
 
 
 class Progress(BaseModel):
@@ -437,7 +437,7 @@ class JobResult(_FilesWhenSet):
     artifact_sha256: str
     summary: Summary
     files: list[FileEntry] | None = Field(
-        None, description="a directory output's files (the artifact is then their tar); absent for one file")
+        default=None, description="a directory output's files (the artifact is then their tar); absent for one file")
 
 
 class JobError(BaseModel):

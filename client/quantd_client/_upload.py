@@ -8,19 +8,73 @@ bytes) replay from memory; a caller's open file object replays only if it is see
 from __future__ import annotations
 
 import io
+import json
 import os
 import secrets
+import struct
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 
 from ._exceptions import ValidationError
 
 CHUNK_SIZE = 1 << 20
-UploadInput = str | os.PathLike[str] | bytes | np.ndarray | Mapping[str, Any] | IO[bytes]
+
+
+@runtime_checkable
+class TensorLike(Protocol):
+    """A torch tensor (or parameter), recognised without importing torch."""
+
+    def detach(self) -> Any: ...
+
+    def numel(self) -> int: ...
+
+
+UploadInput = str | os.PathLike[str] | bytes | np.ndarray | TensorLike | Mapping[str, Any] | IO[bytes]
+
+# safetensors' dtype names of the torch dtypes a weights file holds (looked up by the dtype's name).
+_SAFETENSORS_DTYPES = {
+    "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2", "int8": "I8", "uint8": "U8", "int16": "I16", "int32": "I32", "int64": "I64",
+    "bool": "BOOL",
+}
+
+
+def _is_torch_tensor(x: object) -> bool:
+    return type(x).__module__.split(".")[0] == "torch" and isinstance(x, TensorLike)
+
+
+def _safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
+    """Torch tensors (any device, bfloat16 and float8 included, parameters that require grad) and NumPy arrays
+    as one safetensors file, written here: torch is imported only because the caller already holds tensors."""
+    import torch
+
+    header: dict[str, Any] = {}
+    blobs: list[bytes] = []
+    offset = 0
+    for key, value in tensors.items():
+        if not isinstance(key, str):
+            raise ValidationError(f"tensor names must be strings; got {key!r}")
+        if isinstance(value, np.ndarray):
+            if value.dtype.hasobject:
+                raise ValidationError(f"tensor {key!r}: object arrays cannot be uploaded (no pickles)")
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        if not isinstance(value, torch.Tensor):
+            raise ValidationError(f"tensor {key!r}: a {type(value).__name__} is not a tensor or an array")
+        t = value.detach().to("cpu").contiguous()
+        dtype = _SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValidationError(f"tensor {key!r}: dtype {t.dtype} has no safetensors name")
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[key] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
 
 
 @dataclass
@@ -75,8 +129,15 @@ def _npy_bytes(arr: np.ndarray, what: str) -> bytes:
 
 
 def make_file_part(x: UploadInput, *, name: str | None = None, field: str = "file") -> FilePart:
-    """A NumPy array (sent as ``<name or 'tensor'>.npy``), a dict of arrays (an ``.npz``, no pickle),
-    a path (streamed from disk), bytes (``name`` is the filename) or a binary file object."""
+    """A NumPy array (sent as ``<name or 'tensor'>.npy``), a dict of arrays (an ``.npz``, no pickle), a torch
+    tensor or a dict holding torch tensors, such as a ``state_dict()`` (a ``.safetensors``, bfloat16 kept), a
+    path (streamed from disk), bytes (``name`` is the filename) or a binary file object."""
+    if _is_torch_tensor(x):
+        data = _safetensors_bytes({name or "tensor": x})
+        return FilePart(field, f"{name or 'tensor'}.safetensors", len(data), data=data)
+    if isinstance(x, Mapping) and any(_is_torch_tensor(v) for v in x.values()):
+        data = _safetensors_bytes(x)
+        return FilePart(field, f"{name or 'tensors'}.safetensors", len(data), data=data)
     if isinstance(x, np.ndarray):
         data = _npy_bytes(x, f"tensor {name or 'tensor'!r}")
         return FilePart(field, f"{name or 'tensor'}.npy", len(data), data=data)
@@ -102,7 +163,7 @@ def make_file_part(x: UploadInput, *, name: str | None = None, field: str = "fil
             raise FileNotFoundError(f"{field}: no such file: {path}")
         return FilePart(field, name or path.name, path.stat().st_size, path=path)
     if hasattr(x, "read"):
-        stream = x
+        stream = cast(IO[bytes], x)
         start = stream.tell() if _seekable(stream) else 0
         try:
             size = os.fstat(stream.fileno()).st_size - start
@@ -114,7 +175,8 @@ def make_file_part(x: UploadInput, *, name: str | None = None, field: str = "fil
             stream.seek(start)
         filename = name or Path(str(getattr(stream, "name", "upload.bin"))).name
         return FilePart(field, filename, size, stream=stream, start=start)
-    raise TypeError(f"cannot upload a {type(x).__name__}: pass a NumPy array, a dict of arrays, a path or bytes")
+    raise TypeError(f"cannot upload a {type(x).__name__}: pass a NumPy array, a torch tensor, a dict of either, "
+                    "a path or bytes")
 
 
 def directory_parts(root: Path) -> list[FilePart]:

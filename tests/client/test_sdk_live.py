@@ -138,3 +138,26 @@ def test_real_errors_are_typed(live_url: str, api_key: str, tmp_path: Path) -> N
         bad.write_bytes(b"definitely not weights")
         with pytest.raises(ex.UnsupportedMedia):
             c.quantize(bad)
+
+
+def test_torch_tensors_and_a_bfloat16_state_dict_upload_as_safetensors(live_url: str, api_key: str) -> None:
+    """A tensor, and a module's ``state_dict()`` or parameters (bfloat16, requiring grad) go up as one
+    safetensors file: names and dtypes as the caller holds them."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)).to(torch.bfloat16)
+    cfg = {"scheme": {"dtype": "int8", "granularity": "channel", "symmetric": True}}
+    with Client(live_url, api_key=api_key) as c:
+        art = c.quantize(torch.from_numpy(W), cfg, name="w")
+        check_int8_per_row(W, art.dequantize()["w"])
+        art = c.quantize(model.state_dict(), cfg)
+        params = c.quantize(dict(model.named_parameters()), cfg)
+        job = c.submit(model.state_dict(), cfg, progress=False).wait(timeout=120, progress=False)
+        assert job.status == "succeeded", job.error
+    assert job.model.input.format == "safetensors" and job.model.input.filename == "tensors.safetensors"
+    assert params.dequantize().keys() == art.dequantize().keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    tensors = art.metadata["tensors"]
+    assert tensors["0.weight"]["orig_dtype"] == "bfloat16" and tensors["0.weight"]["dtype"] == "int8"
+    ref = model.state_dict()["0.weight"].float().numpy()
+    deq = art.dequantize()["0.weight"]
+    assert np.abs(deq - ref).max() <= np.abs(ref).max() / 127
