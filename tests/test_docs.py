@@ -3,6 +3,7 @@ README's settings table, and the benchmark pages that bench/report.py generates 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -93,3 +94,18 @@ def test_report_check_sees_a_page_that_differs_from_the_results(tmp_path: Path, 
     readme.write_text(report.splice_readme((ROOT / "README.md").read_text(encoding="utf-8"), report.readme_block()), encoding="utf-8")
     doc.write_text(doc.read_text(encoding="utf-8") + "typed by hand\n", encoding="utf-8")
     assert report.main(["--check"]) == 1
+
+
+@pytest.mark.slow
+def test_the_readme_sdk_example_passes_mypy_strict_without_plugins(tmp_path: Path) -> None:
+    """A user's type checker sees the SDK's models as plain dataclass-like classes (no pydantic plugin): the
+    README's example must type-check as written."""
+    pytest.importorskip("mypy")
+    block = (ROOT / "README.md").read_text().split("## Python SDK", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    (tmp_path / "example.py").write_text(block)
+    (tmp_path / "mypy.ini").write_text("[mypy]\n")
+    env = {**os.environ, "MYPYPATH": str(ROOT / "client")}
+    done = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--config-file",
+                           str(tmp_path / "mypy.ini"), str(tmp_path / "example.py")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr

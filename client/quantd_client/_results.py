@@ -17,10 +17,17 @@ from ._schemas import ErrorStats, Summary
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+_GGUF_ARTIFACT = ("a GGUF artifact (output \"gguf\") holds ggml blocks and no quantd metadata: run it with llama.cpp, "
+                  "read it with gguf-py (gguf.GGUFReader, gguf.quants.dequantize); the per-tensor statistics are "
+                  "in the job's report")
+
+
 def read_quantd_metadata(head: bytes) -> dict[str, Any]:
     """``__metadata__["quantd"]`` of a safetensors artifact, parsed from its first bytes."""
     if len(head) < 8:
         raise QuantdError("artifact is too short to be a safetensors file")
+    if head[:4] == b"GGUF":
+        raise QuantdError(_GGUF_ARTIFACT)
     (n,) = struct.unpack("<Q", head[:8])
     if n > _MAX_HEADER or len(head) < 8 + n:
         raise QuantdError(f"artifact header length {n} is out of range")
@@ -76,7 +83,7 @@ class Artifact:
     @property
     def summary(self) -> Summary | None:
         """The run's summary (the ``Quantd-Summary`` header, else the artifact's own)."""
-        raw = self.summary_raw or self.metadata.get("summary") or {}
+        raw = self.summary_raw or ({} if self.is_gguf else self.metadata.get("summary")) or {}
         try:
             return Summary.model_validate(raw)
         except pydantic.ValidationError:
@@ -86,7 +93,8 @@ class Artifact:
     def stats(self) -> dict[str, ErrorStats]:
         """Per-tensor error statistics, for the tensors that were quantized and carry them."""
         out: dict[str, ErrorStats] = {}
-        for source in (self.metadata.get("tensors", {}), self.summary_raw.get("tensors", {})):
+        meta = {} if self.is_gguf else self.metadata  # a GGUF's statistics come only with the summary
+        for source in (meta.get("tensors", {}), self.summary_raw.get("tensors", {})):
             items = source.items() if isinstance(source, dict) else (
                 (t.get("name"), t) for t in source if isinstance(t, dict))
             for name, entry in items:
@@ -95,6 +103,14 @@ class Artifact:
                     out[str(name)] = ErrorStats.model_validate(stats)
         return out
 
+    @property
+    def is_gguf(self) -> bool:
+        """The artifact is a GGUF file (output ``"gguf"``), not quantd's safetensors."""
+        if self._data is not None:
+            return self._data[:4] == b"GGUF"
+        with open(self.path or "", "rb") as f:
+            return f.read(4) == b"GGUF"
+
     def _source(self) -> bytes | Path:
         return self._data if self._data is not None else Path(self.path or "")
 
@@ -102,7 +118,10 @@ class Artifact:
         """Every tensor back in floating point (float32; NumPy only)."""
         from ._artifact import read_artifact
 
-        result: dict[str, np.ndarray] = read_artifact(self._source()).dequantize()
+        source = self._source()
+        if self.is_gguf:
+            raise QuantdError(_GGUF_ARTIFACT)
+        result: dict[str, np.ndarray] = read_artifact(source).dequantize()
         return result
 
     def to_torch(self) -> dict[str, Any]:

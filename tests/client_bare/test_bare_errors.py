@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+from pathlib import Path
 
 import httpx
 import pytest
@@ -80,3 +81,19 @@ def test_parse_retry_after_seconds_and_http_date() -> None:
 def test_transport_errors_map_to_connection_classes() -> None:
     assert type(ex.error_from_transport(httpx.ConnectError("refused"))) is ex.APIConnectionError
     assert type(ex.error_from_transport(httpx.ReadTimeout("slow"))) is ex.APITimeoutError
+
+
+def test_a_gguf_artifact_says_what_it_is_instead_of_a_bad_header(tmp_path: Path) -> None:
+    """``output: "gguf"`` gives llama.cpp's format: dequantize() and metadata say so and where to read it;
+    stats stay empty rather than failing, the summary comes from the response."""
+    from quantd_client._results import Artifact
+
+    blob = b"GGUF" + (3).to_bytes(4, "little") + bytes(64)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(blob)
+    for art in (Artifact(data=blob), Artifact(path=path)):
+        assert art.is_gguf and art.stats == {}
+        with pytest.raises(ex.QuantdError, match=r"GGUF artifact.*llama\.cpp.*gguf-py"):
+            art.dequantize()
+        with pytest.raises(ex.QuantdError, match="GGUF artifact"):
+            _ = art.metadata
