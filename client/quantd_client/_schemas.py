@@ -79,12 +79,18 @@ def default_granularity(dtype: str) -> GranularityName:
 
 
 # Embedding tables and output heads, by the name of their module (the last part before ``.weight``):
-# ``word_embeddings``, ``embed_tokens``, ``token_type_embeddings``, GPT-2's ``wte``/``wpe``, ``lm_head``.
-EMBEDDING_MODULES = ("*embed*", "wte", "wpe", "lm_head", "embed_out")
+# ``word_embeddings``, ``embed_tokens``, ``token_type_embeddings``, GPT-2's ``wte``/``wpe``, ``lm_head``, and
+# llama.cpp's GGUF names ``token_embd``, ``position_embd``, ``per_layer_token_embd``.
+EMBEDDING_MODULES = ("*embed*", "*_embd", "wte", "wpe", "lm_head", "embed_out")
+# Output heads named ``output.weight`` at the top level (llama.cpp's GGUF name, InternLM's).
+EMBEDDING_NAMES = ("output.weight",)
 
 
 def is_embedding(name: str) -> bool:
-    """Whether ``name`` is the weight of an embedding table or output head (:data:`EMBEDDING_MODULES`)."""
+    """Whether ``name`` is the weight of an embedding table or output head (:data:`EMBEDDING_MODULES`,
+    :data:`EMBEDDING_NAMES`)."""
+    if name in EMBEDDING_NAMES:
+        return True
     module = name.removesuffix(".weight").rsplit(".", 1)[-1].lower()
     return any(fnmatch.fnmatchcase(module, p) for p in EMBEDDING_MODULES)
 

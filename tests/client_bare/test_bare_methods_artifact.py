@@ -78,3 +78,15 @@ def test_channel_scale_divides_each_column() -> None:
     want = CODES.astype(np.float32) * np.repeat(SCALE.astype(np.float32), 2, axis=1) / cs
     np.testing.assert_allclose(art.dequantize()["w"], want, rtol=1e-7)
     assert art.passthrough == []  # the method's tensors belong to w, not left over as plain tensors
+
+
+@pytest.mark.parametrize(("name", "embedding"), [
+    ("model.embed_tokens.weight", True), ("bert.embeddings.word_embeddings.weight", True), ("lm_head.weight", True),
+    ("transformer.wte.weight", True), ("token_embd.weight", True), ("position_embd.weight", True),
+    ("per_layer_token_embd.weight", True), ("output.weight", True),
+    ("blk.0.attn_output.weight", False), ("encoder.layer.0.output.dense.weight", False),
+    ("model.layers.0.mlp.down_proj.weight", False), ("blk.0.ffn_up.weight", False)])
+def test_embedding_tables_and_heads_by_hugging_face_and_llama_cpp_names(name: str, embedding: bool) -> None:
+    from quantd_client._schemas import is_embedding
+
+    assert is_embedding(name) is embedding

@@ -168,7 +168,7 @@ def test_config_errors(tiny: Path, tmp_path: Path) -> None:
         QuantConfig.model_validate({"gguf_mix": "Q4_K_M"})
     with pytest.raises(ConfigError, match="int4") as e:
         _run(tiny, tmp_path / "x.gguf")  # the default int4 scheme: not a GGUF type
-    assert e.value.field == "scheme.dtype" and e.value.tensor == "token_embd.weight"
+    assert e.value.field == "scheme.dtype" and e.value.tensor == "blk.0.attn_q.weight"  # token_embd: skip_embeddings
     with pytest.raises(ConfigError, match="method 'hqq' cannot be held by GGUF") as e:
         _run(tiny, tmp_path / "x.gguf", scheme={"dtype": "q4_k", "method": "hqq"})
     assert e.value.field == "scheme.method"
@@ -185,7 +185,9 @@ def test_config_errors(tiny: Path, tmp_path: Path) -> None:
 
 def test_gguf_input_to_quantd_safetensors(tiny: Path, tmp_path: Path) -> None:
     report = quantize_file(tiny, tmp_path / "a.safetensors", QuantConfig(), device="cpu")
-    assert report.summary.tensors_quantized == 30
+    assert report.summary.tensors_quantized == 28  # llama.cpp's embedding and head names: skip_embeddings
+    kept = {t.name: t.reason for t in report.tensors if t.skipped}
+    assert kept["token_embd.weight"] == kept["output.weight"] == "embedding table or output head (skip_embeddings)"
 
 
 # ---- importance matrices ------------------------------------------------------------------------------
@@ -234,6 +236,20 @@ def test_imatrix_formats_and_weighting(tiny: Path, tmp_path: Path) -> None:
 
     assert weighted_mse(tmp_path / "w.gguf") < weighted_mse(tmp_path / "plain.gguf")
     assert plain.summary.tensors_quantized == weighted.summary.tensors_quantized  # type: ignore[attr-defined]
+
+
+def test_legacy_imatrix_of_stacked_experts_is_split_per_expert(tmp_path: Path) -> None:
+    """``llama-imatrix``'s .dat stores an expert tensor's values as one flat list of n_expert × n_in, as
+    llama.cpp's quantizer reads it (expert e: values [e·n_in, (e+1)·n_in)); the GGUF format as [n_expert, n_in]."""
+    from quantd.io.outputs.gguf import _importance
+
+    flat = np.arange(8 * 64, dtype=np.float32) + 1.0
+    table = load_imatrix(_legacy_imatrix(tmp_path / "moe.dat", {"blk.0.ffn_gate_exps.weight": flat}))
+    imp = _importance(table, "blk.0.ffn_gate_exps.weight", (8, 32, 64))
+    assert imp is not None and imp.shape == (8, 64)
+    np.testing.assert_array_equal(imp[3].numpy(), flat[3 * 64:4 * 64])
+    with pytest.raises(MalformedInputError, match=r"shape \[1, 512\]"):
+        _importance(table, "blk.0.ffn_gate_exps.weight", (4, 32, 64))
 
 
 def test_bad_imatrix_is_refused(tmp_path: Path) -> None:
@@ -498,3 +514,50 @@ def test_one_dimensional_tensors_stay_as_they_are_whatever_a_rule_says(tiny: Pat
         with pytest.raises(ConfigError, match="norm") as e:
             _run(tiny, tmp_path / "bad.gguf", gguf_mix="Q8_0", rules=[{"match": "*norm*", "scheme": scheme}])
         assert field in str(e.value.field), e.value.field
+
+
+def test_an_already_quantized_gguf_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    """Requantizing ggml blocks compounds two roundings and gives a file that claims a type it is not, so a GGUF
+    with block-quantized tensors is a 422 naming one (as llama-quantize refuses without --allow-requantize);
+    plain element types (I32, F64) are tensors like any other and pass through a GGUF output unchanged."""
+    q8 = tmp_path / "q8.gguf"
+    w = gguf.GGUFWriter(str(q8), "llama")
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    w.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(x, GGMLQuantizationType.Q8_0),
+                 raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for output in ("gguf", "safetensors"):
+        with pytest.raises(ConfigError, match=r"'blk.0.attn_q.weight' is already quantized \(Q8_0\)"):
+            quantize_file(q8, tmp_path / f"out.{output}", QuantConfig(output=output), device="cpu")
+    plain = tmp_path / "plain.gguf"
+    w = gguf.GGUFWriter(str(plain), "llama")
+    w.add_tensor("blk.0.attn_q.weight", x)
+    w.add_tensor("pos.ids", np.arange(16, dtype=np.int32))
+    w.add_tensor("freqs", np.linspace(0, 1, 8, dtype=np.float64))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open_model(plain) as r:
+        assert r.info("pos.ids").dtype == "int32" and r.info("freqs").dtype == "float64"
+        assert torch.equal(r.load("pos.ids", "cpu"), torch.arange(16, dtype=torch.int32))
+    report = quantize_file(plain, tmp_path / "p.gguf", QuantConfig(output="gguf", scheme={"dtype": "q8_0"}), device="cpu")
+    kept = {t.name: t for t in report.tensors if t.skipped}
+    assert set(kept) == {"pos.ids", "freqs"} and kept["pos.ids"].reason == "int32 tensor passes through"
+    before, after = _tensor_bytes(GGUFFile(plain)), _tensor_bytes(GGUFFile(tmp_path / "p.gguf"))
+    assert after["pos.ids"] == before["pos.ids"] and after["freqs"] == before["freqs"]
+
+
+def test_min_numel_holds_under_a_gguf_mix(tiny: Path, tmp_path: Path) -> None:
+    """``min_numel`` keeps small tensors as they are whatever picks the type, a llama.cpp mix included."""
+    with open_model(tiny) as r:
+        sizes = {t.name: int(np.prod(t.shape)) for t in r.tensors}
+    cut = sorted(set(sizes.values()))[-2]  # all but the largest tensors stay
+    report = _run(tiny, tmp_path / "m.gguf", gguf_mix="Q8_0", min_numel=cut)
+    for t in report.tensors:  # type: ignore[attr-defined]
+        assert t.skipped == (sizes[t.name] < cut or len(t.shape) == 1), t.name
+        if sizes[t.name] < cut:
+            assert t.reason == f"numel {sizes[t.name]} < min_numel {cut}" or len(t.shape) == 1

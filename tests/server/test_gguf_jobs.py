@@ -75,6 +75,11 @@ async def test_gguf_job_with_an_importance_matrix(server, tmp_path: Path) -> Non
     problem = assert_problem(r, 422)
     assert "calibration" in problem["detail"] and "blk.1.ffn_up.weight" in problem["detail"], problem
     assert any("calibration" in str(e["loc"]) for e in problem["errors"]), problem
+    # another model's matrix: it names none of this model's tensors and would change nothing
+    other = dat.replace(name, b"blk.7.ffn_xx.weight")
+    files["calibration"] = ("imatrix.dat", bytes(other), "application/octet-stream")
+    r = await server.client.post("/v1/jobs", files=files, data={"config": json.dumps(cfg)})
+    assert "no entry for any tensor" in assert_problem(r, 422)["detail"]
     assert len((await server.client.get("/v1/jobs")).json()["items"]) == 1  # the first job only
 
 
@@ -122,3 +127,29 @@ async def test_a_gguf_job_from_a_model_directory_is_422_before_it_is_accepted(se
     body = assert_problem(await submit_dir(server, model_dir(), CONFIG), 422)
     assert "needs a GGUF input" in body["detail"], body["detail"]
     assert (await server.client.get("/v1/jobs")).json()["items"] == []
+
+
+async def test_an_already_quantized_gguf_is_a_422_and_a_sync_gguf_result_is_named_gguf(server, tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "q8.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    w.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for config in (CONFIG, {"scheme": {"dtype": "int8"}}):
+        r = await server.submit(path.read_bytes(), config=config, filename="q8.gguf")
+        assert "already quantized (Q8_0)" in assert_problem(r, 422)["detail"]
+    r = await server.client.post("/v1/quantize", files={"file": ("q8.gguf", path.read_bytes())},
+                                 data={"config": json.dumps(CONFIG)})
+    assert "already quantized" in assert_problem(r, 422)["detail"]
+    src = write_tiny_llama(tmp_path / "tiny.gguf")
+    r = await server.client.post("/v1/quantize", files={"file": ("tiny.gguf", src.read_bytes())},
+                                 data={"config": json.dumps(CONFIG)})
+    assert r.status_code == 200 and r.content[:4] == b"GGUF"
+    assert 'filename="tiny.gguf"' in r.headers["content-disposition"]  # the format's suffix, not .quantd.safetensors

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from quantd.errors import MalformedInputError, UnsupportedFormatError
+from quantd.errors import ConfigError, MalformedInputError, UnsupportedFormatError
 
 from .readers import ModelReader, TensorInfo
 
@@ -45,6 +45,9 @@ _TYPE_NAMES = {U8: "UINT8", I8: "INT8", U16: "UINT16", I16: "INT16", U32: "UINT3
 # Float tensor types quantd reads as tensors (everything else known to ggml passes through as bytes).
 FLOAT_TYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
 TYPE_OF_DTYPE: dict[torch.dtype, int] = {v: k for k, v in FLOAT_TYPES.items()}
+# Element types read as tensors too and passed through as they are (ggml's I8 … I64 and F64).
+PLAIN_TYPES: dict[int, torch.dtype] = {24: torch.int8, 25: torch.int16, 26: torch.int32, 27: torch.int64,
+                                       28: torch.float64}
 
 
 @functools.cache
@@ -260,9 +263,10 @@ class GGUFFile:
 
 
 class GGUFReader(ModelReader):
-    """A GGUF file as a :class:`ModelReader`: float tensors (F32/F16/BF16) load as torch tensors of their
-    torch shape (``ne`` reversed); tensors already quantized load as their raw bytes, ``uint8``
-    ``[rows, row_bytes]``, and pass through."""
+    """A GGUF file as a :class:`ModelReader`: F32/F16/BF16 tensors (and the plain I8 … I64, F64 ones) load as
+    torch tensors of their torch shape (``ne`` reversed). A model whose tensors are already quantized (ggml
+    block types) is refused, as ``llama-quantize`` refuses to requantize: its blocks are not the weights, and
+    quantizing them again compounds two roundings."""
 
     format = "gguf"
 
@@ -270,14 +274,14 @@ class GGUFReader(ModelReader):
         super().__init__(path)
         self.file = GGUFFile(path)
         self._entries = {t.name: t for t in self.file.tensors}
-        self._f: BinaryIO = open(path, "rb")  # noqa: SIM115 - held for the reader's life, closed by close()
         for t in self.file.tensors:
-            if t.type_id in FLOAT_TYPES:
-                dtype = str(FLOAT_TYPES[t.type_id]).removeprefix("torch.")
-                self._add(TensorInfo(t.name, t.shape, dtype, t.nbytes))
-            else:
-                rows = math.prod(t.ne[1:])
-                self._add(TensorInfo(t.name, (rows, t.nbytes // rows), "uint8", t.nbytes))
+            dtype = FLOAT_TYPES.get(t.type_id) or PLAIN_TYPES.get(t.type_id)
+            if dtype is None:
+                raise ConfigError(f"GGUF tensor {t.name!r} is already quantized ({type_name(t.type_id)}): quantd "
+                                  "quantizes GGUF models of F32, F16 and BF16 tensors (convert the original model "
+                                  "with llama.cpp's convert_hf_to_gguf.py --outtype f16)", field="file")
+            self._add(TensorInfo(t.name, t.shape, str(dtype).removeprefix("torch."), t.nbytes))
+        self._f: BinaryIO = open(path, "rb")  # noqa: SIM115 - held for the reader's life, closed by close()
 
     def entry(self, name: str) -> GGUFTensor:
         return self._entries[name]
@@ -293,9 +297,8 @@ class GGUFReader(ModelReader):
     def _load(self, name: str) -> torch.Tensor:
         t = self._entries[name]
         buf = self.raw(name)
-        if t.type_id in FLOAT_TYPES:
-            return torch.frombuffer(buf, dtype=FLOAT_TYPES[t.type_id]).reshape(t.shape)
-        return torch.frombuffer(buf, dtype=torch.uint8).reshape(self.info(name).shape)
+        dtype = FLOAT_TYPES.get(t.type_id) or PLAIN_TYPES[t.type_id]
+        return torch.frombuffer(buf, dtype=dtype).reshape(t.shape)
 
     def close(self) -> None:
         self._f.close()

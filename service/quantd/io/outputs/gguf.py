@@ -83,9 +83,11 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
         numel = math.prod(t.shape)
         rule = next((r for r in config.rules if fnmatch.fnmatchcase(t.name, r.match)), None)
         if t.dtype not in ("float32", "float16", "bfloat16"):
-            reason = "already quantized: copied as it is" if t.dtype == "uint8" else f"{t.dtype} tensor passes through"
+            reason = f"{t.dtype} tensor passes through"
         elif rule is not None or not config.gguf_mix:
             scheme, reason = config.scheme_for(t.name, t.shape)
+        elif numel < config.min_numel:  # as for every config (CONTRACT §1), the mix's choice included
+            reason = f"numel {numel} < min_numel {config.min_numel}"
         elif t.name in mix:
             scheme = Scheme(dtype=mix[t.name])
         else:
@@ -141,6 +143,8 @@ def _importance(table: Mapping[str, torch.Tensor] | None, name: str, shape: tupl
         return None
     imp = table[name]
     n = shape[-1]
+    if len(shape) == 3 and imp.shape[0] == 1 and imp.shape[-1] == shape[0] * n:
+        imp = imp.reshape(shape[0], n)  # the legacy .dat stores stacked experts' values as one flat list
     if imp.shape[-1] != n or (imp.shape[0] > 1 and (len(shape) != 3 or shape[0] != imp.shape[0])):
         if name in ("token_embd.weight", "per_layer_token_embd.weight"):
             return None  # llama.cpp ignores the embedding's entry too (its input is not a matmul's)
@@ -151,10 +155,16 @@ def _importance(table: Mapping[str, torch.Tensor] | None, name: str, shape: tupl
 
 def check_importance(plans: Sequence[PlannedTensor], table: Mapping[str, torch.Tensor]) -> None:
     """MalformedInputError naming the tensor when an importance matrix entry does not fit the tensor it is for
-    (what the quantization would raise on reaching it): a job is refused before it is accepted."""
-    for p in plans:
-        if p.scheme is not None:
-            _importance(table, p.info.name, p.info.shape)
+    (what the quantization would raise on reaching it), or when the matrix names none of the tensors the job
+    quantizes (another model's, which would change nothing): a job is refused before it is accepted."""
+    quantized = [p for p in plans if p.scheme is not None]
+    for p in quantized:
+        _importance(table, p.info.name, p.info.shape)
+    if table and quantized and not any(p.info.name in table for p in quantized):
+        some = ", ".join(repr(k) for k in sorted(table)[:3])
+        raise MalformedInputError(f"the importance matrix has no entry for any tensor this job quantizes (it names "
+                                  f"{len(table)} tensors, such as {some}): is it for another model?",
+                                  field="calibration")
 
 
 def _check_finite(x: torch.Tensor, name: str) -> None:

@@ -102,7 +102,7 @@ async def quantize(request: Request, state: StateDep, _tenant: TenantDep) -> Res
     try:
         config = parse_json_field(form, "config", _CONFIG)
         from quantd.errors import ConfigError
-        from quantd.io.outputs import get_format
+        from quantd.io.outputs import artifact_suffix, get_format
 
         if get_format(config.output).writes_config:
             raise ConfigError(f"{config.output!r} writes a model directory (weights and config.json): submit it to "
@@ -116,7 +116,7 @@ async def quantize(request: Request, state: StateDep, _tenant: TenantDep) -> Res
 
         digest = await run_engine(state, sha256_file, dst)
         stem = up.filename.rsplit(".", 1)[0] or "model"
-        resp = file_response(request, dst, etag_hex=digest, filename=f"{stem}.quantd.safetensors",
+        resp = file_response(request, dst, etag_hex=digest, filename=f"{stem}{artifact_suffix(config.output)}",
                              headers={"Quantd-Summary": compact_json(report.summary.model_dump(mode="json"))},
                              on_done=lambda: remove_quietly(dst))
         sent = True
