@@ -265,3 +265,16 @@ def test_a_tied_lm_head_is_ignored_and_the_model_loads(tmp_path: Path, scheme: d
         a, b = model(input_ids=ids).logits, ref(input_ids=ids).logits
     assert torch.isfinite(a).all()
     assert float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.95
+
+
+def test_a_model_with_nothing_to_quantize_is_refused(tmp_path: Path) -> None:
+    """GPT-2's projections are Conv1D, not Linear: compressed-tensors has nothing to quantize, and a
+    checkpoint declaring quantization with no quantized module is no checkpoint: 422 before any work."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    src = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(src)
+    with pytest.raises(ConfigError, match="no tensor of the model would be quantized") as e:
+        quantize_directory(src, tmp_path / "out", QuantConfig(output="compressed-tensors"), device="cpu")
+    assert e.value.field == "output" and status_of(type(e.value)) == 422
+    assert not (tmp_path / "out").exists()

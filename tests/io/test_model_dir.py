@@ -131,3 +131,18 @@ def test_tar_window_finds_members_with_few_ranged_reads(tmp_path: Path) -> None:
             entry["path"], big)).read_bytes()
         assert len(calls) <= 3  # headers of many small files share one read-ahead block
     assert tar_window(read, len(data), "missing.txt") is None
+
+
+def test_declared_size_counts_layers_and_experts_but_not_limits() -> None:
+    """config.json's counts must fit the weights (a tiny config cannot make transformers build 10⁵ layers);
+    limits named like counts (Qwen2's max_window_layers, 28 whatever the depth) are not counts."""
+    from quantd.errors import MalformedInputError
+    from quantd.io.model_skeleton import check_declared_size
+
+    shapes = [(64, 64)] * 9  # two layers' tensors, and an embedding
+    check_declared_size({"num_hidden_layers": 2, "max_window_layers": 28, "sliding_window_layers": 40,
+                         "hidden_size": 64}, shapes)
+    with pytest.raises(MalformedInputError, match="num_hidden_layers is 100000"):
+        check_declared_size({"num_hidden_layers": 100000}, shapes)
+    with pytest.raises(MalformedInputError, match="num_local_experts is 4096"):
+        check_declared_size({"text_config": {"num_local_experts": 4096}}, shapes)

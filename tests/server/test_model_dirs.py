@@ -72,7 +72,10 @@ async def test_a_directory_job_keeps_the_sharding_and_serves_every_file(server):
     shard2 = load((await server.client.get(f"/v1/jobs/{job['id']}/files/model-00002-of-00002.safetensors")).content)
     assert index["weight_map"]["encoder.layer.0.output.dense.weight.qdata"] == "model-00002-of-00002.safetensors"
     assert {n for n, s in index["weight_map"].items() if s == "model-00002-of-00002.safetensors"} == set(shard2)
-    assert index["metadata"]["total_size"] > 0
+    shards = [(await server.client.get(f"/v1/jobs/{job['id']}/files/model-0000{i}-of-00002.safetensors")).content
+              for i in (1, 2)]
+    # the tensors' bytes, as transformers counts them (each file less its 8-byte length and JSON header)
+    assert index["metadata"]["total_size"] == sum(len(b) - 8 - int.from_bytes(b[:8], "little") for b in shards)
 
     report = (await server.client.get(f"/v1/jobs/{job['id']}/report")).json()
     assert {t["name"] for t in report["tensors"]} == {n for p, d in files.items() if p.endswith(".safetensors")

@@ -18,6 +18,7 @@ import logging
 import os
 import posixpath
 import shutil
+import struct
 import time
 import unicodedata
 import warnings
@@ -299,6 +300,11 @@ def plan_directory(files: ModelFiles, config: QuantConfig, calibration: Mapping[
                     raise ConfigError(f"output tensor {o.name!r} would be written by both {owner[o.name]!r} and "
                                       f"{p.info.name!r}", tensor=p.info.name, field="rules")
                 owner[o.name] = p.info.name
+    if fmt.writes_config and not any(p.scheme is not None for ps in plans.values() for p in ps):
+        reasons = sorted({str(p.reason) for ps in plans.values() for p in ps if p.reason})
+        raise ConfigError(f"{config.output} output: no tensor of the model would be quantized, and a checkpoint "
+                          f"that declares quantization with no quantized module is not one ({'; '.join(reasons[:3])})",
+                          field="output")
     return plans, structure
 
 
@@ -412,10 +418,18 @@ def fmt_optional(fmt: OutputFormat, plans: Sequence[PlannedTensor]) -> list[str]
             for o in fmt.optional_layout(p.info.name, p.info.shape, p.scheme)]
 
 
+def _tensor_bytes(path: Path) -> int:
+    """A safetensors file's tensor data in bytes (its size less the header): what an index's ``total_size``
+    counts, as transformers writes it."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    return path.stat().st_size - 8 - int(n)
+
+
 def _write_other_files(files: ModelFiles, stage: Path, qconfig: dict[str, Any] | None,
                        weight_map: Mapping[str, str], *, writes_config: bool) -> None:
     """Copy every file that is not a weight file, rewrite the index(es) and complete config.json."""
-    total = sum(p.stat().st_size for p in stage.rglob("*.safetensors"))
+    total = sum(_tensor_bytes(p) for p in stage.rglob("*.safetensors"))
     for rel, path in files.files.items():
         if is_weight_file(rel):
             continue

@@ -112,7 +112,9 @@ def architecture(cfg: Mapping[str, Any]) -> tuple[type[nn.Module], Any]:
 
 # config.json keys that count repeated parts (num_hidden_layers, n_layer, num_local_experts, ...) and keys that
 # give a width every checkpoint of the architecture has as (or within a small factor of) a tensor dimension.
+# Limits and thresholds named like counts build nothing (Qwen2's max_window_layers: 28 whatever the depth).
 _COUNT_KEY = re.compile(r"(^|_)(layers?|experts?)$")
+_NOT_COUNT_KEY = re.compile(r"^max_|window")
 _WIDTH_KEYS = frozenset({"hidden_size", "intermediate_size", "vocab_size", "n_embd", "d_model", "n_inner", "ffn_dim",
                          "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size",
                          "num_attention_heads", "num_key_value_heads", "head_dim"})
@@ -138,7 +140,8 @@ def check_declared_size(cfg: Mapping[str, Any], shapes: Iterable[tuple[int, ...]
     dims = list(shapes)
     count, widest = len(dims), max((max(s) for s in dims if s), default=0)
     for key, value in _int_items(cfg):
-        if _COUNT_KEY.search(key) and value > max(count, widest if "expert" in key else 0, 1):
+        if _COUNT_KEY.search(key) and not _NOT_COUNT_KEY.search(key) \
+                and value > max(count, widest if "expert" in key else 0, 1):
             raise MalformedInputError(f"{rel}: {key} is {value}, but the weight files hold {count} tensors: it "
                                       "does not describe them")
         if key in _WIDTH_KEYS and value > 4 * max(widest, 1):
