@@ -1,6 +1,6 @@
 """Submit several files at once with the async client and wait for all of them.
 
-    python examples/async_batch.py a.safetensors b.npz ... [--server http://127.0.0.1:8000]
+    python examples/async_batch.py a.safetensors b.npz ... [--server URL]   # default: $QUANTD_URL, else :8000
 """
 
 import argparse
@@ -23,7 +23,7 @@ async def one(client: AsyncClient, src: Path) -> str:
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("files", nargs="+", type=Path)
-    ap.add_argument("--server", default="http://127.0.0.1:8000")
+    ap.add_argument("--server", default=None, help="default: $QUANTD_URL, else http://127.0.0.1:8000")
     args = ap.parse_args()
     async with AsyncClient(args.server) as client:
         for line in await asyncio.gather(*(one(client, f) for f in args.files)):

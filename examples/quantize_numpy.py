@@ -1,7 +1,7 @@
 """Quantize a NumPy array through a local server and look at the error.
 
     quantd serve &            # in another terminal
-    python examples/quantize_numpy.py [http://127.0.0.1:8000]
+    python examples/quantize_numpy.py [URL]    # default: $QUANTD_URL, else http://127.0.0.1:8000
 """
 
 import sys
@@ -10,7 +10,7 @@ import numpy as np
 
 from quantd_client import Client, QuantConfig, Scheme
 
-url = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000"
+url = sys.argv[1] if len(sys.argv) > 1 else None  # None: the client reads QUANTD_URL
 w = np.random.default_rng(0).standard_normal((256, 1024)).astype(np.float32)
 
 with Client(url) as client:

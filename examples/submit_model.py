@@ -1,6 +1,6 @@
 """Submit a model file as a job, follow it, download the artifact and print the report.
 
-    python examples/submit_model.py model.safetensors [http://127.0.0.1:8000]
+    python examples/submit_model.py model.safetensors [URL]    # default: $QUANTD_URL, else http://127.0.0.1:8000
 """
 
 import sys
@@ -9,7 +9,7 @@ from pathlib import Path
 from quantd_client import Client
 
 src = Path(sys.argv[1])
-url = sys.argv[2] if len(sys.argv) > 2 else "http://127.0.0.1:8000"
+url = sys.argv[2] if len(sys.argv) > 2 else None  # None: the client reads QUANTD_URL
 config = {
     "scheme": {"dtype": "int4", "group_size": 128},
     "rules": [{"match": "lm_head.*", "scheme": {"dtype": "int8", "granularity": "channel"}}],

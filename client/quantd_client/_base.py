@@ -165,6 +165,16 @@ def new_idempotency_key() -> str:
     return uuid.uuid4().hex
 
 
+def prepare_destination(dst: Path, job_id: str) -> Path:
+    """``dst`` with its parent folders made; ValidationError when it is a folder: a one-file artifact is
+    written to the file it names."""
+    if dst.is_dir():
+        raise ValidationError(f"job {job_id}: {dst} is a folder; name the file to write the artifact to "
+                              f"(such as {dst / (job_id + '.quantd.safetensors')})")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return dst
+
+
 def part_path(path: Path) -> Path:
     return path.with_name(path.name + ".part")
 

@@ -26,6 +26,7 @@ from ._base import (
     etag_sha256,
     hash_existing,
     part_path,
+    prepare_destination,
     redirect_location,
     storage_request_headers,
     summary_header,
@@ -217,8 +218,9 @@ class Client(BaseClient):
 
     def _download(self, job_id: str, path: str | os.PathLike[str], expected: str | None,
                   progress: ProgressArg, file: str | None = None) -> Path:
-        """Stream the artifact into ``path.part`` (resuming it with Range), check sha256, rename."""
-        dst = Path(path)
+        """Stream the artifact into ``path.part`` (resuming it with Range), check sha256, rename. The parent
+        folders are made; a ``path`` that is a folder is a ValidationError (it names the file to write)."""
+        dst = prepare_destination(Path(path), job_id)
         part = part_path(dst)
         attempt = 0
         restarted = False

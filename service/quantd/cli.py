@@ -250,8 +250,11 @@ def build_schemes(args: argparse.Namespace) -> list[Scheme]:
 def make_client(args: argparse.Namespace) -> Any:
     from quantd_client._client import Client
 
-    return Client(args.server or os.environ.get("QUANTD_URL") or "http://127.0.0.1:8000",
-                  api_key=args.api_key, timeout=args.timeout)
+    url = args.server or os.environ.get("QUANTD_URL") or "http://127.0.0.1:8000"
+    if not url.startswith(("http://", "https://")):
+        where = "--server" if args.server else "QUANTD_URL"
+        raise UsageError(f"{where} {url!r} is not an http:// or https:// URL (such as http://127.0.0.1:8000)")
+    return Client(url, api_key=args.api_key, timeout=args.timeout)
 
 
 def resolve_device(device: str) -> str:
@@ -375,7 +378,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             # On stderr, so that --json stays one document: the id to follow or fetch the job by if this
             # command is interrupted (quantd jobs show|download ID).
             print(f"quantd quantize: job {job.id} submitted to {c.base_url}", file=sys.stderr)
-            job = job.wait(timeout=args.wait_timeout, progress=progress)
+            try:
+                job = job.wait(timeout=args.wait_timeout, progress=progress)
+            except KeyboardInterrupt:  # the job lives on: say how to find it or stop it
+                print(f"\nquantd quantize: interrupted; job {job.id} goes on at {c.base_url} (quantd jobs show|"
+                      f"download {job.id}; quantd jobs cancel {job.id} stops it)", file=sys.stderr)
+                raise
             if job.status != "succeeded":
                 why = f": {job.error.title}: {job.error.detail}" if job.error is not None else ""
                 raise JobFailed(f"job {job.id} {job.status}{why}")
@@ -586,9 +594,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("jobs", help="list, show, cancel and download jobs")
     jobs = p.add_subparsers(dest="jobs_cmd", required=True)
-    q = jobs.add_parser("list", parents=[client])
-    q.add_argument("--status", choices=get_args(JobStatus))
-    q.add_argument("--limit", type=int, default=50)
+    q = jobs.add_parser("list", parents=[client], help="this tenant's jobs, newest first")
+    q.add_argument("--status", choices=get_args(JobStatus), help="only the jobs in this state")
+    q.add_argument("--limit", type=int, default=50, help="at most this many jobs (default: %(default)s)")
     helps = {"show": "the job as JSON", "download": "the artifact (sha256-checked, resumable)",
              "cancel": "cancel a queued or running job and delete its files (a finished job: its artifact and "
                        "report are deleted, the job stays)"}

@@ -528,3 +528,26 @@ def test_the_program_ends_as_the_interpreter_would_then_skips_its_teardown(model
     bad = subprocess.run([sys.executable, "-c", code, "quantize", str(model), "-o", str(out), "--dtype", "int3",
                           "--device", "cpu"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 1 and "group_size 128 does not divide" in bad.stderr
+
+
+def test_an_interrupted_remote_quantize_says_the_job_goes_on(cli_server: str, model: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantd_client._job import JobHandle
+
+    def interrupted(self: JobHandle, *a: object, **k: object) -> JobHandle:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(JobHandle, "wait", interrupted)
+    rc = main(["quantize", str(model), "-o", str(tmp_path / "o.safetensors"), "--dtype", "int8",
+               "--server", cli_server])
+    err = capsys.readouterr().err
+    job_id = err.split("job ", 1)[1].split()[0]
+    assert rc == 130 and f"quantd jobs cancel {job_id} stops it" in err and "goes on" in err
+
+
+def test_a_server_url_without_its_scheme_is_a_usage_error(model: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--server", "localhost:8000"]) == 2
+    assert "--server 'localhost:8000' is not an http:// or https:// URL" in capsys.readouterr().err
+    assert main(["jobs", "list", "--server", "127.0.0.1:8000"]) == 2

@@ -415,3 +415,12 @@ def test_download_reports_the_storage_refusing_a_presigned_url(api: Api, tmp_pat
     job = api.call(api.client(h), "get_job", "j1")
     with pytest.raises(ex.APIStatusError, match="storage answered 403"):
         api.call(job, "download", tmp_path / "o.safetensors", progress=False)
+
+
+def test_download_into_a_folder_is_refused_and_missing_parents_are_made(api: Api, tmp_path: Path) -> None:
+    server = ArtifactServer()
+    with pytest.raises(ex.ValidationError, match="is a folder; name the file"):
+        download(api, server, tmp_path)
+    assert list(tmp_path.iterdir()) == [] and server.ranges == []  # nothing asked, nothing left behind
+    dst = tmp_path / "new" / "deeper" / "out.safetensors"
+    assert download(api, server, dst) == dst and dst.read_bytes() == ART
