@@ -139,6 +139,13 @@ def test_mix_fallbacks_and_special_tensors() -> None:
                  "blk.0.attn_output.weight": "q4_k", "output.weight": "q8_0"}
     tied = mix_types("Q5_K_M", [("token_embd.weight", (32000, 4096))], p)  # no output.weight: tied
     assert tied == {"token_embd.weight": "q6_k"}
+    # Q4_0/Q5_0 with an importance matrix: the first eighth of ffn_down layers goes to Q4_1/Q5_1, as llama.cpp
+    downs = [(f"blk.{i}.ffn_down.weight", (4096, 11008)) for i in range(32)]
+    for mix, raised in (("Q4_0", "q4_1"), ("Q5_0", "q5_1")):
+        plain, weighted = mix_types(mix, downs, p), mix_types(mix, downs, p, has_imatrix=True)
+        assert set(plain.values()) == {mix.lower()}
+        assert [weighted[n] for n, _ in downs] == [raised] * 4 + [mix.lower()] * 28
+    assert mix_types("Q4_K_M", downs, p, has_imatrix=True) == mix_types("Q4_K_M", downs, p)
 
 
 def test_row_fallback_in_a_file(tmp_path: Path) -> None:

@@ -96,9 +96,11 @@ def _layer(name: str, counter: int, p: ModelParams) -> int:
     return counter
 
 
-def mix_types(mix: str, tensors: Sequence[tuple[str, tuple[int, ...]]], p: ModelParams) -> dict[str, str]:
+def mix_types(mix: str, tensors: Sequence[tuple[str, tuple[int, ...]]], p: ModelParams, *,
+              has_imatrix: bool = False) -> dict[str, str]:
     """The ggml type of every tensor (name, torch shape) that ``mix`` quantizes, in file order; tensors it
-    keeps as they are are absent."""
+    keeps as they are are absent. ``has_imatrix``: the job has an importance matrix (llama.cpp then raises
+    Q4_0's and Q5_0's first eighth of ``ffn_down`` layers to Q4_1/Q5_1)."""
     default = DEFAULT_TYPE[mix]
     names = [n for n, _ in tensors]
     tied = "output.weight" not in names
@@ -154,6 +156,8 @@ def mix_types(mix: str, tensors: Sequence[tuple[str, tuple[int, ...]]], p: Model
                 t = "q6_k"
             elif mix == "Q4_K_S" and not falcon and i < n_layer // 8:
                 t = "q5_k"
+            elif mix in ("Q4_0", "Q5_0") and has_imatrix and i < n_layer // 8:
+                t = "q4_1" if mix == "Q4_0" else "q5_1"  # llama.cpp: "guard against craziness" in early ffn_down
             i_down += 1
         elif cat == "attn_output":
             if not falcon:

@@ -62,8 +62,8 @@ def _params(tensors: Sequence[TensorInfo], metadata: Mapping[str, Any] | None) -
                        n_head_kv=num("attention.head_count_kv", n_head), n_expert=num("expert_count", 0))
 
 
-def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: Mapping[str, Any] | None = None
-              ) -> list[PlannedTensor]:
+def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: Mapping[str, Any] | None = None,
+              has_imatrix: bool = False) -> list[PlannedTensor]:
     """Each tensor's target: a rule's scheme (first match wins, as everywhere), else the ``gguf_mix``'s
     type (llama.cpp keeps norms, 1-D and the other tensors it never quantizes as they are), else the default
     scheme under ``skip_1d``/``min_numel``; 1-D tensors stay as they are whatever a rule says (llama.cpp's
@@ -74,8 +74,8 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
                           "llama.cpp's round-to-nearest block types (use method 'rtn', or leave it out)",
                           field="scheme.method")
     floats = [t for t in tensors if t.dtype in ("float32", "float16", "bfloat16")]
-    mix = (mix_types(config.gguf_mix, [(t.name, t.shape) for t in floats], _params(tensors, metadata))
-           if config.gguf_mix else {})
+    mix = (mix_types(config.gguf_mix, [(t.name, t.shape) for t in floats], _params(tensors, metadata),
+                     has_imatrix=has_imatrix) if config.gguf_mix else {})
     plans: list[PlannedTensor] = []
     for t in tensors:
         scheme: Scheme | None = None
@@ -115,9 +115,10 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
     return plans
 
 
-def plan_file(reader: GGUFReader, config: QuantConfig) -> list[PlannedTensor]:
+def plan_file(reader: GGUFReader, config: QuantConfig, *, has_imatrix: bool = False) -> list[PlannedTensor]:
     """:func:`plan_gguf` of a GGUF file's tensors, with its metadata (the mixes read the architecture's)."""
-    return plan_gguf(reader.tensors, config, metadata={kv.key: kv.value for kv in reader.file.metadata})
+    return plan_gguf(reader.tensors, config, metadata={kv.key: kv.value for kv in reader.file.metadata},
+                     has_imatrix=has_imatrix)
 
 
 def _type_id(scheme: Scheme) -> int:
@@ -281,7 +282,7 @@ def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: Quan
     t0 = time.perf_counter() if started is None else started
     reader = gguf_input(reader)
     gf = reader.file
-    plans = plan_file(reader, config)
+    plans = plan_file(reader, config, has_imatrix=bool(importance))
     outs = []
     for p in plans:
         e = reader.entry(p.info.name)
