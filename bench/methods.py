@@ -71,9 +71,11 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "gptq": {"method": "gptq"},  # the defaults: damp 0.1, the diag-H-weighted range search, act-order
     "gptq_act_order": {"method": "gptq", "method_args": {"act_order": True}},
     "gptq_column_order": {"method": "gptq", "method_args": {"act_order": False}},
-    # the paper's GPTQ (damp 0.01, the observer's range), in column order and act-order
-    "gptq_paper": {"method": "gptq", "method_args": {"act_order": False, "clip_grid": 0, "damp": 0.01}},
-    "gptq_paper_act_order": {"method": "gptq", "method_args": {"act_order": True, "clip_grid": 0, "damp": 0.01}},
+    # the paper's GPTQ (damp 0.01, the observer's range, no scale refit), in column order and act-order
+    "gptq_paper": {"method": "gptq", "method_args": {"act_order": False, "clip_grid": 0, "damp": 0.01,
+                                                     "refit_scale": False}},
+    "gptq_paper_act_order": {"method": "gptq", "method_args": {"act_order": True, "clip_grid": 0, "damp": 0.01,
+                                                               "refit_scale": False}},
     "gptq_static_act_order": {"method": "gptq", "method_args": {"act_order": True, "static_groups": True}},
     # the scale refit off (the defaults and the static groups compressed-tensors output takes)
     "gptq_no_refit": {"method": "gptq", "method_args": {"refit_scale": False}},

@@ -146,3 +146,33 @@ def test_declared_size_counts_layers_and_experts_but_not_limits() -> None:
         check_declared_size({"num_hidden_layers": 100000}, shapes)
     with pytest.raises(MalformedInputError, match="num_local_experts is 4096"):
         check_declared_size({"text_config": {"num_local_experts": 4096}}, shapes)
+
+
+def test_a_trainer_checkpoint_s_own_state_is_copied_never_loaded(tmp_path: Path) -> None:
+    """A Trainer checkpoint folder holds pickles of its arguments, optimizer, scheduler and RNG beside the
+    weights: they are not weights, so they are neither loaded (a pickle that would run code stays inert) nor
+    refused, and come back byte for byte like the tokenizer."""
+    import pickle
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "checkpoint-500"
+    src.mkdir()
+    save_file({"a.weight": torch.randn(8, 32)}, str(src / "model.safetensors"))
+    marker = tmp_path / "PWNED"
+    state = {"training_args.bin": pickle.dumps(_OpensAFile(marker)), "optimizer.pt": pickle.dumps({"lr": 1e-4}),
+             "scheduler.pt": b"\x80\x04N.", "rng_state.pth": b"\x80\x04N.", "rng_state_3.pth": b"\x80\x04N."}
+    for name, data in state.items():
+        (src / name).write_bytes(data)
+    report = quantize_directory(src, tmp_path / "out", CONFIG, device="cpu")
+    assert report.summary.tensors_quantized == 1 and not marker.exists()
+    for name, data in state.items():
+        assert (tmp_path / "out" / name).read_bytes() == data
+
+
+class _OpensAFile:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.marker), "w"))

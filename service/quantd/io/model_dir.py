@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import shutil
 import struct
 import time
@@ -95,8 +96,13 @@ def directory_digest(file_sha256: Mapping[str, str]) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
+# A Trainer checkpoint's own state (pickles of its arguments, optimizer, scheduler, scaler and RNG): not weights,
+# never loaded (a pickle is only ever read weights-only), copied as they are like the other files.
+_TRAINER_STATE = re.compile(r"(training_args\.bin|optimizer\.(pt|bin)|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth)")
+
+
 def is_weight_file(rel: str) -> bool:
-    return rel.endswith(WEIGHT_SUFFIXES)
+    return rel.endswith(WEIGHT_SUFFIXES) and not _TRAINER_STATE.fullmatch(posixpath.basename(rel))
 
 
 def output_relpath(rel: str) -> str:
