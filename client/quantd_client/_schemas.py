@@ -620,6 +620,7 @@ class Info(BaseModel):
     granularities: list[str]
     input_formats: list[str]
     output_formats: list[str]
+    gguf_mixes: list[str] = Field(default_factory=list, description="the llama.cpp mixes config.gguf_mix takes")
     limits: Limits
     auth: bool = False
 

@@ -493,6 +493,7 @@ def cmd_info(args: argparse.Namespace) -> int:
               for m in info.method_args],
             ["granularities", " ".join(info.granularities)],
             ["input formats", " ".join(info.input_formats)], ["output formats", " ".join(info.output_formats)],
+            ["gguf mixes", " ".join(info.gguf_mixes) or "-"],
             ["max upload bytes", info.limits.max_upload_bytes], ["max sync bytes", info.limits.max_sync_bytes],
             ["auth", info.auth]]))
     return 0

@@ -100,6 +100,7 @@ def test_info_names_every_field(server: Server) -> None:
     assert "rtn" in info["methods"]
     assert set(info["input_formats"]) >= {"safetensors", "pytorch", "npy", "npz"}
     assert "safetensors" in info["output_formats"]
+    assert {"Q4_K_M", "Q3_K_M", "Q5_K_M", "Q6_K", "Q8_0"} <= set(info["gguf_mixes"])  # the mixes gguf_mix takes
     assert isinstance(info["limits"], dict) and info["limits"]
 
 

@@ -197,6 +197,7 @@ INFO_EXAMPLE: dict[str, Any] = {
                                "description": "visit columns by decreasing Hessian diagonal"}]}],
     "granularities": ["tensor", "channel", "group"],
     "input_formats": ["safetensors", "pytorch", "npy", "npz", "gguf"], "output_formats": ["safetensors", "compressed-tensors", "gguf"],
+    "gguf_mixes": ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0"],
     "limits": {"max_upload_bytes": 10737418240, "max_sync_bytes": 268435456, "max_analyze_configs": 16,
                "max_queue": 1000},
     "auth": True,

@@ -10,6 +10,7 @@ import quantd
 from quantd_client import Info, Limits
 from quantd_client._schemas import (
     DType,
+    GGUFMix,
     GranularityName,
     InputFormat,
     MethodArg,
@@ -52,6 +53,7 @@ async def info(state: StateDep, _tenant: TenantDep) -> Info:
         granularities=list(get_args(GranularityName)),
         input_formats=list(get_args(InputFormat)),
         output_formats=format_names(),
+        gguf_mixes=list(get_args(GGUFMix)),
         limits=Limits(max_upload_bytes=s.max_upload_bytes, max_sync_bytes=s.max_sync_bytes, max_queue=s.max_queue),
         auth=state.auth_enabled,
     )
