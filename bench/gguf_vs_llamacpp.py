@@ -167,12 +167,13 @@ def profiled() -> Iterator[dict[str, float]]:
     for fn in _TYPE_FUNCS:
         wrap(kquants, fn, f"{fn[9:]} total (threads)")
     for t in ggml.GGML_TYPES.values():  # the quantizers the traits table holds are the unwrapped ones
-        if not t.uses_importance:
+        if t.block_size == legacy.QK:
             wrap(legacy, f"quantize_{t.name}", f"{t.name} total (threads)")
     saved = dict(ggml.GGML_TYPES)
     for name, t in saved.items():
-        fn = getattr(kquants if t.uses_importance else legacy, f"quantize_{name}")
-        q = fn if t.uses_importance else (lambda f: (lambda x, imp: f(x)))(fn)
+        kquant = t.block_size == kquants.QK_K
+        fn = getattr(kquants if kquant else legacy, f"quantize_{name}")
+        q = fn if kquant else (lambda f: (lambda x, imp: f(x)))(fn)  # the benchmark's mixes run without imatrix
         # the legacy types' fused quantizer stays the unwrapped one: the compiled kernels trace it
         ggml.GGML_TYPES[name] = dataclasses.replace(t, quantize_blocks=q)
     try:

@@ -52,20 +52,17 @@ class GGMLType:
 
 
 def _legacy(name: str, type_id: int, type_size: int, quantize: Callable[[torch.Tensor], torch.Tensor],
-            dequantize: BlockDequantizer,
-            weighted: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> GGMLType:
-    """A legacy type: the reference quantizer, or with per-element weights (an importance matrix's, see
-    :func:`legacy.importance_weights`) ``weighted`` where llama.cpp has an ``_impl`` (q8_0 has none)."""
-    def q(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-        return quantize(x) if weights is None or weighted is None else weighted(x, weights)
-    return GGMLType(name, type_id, legacy.QK, type_size, q, dequantize, weighted is not None, quantize)
+            dequantize: BlockDequantizer) -> GGMLType:
+    def q(x: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+        return quantize(x)
+    return GGMLType(name, type_id, legacy.QK, type_size, q, dequantize, False, quantize)
 
 
 GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
-    _legacy("q4_0", 2, 18, legacy.quantize_q4_0, legacy.dequantize_q4_0, legacy.quantize_q4_0_weighted),
-    _legacy("q4_1", 3, 20, legacy.quantize_q4_1, legacy.dequantize_q4_1, legacy.quantize_q4_1_weighted),
-    _legacy("q5_0", 6, 22, legacy.quantize_q5_0, legacy.dequantize_q5_0, legacy.quantize_q5_0_weighted),
-    _legacy("q5_1", 7, 24, legacy.quantize_q5_1, legacy.dequantize_q5_1, legacy.quantize_q5_1_weighted),
+    _legacy("q4_0", 2, 18, legacy.quantize_q4_0, legacy.dequantize_q4_0),
+    _legacy("q4_1", 3, 20, legacy.quantize_q4_1, legacy.dequantize_q4_1),
+    _legacy("q5_0", 6, 22, legacy.quantize_q5_0, legacy.dequantize_q5_0),
+    _legacy("q5_1", 7, 24, legacy.quantize_q5_1, legacy.dequantize_q5_1),
     _legacy("q8_0", 8, 34, legacy.quantize_q8_0, legacy.dequantize_q8_0),
     GGMLType("q2_k", 10, 256, 84, kquants.quantize_q2_k, kquants.dequantize_q2_k, True),
     GGMLType("q3_k", 11, 256, 110, kquants.quantize_q3_k, kquants.dequantize_q3_k, True),
@@ -147,8 +144,7 @@ def check_shape(t: GGMLType, shape: tuple[int, ...], *, name: str) -> None:
 def quantize(x: torch.Tensor, t: GGMLType, *, importance: torch.Tensor | None = None,
              name: str = "tensor") -> GGMLQuantized:
     """Quantize ``x`` (any float dtype, any device) to ``t``. ``importance``: ``[n]`` non-negative weights
-    of the row positions (llama.cpp's importance matrix for this tensor), used by the k-quants' searches and
-    by q4_0, q4_1, q5_0 and q5_1 as llama.cpp's ``quantize_row_*_impl`` uses it (q8_0 has no such path)."""
+    of the row positions (llama.cpp's importance matrix for this tensor), used by the k-quants' searches."""
     shape = tuple(x.shape)
     check_shape(t, shape, name=name)
     n = shape[-1]
@@ -160,7 +156,7 @@ def quantize(x: torch.Tensor, t: GGMLType, *, importance: torch.Tensor | None = 
             raise ConfigError(f"importance matrix entry has {list(importance.shape)} values, the tensor's rows "
                               f"have {n}", field="calibration", tensor=name)
         imp = importance.to(device=x.device, dtype=torch.float32).reshape(1, n)
-    if t.fused is not None and imp is None and wants_kernels(x2):
+    if t.fused is not None and wants_kernels(x2):
         fused = kernels.KERNELS.call(f"ggml_quantize_{t.name}", t.fused, (), x2.float().reshape(-1, t.block_size))
         if fused is not None:
             return GGMLQuantized(t, shape, fused.reshape(rows, -1))
@@ -171,12 +167,7 @@ def quantize(x: torch.Tensor, t: GGMLType, *, importance: torch.Tensor | None = 
         chunk = x2[r0:r0 + step].float()
         k = chunk.shape[0]
         blocks = chunk.reshape(-1, t.block_size)
-        if imp is None:
-            w = None
-        elif t.block_size == legacy.QK:  # llama.cpp's legacy _impl weights: from the importance and the row
-            w = legacy.importance_weights(chunk, imp).reshape(-1, t.block_size)
-        else:
-            w = imp.expand(k, n).reshape(-1, t.block_size)
+        w = None if imp is None else imp.expand(k, n).reshape(-1, t.block_size)
         out[r0:r0 + k] = t.quantize_blocks(blocks, w).reshape(k, -1)
 
     starts = range(0, rows, step)

@@ -1,11 +1,6 @@
 """ggml's legacy block types (32 elements, one float16 scale, optionally a float16 minimum): q8_0, q4_0,
 q4_1, q5_0, q5_1, bit for bit as ``quantize_row_*_ref`` in ggml-quants.c.
 
-With an importance matrix (``quantize_row_*_impl``), q4_0/q5_0 take ``make_qx_quants``' scale and
-q4_1/q5_1 ``make_qkx3_quants``' scale and minimum, searched with llama.cpp's weights ``w·√(σ² + x²)`` (σ²:
-the row's mean square); each code is then the nearest for the stored float16 scale (and minimum), so a
-block's weighted error is at most that of llama.cpp's codes for the same scale.
-
 Every step is the reference's float32 arithmetic in the same order (``d = max / -8``, ``id = 1 / d``,
 ``x · id + 8.5`` truncated), so the bytes equal ggml's (and gguf-py's NumPy port, which the tests compare
 against) for any finite input. Blocks are rows of ``[N, 32]``: all blocks of a tensor in one pass.
@@ -15,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import argmax_abs_value, f16_bytes, f16_from, nearest_int, pack_bits_le, roundf, unpack_bits_le
+from ._common import argmax_abs_value, f16_bytes, f16_from, pack_bits_le, roundf, unpack_bits_le
 
 QK = 32
 
@@ -103,53 +98,3 @@ def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
 def dequantize_q5_1(b: torch.Tensor) -> torch.Tensor:
     codes = _q5_codes(b[:, 4:8], b[:, 8:]).float()
     return f16_from(b[:, :2]).unsqueeze(1) * codes + f16_from(b[:, 2:4]).unsqueeze(1)
-
-
-def _weighted_sym(x: torch.Tensor, w: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q4_0/q5_0 with weights: ``make_qx_quants(32, half, x, L, 1, w)``'s scale, stored as float16, and the
-    codes ``half + clamp(nearest(x / d), −half, half − 1)``."""
-    from ._search import symmetric_search
-
-    d = symmetric_search(x, w, half).to(torch.float16).float()
-    q = nearest_int(x * _inverse(d).unsqueeze(1)).clamp(-half, half - 1) + half
-    return d, q.to(torch.uint8)
-
-
-def _weighted_affine(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q4_1/q5_1 with weights: ``make_qkx3_quants(32, nmax, x, w, L, &min, Laux, −0.9, 0.05, 36, false)``'s
-    scale and minimum (``m = −the_min``), stored as float16, and the codes ``clamp(nearest((x − m) / d), 0,
-    nmax)``."""
-    from ._search import affine_search
-
-    scale, the_min = affine_search(x, w, nmax, -0.9, 0.05, 36, False)
-    d = scale.to(torch.float16).float()
-    m = (-the_min).to(torch.float16).float()
-    q = nearest_int((x - m.unsqueeze(1)) * _inverse(d).unsqueeze(1)).clamp(0, nmax)
-    return d, m, q.to(torch.uint8)
-
-
-def quantize_q4_0_weighted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    d, q = _weighted_sym(x, w, 8)
-    return torch.cat([f16_bytes(d), _nibbles(q)], dim=1)
-
-
-def quantize_q4_1_weighted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    d, m, q = _weighted_affine(x, w, 15)
-    return torch.cat([f16_bytes(d), f16_bytes(m), _nibbles(q)], dim=1)
-
-
-def quantize_q5_0_weighted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    d, q = _weighted_sym(x, w, 16)
-    return torch.cat([f16_bytes(d), pack_bits_le(q >> 4), _nibbles(q)], dim=1)
-
-
-def quantize_q5_1_weighted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    d, m, q = _weighted_affine(x, w, 31)
-    return torch.cat([f16_bytes(d), f16_bytes(m), pack_bits_le(q >> 4), _nibbles(q)], dim=1)
-
-
-def importance_weights(rows: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
-    """llama.cpp's per-element weights of the legacy types' ``_impl`` quantizers: ``importance[j]·√(σ² + x²)``
-    with ``σ²`` the mean square of the element's row."""
-    sigma2 = rows.square().sum(dim=1, keepdim=True) / rows.shape[1]
-    return importance * torch.sqrt(sigma2 + rows.square())
