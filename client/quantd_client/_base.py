@@ -209,6 +209,11 @@ def redirect_location(response: httpx.Response) -> str | None:
     return str(response.request.url.join(location))
 
 
+# Storage answers to a presigned URL that another try may not get: the store busy (S3's 503 SlowDown, 500,
+# 502, 504, 429, 408) or the URL expired (403): the download asks the API again, for a new URL, with backoff.
+STORAGE_RETRY = frozenset({403, 408, 429, 500, 502, 503, 504})
+
+
 def storage_request_headers(have: int) -> dict[str, str]:
     """Headers for a presigned storage URL: a Range when resuming, and none of the API's (its key stays here)."""
     return {"Range": f"bytes={have}-"} if have else {}

@@ -15,6 +15,7 @@ import httpx
 from ._base import (
     DEFAULT_MAX_RETRIES,
     DEFAULT_TIMEOUT,
+    STORAGE_RETRY,
     BaseClient,
     ConfigArg,
     RequestSpec,
@@ -254,8 +255,10 @@ class Client(BaseClient):
                 continue
             if response.status_code >= 300:
                 response.close()
-                raise APIStatusError(f"the artifact's storage answered {response.status_code} to its presigned URL",
-                                     status=response.status_code)
+                detail = f"the artifact's storage answered {response.status_code} to its presigned URL"
+                if response.status_code in STORAGE_RETRY:  # busy, or the URL expired: a new one from the API
+                    raise APIConnectionError(detail, status=response.status_code)
+                raise APIStatusError(detail, status=response.status_code)
             return response, have
         raise APIStatusError("the artifact's storage refused the download", status=416)
 

@@ -55,6 +55,8 @@ class Artifact:
 
     def __repr__(self) -> str:
         where = f"path={str(self.path)!r}" if self.path else f"{len(self._data or b'')} bytes"
+        if self.is_gguf:
+            return f"Artifact({where}, format='gguf')"
         return f"Artifact({where}, tensors={len(self.metadata.get('tensors', {}))})"
 
     @property

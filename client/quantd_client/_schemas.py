@@ -78,21 +78,24 @@ def default_granularity(dtype: str) -> GranularityName:
     return "channel" if DTYPES[dtype].bits == 8 else "group"
 
 
-# Embedding tables and output heads, by the name of their module (the last part before ``.weight``):
-# ``word_embeddings``, ``embed_tokens``, ``token_type_embeddings``, GPT-2's ``wte``/``wpe``, ``lm_head``, and
-# llama.cpp's GGUF names ``token_embd``, ``position_embd``, ``per_layer_token_embd``.
-EMBEDDING_MODULES = ("*embed*", "*_embd", "wte", "wpe", "lm_head", "embed_out")
-# Output heads named ``output.weight`` at the top level (llama.cpp's GGUF name, InternLM's).
-EMBEDDING_NAMES = ("output.weight",)
+# Embedding tables and output heads, by the name of their module (the last part before ``.weight``, compared
+# in lower case): ``word_embeddings``, ``embed_tokens``, ``token_type_embeddings``, GPT-2's ``wte``/``wpe``,
+# ``lm_head``.
+EMBEDDING_MODULES = ("*embed*", "wte", "wpe", "lm_head", "embed_out")
+# llama.cpp's names of the same (GGUF files): ``token_embd``, ``position_embd``, ``per_layer_token_embd``, and the
+# head ``output.weight`` (a top-level name, as InternLM's head too).
+GGUF_EMBEDDING_MODULES = ("*_embd",)
+GGUF_EMBEDDING_NAMES = ("output.weight",)
 
 
-def is_embedding(name: str) -> bool:
-    """Whether ``name`` is the weight of an embedding table or output head (:data:`EMBEDDING_MODULES`,
-    :data:`EMBEDDING_NAMES`)."""
-    if name in EMBEDDING_NAMES:
+def is_embedding(name: str, *, gguf_names: bool = True) -> bool:
+    """Whether ``name`` is the weight of an embedding table or output head (:data:`EMBEDDING_MODULES`, and with
+    ``gguf_names`` llama.cpp's :data:`GGUF_EMBEDDING_MODULES` and :data:`GGUF_EMBEDDING_NAMES`)."""
+    if gguf_names and name in GGUF_EMBEDDING_NAMES:
         return True
     module = name.removesuffix(".weight").rsplit(".", 1)[-1].lower()
-    return any(fnmatch.fnmatchcase(module, p) for p in EMBEDDING_MODULES)
+    patterns = EMBEDDING_MODULES + GGUF_EMBEDDING_MODULES if gguf_names else EMBEDDING_MODULES
+    return any(fnmatch.fnmatchcase(module, p) for p in patterns)
 
 
 class _Strict(BaseModel):
@@ -264,7 +267,10 @@ class QuantConfig(_Strict):
     skip_embeddings: bool = Field(
         default=True, description="embedding tables and output heads stay in full precision unless a rule matches "
                           "them: weights whose module name (the last part before .weight) matches one of "
-                          + ", ".join(repr(p) for p in EMBEDDING_MODULES) + " (fnmatch, case-insensitive)")
+                          + ", ".join(repr(p) for p in EMBEDDING_MODULES) + " (fnmatch, case-insensitive); "
+                          "unless the output is GGUF (which keeps llama.cpp's choice), also llama.cpp's "
+                          + ", ".join(repr(p) for p in GGUF_EMBEDDING_MODULES) + " and the tensor "
+                          + ", ".join(repr(p) for p in GGUF_EMBEDDING_NAMES))
     min_numel: int = Field(default=0, ge=0)
     output: OutputFormatName = Field(default="safetensors", description="the artifact's format (GET /v1/info lists them)")
     activations: ObserverSpec | None = Field(
@@ -333,7 +339,8 @@ class QuantConfig(_Strict):
                 return (self.override_scheme(rule.scheme) if rule.scheme else self.scheme), None
         if self.skip_1d and len(shape) <= 1:
             return None, "1-D tensor (skip_1d)"
-        if self.skip_embeddings and is_embedding(name):
+        # A GGUF output keeps llama.cpp's choice for its own names (it quantizes token_embd and output too).
+        if self.skip_embeddings and is_embedding(name, gguf_names=self.output != "gguf"):
             return None, "embedding table or output head (skip_embeddings)"
         return self.scheme, None
 

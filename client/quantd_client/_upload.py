@@ -47,13 +47,14 @@ def _is_torch_tensor(x: object) -> bool:
     return type(x).__module__.split(".")[0] == "torch" and isinstance(x, TensorLike)
 
 
-def _safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
+def _safetensors_stream(tensors: Mapping[str, Any]) -> tuple[io.BytesIO, int]:
     """Torch tensors (any device, bfloat16 and float8 included, parameters that require grad) and NumPy arrays
-    as one safetensors file, written here: torch is imported only because the caller already holds tensors."""
+    as one safetensors file in memory, written here tensor by tensor (the file once, plus one tensor's CPU copy
+    at a time): torch is imported only because the caller already holds tensors."""
     import torch
 
     header: dict[str, Any] = {}
-    blobs: list[bytes] = []
+    prepared: list[tuple[str, Any]] = []
     offset = 0
     for key, value in tensors.items():
         if not isinstance(key, str):
@@ -61,20 +62,27 @@ def _safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
         if isinstance(value, np.ndarray):
             if value.dtype.hasobject:
                 raise ValidationError(f"tensor {key!r}: object arrays cannot be uploaded (no pickles)")
-            value = torch.from_numpy(np.ascontiguousarray(value))
+            value = torch.from_numpy(np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("=")))
         if not isinstance(value, torch.Tensor):
             raise ValidationError(f"tensor {key!r}: a {type(value).__name__} is not a tensor or an array")
-        t = value.detach().to("cpu").contiguous()
-        dtype = _SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        dtype = _SAFETENSORS_DTYPES.get(str(value.dtype).removeprefix("torch."))
         if dtype is None:
-            raise ValidationError(f"tensor {key!r}: dtype {t.dtype} has no safetensors name")
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        header[key] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
+            raise ValidationError(f"tensor {key!r}: dtype {value.dtype} has no safetensors name")
+        nbytes = value.numel() * value.element_size()
+        header[key] = {"dtype": dtype, "shape": list(value.shape), "data_offsets": [offset, offset + nbytes]}
+        prepared.append((key, value))
+        offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
+    out = io.BytesIO()
+    out.write(struct.pack("<Q", len(head)) + head)
+    for _, value in prepared:
+        t = value.detach().to("cpu").contiguous()
+        out.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        del t
+    size = out.tell()
+    out.seek(0)
+    return out, size
 
 
 @dataclass
@@ -132,12 +140,10 @@ def make_file_part(x: UploadInput, *, name: str | None = None, field: str = "fil
     """A NumPy array (sent as ``<name or 'tensor'>.npy``), a dict of arrays (an ``.npz``, no pickle), a torch
     tensor or a dict holding torch tensors, such as a ``state_dict()`` (a ``.safetensors``, bfloat16 kept), a
     path (streamed from disk), bytes (``name`` is the filename) or a binary file object."""
-    if _is_torch_tensor(x):
-        data = _safetensors_bytes({name or "tensor": x})
-        return FilePart(field, f"{name or 'tensor'}.safetensors", len(data), data=data)
-    if isinstance(x, Mapping) and any(_is_torch_tensor(v) for v in x.values()):
-        data = _safetensors_bytes(x)
-        return FilePart(field, f"{name or 'tensors'}.safetensors", len(data), data=data)
+    if _is_torch_tensor(x) or (isinstance(x, Mapping) and any(_is_torch_tensor(v) for v in x.values())):
+        blob, size = _safetensors_stream(x if isinstance(x, Mapping) else {name or "tensor": x})
+        filename = f"{name or ('tensors' if isinstance(x, Mapping) else 'tensor')}.safetensors"
+        return FilePart(field, filename, size, stream=blob)
     if isinstance(x, np.ndarray):
         data = _npy_bytes(x, f"tensor {name or 'tensor'!r}")
         return FilePart(field, f"{name or 'tensor'}.npy", len(data), data=data)

@@ -92,7 +92,7 @@ def test_a_gguf_artifact_says_what_it_is_instead_of_a_bad_header(tmp_path: Path)
     path = tmp_path / "m.gguf"
     path.write_bytes(blob)
     for art in (Artifact(data=blob), Artifact(path=path)):
-        assert art.is_gguf and art.stats == {}
+        assert art.is_gguf and art.stats == {} and "format='gguf'" in repr(art)
         with pytest.raises(ex.QuantdError, match=r"GGUF artifact.*llama\.cpp.*gguf-py"):
             art.dequantize()
         with pytest.raises(ex.QuantdError, match="GGUF artifact"):

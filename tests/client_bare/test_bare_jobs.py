@@ -407,14 +407,39 @@ def test_download_follows_a_presigned_redirect_without_the_api_key(api: Api, tmp
 def test_download_reports_the_storage_refusing_a_presigned_url(api: Api, tmp_path: Path) -> None:
     def h(request: httpx.Request) -> httpx.Response:
         if request.url.host == "storage.test":
-            return httpx.Response(403, content=b"<Error><Code>AccessDenied</Code></Error>")
+            return httpx.Response(404, content=b"<Error><Code>NoSuchKey</Code></Error>")
         if request.url.path.endswith("/artifact"):
             return httpx.Response(307, headers={"location": "http://storage.test/b/x"})
         return httpx.Response(200, json=job_json("j1", "succeeded", sha=sha(ART), nbytes=len(ART)))
 
     job = api.call(api.client(h), "get_job", "j1")
-    with pytest.raises(ex.APIStatusError, match="storage answered 403"):
+    with pytest.raises(ex.APIStatusError, match="storage answered 404"):
         api.call(job, "download", tmp_path / "o.safetensors", progress=False)
+
+
+def test_a_busy_storage_or_an_expired_url_asks_the_api_for_a_new_one(api: Api, tmp_path: Path) -> None:
+    """S3's 503 SlowDown, or a 403 of a presigned URL that expired while the client waited: the download asks
+    the API again (a fresh URL), with backoff, and succeeds; a storage that keeps failing ends it."""
+    storage = [503, 403, 200]
+    urls: list[str] = []
+
+    def h(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "storage.test":
+            urls.append(str(request.url))
+            status = storage.pop(0) if storage else 503
+            return httpx.Response(status, content=ART if status == 200 else b"<Error/>")
+        if request.url.path.endswith("/artifact"):
+            return httpx.Response(307, headers={"location": f"http://storage.test/b/x?sig={len(urls)}",
+                                                "etag": f'"{sha(ART)}"'})
+        return httpx.Response(200, json=job_json("j1", "succeeded", sha=sha(ART), nbytes=len(ART)))
+
+    t = FakeTime()
+    job = api.call(api.client(h, t), "get_job", "j1")
+    dst = tmp_path / "o.safetensors"
+    assert api.call(job, "download", dst, progress=False) == dst and dst.read_bytes() == ART
+    assert urls == [f"http://storage.test/b/x?sig={i}" for i in range(3)] and len(t.sleeps) == 2
+    with pytest.raises(ex.APIConnectionError, match="storage answered 503"):
+        api.call(job, "download", tmp_path / "again.safetensors", progress=False)
 
 
 def test_download_into_a_folder_is_refused_and_missing_parents_are_made(api: Api, tmp_path: Path) -> None:

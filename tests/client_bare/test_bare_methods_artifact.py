@@ -87,6 +87,13 @@ def test_channel_scale_divides_each_column() -> None:
     ("blk.0.attn_output.weight", False), ("encoder.layer.0.output.dense.weight", False),
     ("model.layers.0.mlp.down_proj.weight", False), ("blk.0.ffn_up.weight", False)])
 def test_embedding_tables_and_heads_by_hugging_face_and_llama_cpp_names(name: str, embedding: bool) -> None:
-    from quantd_client._schemas import is_embedding
+    from quantd_client._schemas import QuantConfig, is_embedding
 
     assert is_embedding(name) is embedding
+    gguf_name = name in ("token_embd.weight", "position_embd.weight", "per_layer_token_embd.weight", "output.weight")
+    assert is_embedding(name, gguf_names=False) is (embedding and not gguf_name)
+    # skip_embeddings: llama.cpp's names stay in a safetensors output; a GGUF output quantizes them as llama.cpp
+    scheme, reason = QuantConfig().scheme_for(name, (64, 64))
+    assert (scheme is None) is embedding and (reason is not None) is embedding
+    gguf = QuantConfig.model_validate({"output": "gguf", "scheme": {"dtype": "q8_0"}})
+    assert (gguf.scheme_for(name, (64, 64))[0] is None) is (embedding and not gguf_name)

@@ -175,7 +175,7 @@ def test_config_errors(tiny: Path, tmp_path: Path) -> None:
         QuantConfig.model_validate({"gguf_mix": "Q4_K_M"})
     with pytest.raises(ConfigError, match="int4") as e:
         _run(tiny, tmp_path / "x.gguf")  # the default int4 scheme: not a GGUF type
-    assert e.value.field == "scheme.dtype" and e.value.tensor == "blk.0.attn_q.weight"  # token_embd: skip_embeddings
+    assert e.value.field == "scheme.dtype" and e.value.tensor == "token_embd.weight"  # GGUF output: llama.cpp quantizes it
     with pytest.raises(ConfigError, match="method 'hqq' cannot be held by GGUF") as e:
         _run(tiny, tmp_path / "x.gguf", scheme={"dtype": "q4_k", "method": "hqq"})
     assert e.value.field == "scheme.method"
@@ -568,3 +568,19 @@ def test_min_numel_holds_under_a_gguf_mix(tiny: Path, tmp_path: Path) -> None:
         assert t.skipped == (sizes[t.name] < cut or len(t.shape) == 1), t.name
         if sizes[t.name] < cut:
             assert t.reason == f"numel {sizes[t.name]} < min_numel {cut}" or len(t.shape) == 1
+
+
+def test_an_imatrix_is_checked_against_the_tensors_it_can_name(tiny: Path, tmp_path: Path) -> None:
+    """llama-imatrix never records the token embedding (nor the head, unless asked): a job quantizing only those
+    is not refused for finding no entry, while one whose matmuls the matrix does not name is."""
+    from quantd.io.outputs.gguf import check_importance, plan_gguf
+
+    with open_model(tiny) as r:
+        tensors = r.tensors
+    table = {"blk.9.ffn_up.weight": torch.ones(1, 256)}
+    only_embd = QuantConfig.model_validate({"output": "gguf", "scheme": {"dtype": "q8_0"}, "rules": [
+        {"match": "token_embd.weight", "scheme": {"dtype": "q8_0"}}, {"match": "output.weight", "scheme": {"dtype": "q8_0"}},
+        {"match": "*", "skip": True}]})
+    check_importance(plan_gguf(tensors, only_embd), table)
+    with pytest.raises(MalformedInputError, match="no entry for any tensor this job quantizes"):
+        check_importance(plan_gguf(tensors, QuantConfig.model_validate({"output": "gguf", "gguf_mix": "Q8_0"})), table)
