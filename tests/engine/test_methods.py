@@ -635,3 +635,18 @@ def test_the_docs_tables_list_every_method_and_argument() -> None:
             assert row is not None, (m.name, a.name)
             default = str(a.default).lower() if isinstance(a.default, bool) else f"{a.default:g}"
             assert default in row, (m.name, a.name, default, row)
+
+
+def test_gptq_scale_refit_is_skipped_for_rows_of_many_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row's [G, G] systems grow with the square of its groups: past REFIT_MAX_GROUPS the refit is left out
+    (GPTQ's own scales), below it the same layer is refitted."""
+    from quantd.engine.methods import gptq as gptq_module
+
+    w, x = _layer(rows=16, cols=128, n=512)
+    cal = LayerHessian(x.T @ x, x.shape[0])
+    scheme = Scheme(dtype="int4", group_size=32, method="gptq")
+    off = quantize_tensor(w, scheme.model_copy(update={"method_args": {"refit_scale": False}}), name="w",
+                          calibration=cal)
+    assert not torch.equal(quantize_tensor(w, scheme, name="w", calibration=cal).scale, off.scale)
+    monkeypatch.setattr(gptq_module, "REFIT_MAX_GROUPS", 3)  # 4 groups a row
+    assert torch.equal(quantize_tensor(w, scheme, name="w", calibration=cal).scale, off.scale)

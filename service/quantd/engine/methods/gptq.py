@@ -110,6 +110,10 @@ def _qparams_searched(w: torch.Tensor, importance: torch.Tensor, scheme: Scheme,
 
 # Elements of the per-row normal equations ``[rows, G, G]`` the scale refit builds and solves at once.
 _REFIT_ELEMENTS = 1 << 23
+# Above this many groups a row, the refit is skipped: its ``[G, G]`` systems per row outgrow the rows a chunk can
+# hold (a few rows a chunk, G matmuls each), and it would cost many times GPTQ itself (in ≥ 32768 at g128,
+# ≥ 16384 at g64).
+REFIT_MAX_GROUPS = 256
 
 
 def refit_group_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, gs: int,
@@ -229,12 +233,14 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, d
             w1[i + 1:].addr_(u1[i, i + 1:], e, alpha=-1.0)
         wt[b1:].addmm_(u[b0:b1, b1:].T, err, alpha=-1.0)
     q = qt.T
-    if refit_scale:  # on columns ordered so that each group is contiguous (visit order for dynamic groups)
+    if refit_scale and n_groups <= REFIT_MAX_GROUPS:  # on columns ordered so that each group is contiguous
         order = torch.argsort(col_group, stable=True) if perm is not None and static is not None else None
-        hd = h + damp * float(hdiag.mean()) * torch.eye(cols, device=w.device, dtype=h.dtype)
+        hd = h if order is None else h[order][:, order]  # (visit order for dynamic groups); damped in place
+        hd = hd.clone() if hd is h else hd
+        hd.diagonal().add_(damp * float(hdiag.mean()))
         wq, qq = (w, qt.T) if order is None else (w[:, order], qt.T[:, order])
-        hq = hd if order is None else hd[order][:, order]
-        scale = refit_group_scales(wq, hq, qq, scale, gs, scale_torch_dtype(scheme.scale_dtype))
+        scale = refit_group_scales(wq, hd, qq, scale, gs, scale_torch_dtype(scheme.scale_dtype))
+        del hd
     if zero is not None:
         q = q + zero[:, col_group]
     g_idx = None
@@ -336,6 +342,6 @@ GPTQ = register(Method(
                                     "it is), for the least rounding error weighted by diag H", 0, 200),
         Arg("max_shrink", "float", 0.2, "the most a group's range is shrunk by the search", 0.0, 0.9),
         Arg("refit_scale", "bool", True, "refit each group's scale to the codes by least squares against the "
-                                         "damped Hessian after the column loop"),
+                                         "damped Hessian after the column loop (rows of at most 256 groups)"),
         Arg("awq_scales", "bool", False, "scale the input channels as AWQ does before GPTQ (stores channel_scale)"),
     )))
