@@ -27,7 +27,8 @@ def keys(s3: Any, bucket: str) -> list[str]:
     return sorted(S3Storage(f"s3://{bucket}/quantd", Path("/nonexistent"), client=s3.client()).list_keys())
 
 
-async def test_submit_on_one_replica_follow_and_download_on_the_other(replicas: Any, s3: Any, bucket: str) -> None:
+async def test_submit_on_one_replica_follow_and_download_on_the_other(replicas: Any, s3: Any, bucket: str,
+                                                                        tmp_path: Path) -> None:
     data = model_bytes()
     async with replicas({"workers": 0}, {"workers": 1}, {"workers": 0, "storage_presign": True}) as (a, b, c):
         r = await a.post("/v1/jobs", files={"file": ("m.safetensors", data)}, data={"config": json.dumps(CONFIG)})
@@ -58,6 +59,16 @@ async def test_submit_on_one_replica_follow_and_download_on_the_other(replicas: 
         assert r.status_code == 307 and r.headers["etag"] == f'"{sha}"'
         async with httpx.AsyncClient() as direct:  # the presigned URL, straight from the object store
             assert (await direct.get(r.headers["location"])).content == art
+        # the SDK follows the 307 to the real object store (moto), resuming there, sha256-checked
+        from quantd_client import AsyncClient
+
+        mounts = {"http://replica2": c._transport}  # the API in process; the presigned URL over the network
+        async with httpx.AsyncClient(mounts=mounts) as http, AsyncClient("http://replica2", http_client=http) as sdk:
+            handle = await sdk.get_job(job["id"])
+            dst = tmp_path / "sdk" / "a.safetensors"
+            dst.parent.mkdir()
+            (tmp_path / "sdk" / "a.safetensors.part").write_bytes(art[:100])  # resumed with Range at the store
+            assert await handle.download(dst, progress=False) == dst and dst.read_bytes() == art
         rep = (await c.get(f"/v1/jobs/{job['id']}/report")).json()
         assert rep["job_id"] == job["id"]
         assert keys(s3, bucket) == sorted([f"quantd/uploads/{job['id']}.input",
