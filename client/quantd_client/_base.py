@@ -214,6 +214,15 @@ def redirect_location(response: httpx.Response) -> str | None:
 STORAGE_RETRY = frozenset({403, 408, 429, 500, 502, 503, 504})
 
 
+def storage_error(status: int) -> APIStatusError | APIConnectionError:
+    """The error of a store's non-2xx answer to a presigned URL: one another try may not get
+    (:data:`STORAGE_RETRY`) as an APIConnectionError, which the download retries through the API (a new URL)."""
+    detail = f"the artifact's storage answered {status} to its presigned URL"
+    if status in STORAGE_RETRY:
+        return APIConnectionError(detail, status=status)
+    return APIStatusError(detail, status=status)
+
+
 def storage_request_headers(have: int) -> dict[str, str]:
     """Headers for a presigned storage URL: a Range when resuming, and none of the API's (its key stays here)."""
     return {"Range": f"bytes={have}-"} if have else {}

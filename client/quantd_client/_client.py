@@ -15,7 +15,6 @@ import httpx
 from ._base import (
     DEFAULT_MAX_RETRIES,
     DEFAULT_TIMEOUT,
-    STORAGE_RETRY,
     BaseClient,
     ConfigArg,
     RequestSpec,
@@ -29,6 +28,7 @@ from ._base import (
     part_path,
     prepare_destination,
     redirect_location,
+    storage_error,
     storage_request_headers,
     summary_header,
 )
@@ -255,10 +255,7 @@ class Client(BaseClient):
                 continue
             if response.status_code >= 300:
                 response.close()
-                detail = f"the artifact's storage answered {response.status_code} to its presigned URL"
-                if response.status_code in STORAGE_RETRY:  # busy, or the URL expired: a new one from the API
-                    raise APIConnectionError(detail, status=response.status_code)
-                raise APIStatusError(detail, status=response.status_code)
+                raise storage_error(response.status_code)
             return response, have
         raise APIStatusError("the artifact's storage refused the download", status=416)
 
