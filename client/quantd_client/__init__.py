@@ -19,6 +19,7 @@ from ._exceptions import (
     QuantdError,
     RateLimited,
     ServerError,
+    StorageBusy,
     UnsupportedMedia,
     ValidationError,
 )
@@ -129,6 +130,7 @@ __all__ = [
     "Scheme",
     "SchemeOverride",
     "ServerError",
+    "StorageBusy",
     "Summary",
     "TensorAnalyses",
     "TensorReport",

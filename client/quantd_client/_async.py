@@ -33,7 +33,7 @@ from ._base import (
     storage_request_headers,
     summary_header,
 )
-from ._exceptions import APIConnectionError, APIStatusError, ChecksumMismatch
+from ._exceptions import APIConnectionError, APIStatusError, ChecksumMismatch, StorageBusy
 from ._job import AsyncJobHandle
 from ._progress import ProgressArg, Reporter
 from ._results import Artifact
@@ -231,10 +231,12 @@ class AsyncClient(BaseClient):
             resuming = part.exists() and part.stat().st_size > 0
             try:
                 return await self._download_once(job_id, dst, part, expected, progress, file)
-            except APIConnectionError:
+            except (APIConnectionError, StorageBusy) as e:
                 if attempt >= self.max_retries:
                     raise
-                await self._sleep(self.retry.delay(attempt, None, self._rand))
+                after = e.retry_after if isinstance(e, StorageBusy) else None
+                await self._sleep(min(after, self.retry.max_retry_after) if after is not None
+                        else self.retry.delay(attempt, None, self._rand))
                 attempt += 1
             except ChecksumMismatch:
                 if not resuming or restarted:
@@ -257,7 +259,7 @@ class AsyncClient(BaseClient):
                 continue
             if response.status_code >= 300:
                 await response.aclose()
-                raise storage_error(response.status_code)
+                raise storage_error(response)
             return response, have
         raise APIStatusError("the artifact's storage refused the download", status=416)
 

@@ -22,6 +22,7 @@ import pydantic
 from ._exceptions import (
     APIConnectionError,
     APIStatusError,
+    StorageBusy,
     ValidationError,
     error_from_response,
     parse_retry_after,
@@ -209,17 +210,19 @@ def redirect_location(response: httpx.Response) -> str | None:
     return str(response.request.url.join(location))
 
 
-# Storage answers to a presigned URL that another try may not get: the store busy (S3's 503 SlowDown, 500,
-# 502, 504, 429, 408) or the URL expired (403): the download asks the API again, for a new URL, with backoff.
-STORAGE_RETRY = frozenset({403, 408, 429, 500, 502, 503, 504})
+# A store's answers to a presigned URL that another try may not get (S3's 503 SlowDown, 500, 502, 504, 429):
+# the download asks the API again, for a new URL, after the store's Retry-After or the backoff.
+STORAGE_RETRY = frozenset({429, 500, 502, 503, 504})
 
 
-def storage_error(status: int) -> APIStatusError | APIConnectionError:
-    """The error of a store's non-2xx answer to a presigned URL: one another try may not get
-    (:data:`STORAGE_RETRY`) as an APIConnectionError, which the download retries through the API (a new URL)."""
+def storage_error(response: httpx.Response) -> APIStatusError:
+    """The error of a store's non-2xx answer to a presigned URL: :class:`StorageBusy` where another try may
+    get it (:data:`STORAGE_RETRY`), else an APIStatusError (a refusal: bad credentials, a policy, a missing
+    object)."""
+    status = response.status_code
     detail = f"the artifact's storage answered {status} to its presigned URL"
     if status in STORAGE_RETRY:
-        return APIConnectionError(detail, status=status)
+        return StorageBusy(detail, status=status, retry_after=parse_retry_after(response.headers.get("retry-after")))
     return APIStatusError(detail, status=status)
 
 

@@ -32,7 +32,7 @@ from ._base import (
     storage_request_headers,
     summary_header,
 )
-from ._exceptions import APIConnectionError, APIStatusError, ChecksumMismatch
+from ._exceptions import APIConnectionError, APIStatusError, ChecksumMismatch, StorageBusy
 from ._job import JobHandle
 from ._progress import ProgressArg, Reporter
 from ._results import Artifact
@@ -229,10 +229,12 @@ class Client(BaseClient):
             resuming = part.exists() and part.stat().st_size > 0
             try:
                 return self._download_once(job_id, dst, part, expected, progress, file)
-            except APIConnectionError:
+            except (APIConnectionError, StorageBusy) as e:
                 if attempt >= self.max_retries:
                     raise
-                self._sleep(self.retry.delay(attempt, None, self._rand))
+                after = e.retry_after if isinstance(e, StorageBusy) else None
+                self._sleep(min(after, self.retry.max_retry_after) if after is not None
+                        else self.retry.delay(attempt, None, self._rand))
                 attempt += 1
             except ChecksumMismatch:
                 if not resuming or restarted:
@@ -255,7 +257,7 @@ class Client(BaseClient):
                 continue
             if response.status_code >= 300:
                 response.close()
-                raise storage_error(response.status_code)
+                raise storage_error(response)
             return response, have
         raise APIStatusError("the artifact's storage refused the download", status=416)
 

@@ -90,6 +90,16 @@ class RateLimited(APIStatusError):
         self.retry_after = retry_after
 
 
+class StorageBusy(APIStatusError):
+    """The object store answered a download's presigned URL with 429 or a 5xx: the download asks the API for a
+    new URL after the store's ``Retry-After`` (``retry_after``, seconds) or the backoff, and raises this when its
+    retries are spent."""
+
+    def __init__(self, detail: str, *, retry_after: float | None = None, **kw: Any) -> None:
+        super().__init__(detail, **kw)
+        self.retry_after = retry_after
+
+
 class ServerError(APIStatusError):
     """5xx."""
 

@@ -55,9 +55,12 @@ class Artifact:
 
     def __repr__(self) -> str:
         where = f"path={str(self.path)!r}" if self.path else f"{len(self._data or b'')} bytes"
-        if self.is_gguf:
-            return f"Artifact({where}, format='gguf')"
-        return f"Artifact({where}, tensors={len(self.metadata.get('tensors', {}))})"
+        try:  # a repr never raises: a missing file or foreign bytes show as such
+            if self.is_gguf:
+                return f"Artifact({where}, format='gguf')"
+            return f"Artifact({where}, tensors={len(self.metadata.get('tensors', {}))})"
+        except (OSError, QuantdError) as e:
+            return f"Artifact({where}, unreadable: {e})"
 
     @property
     def data(self) -> bytes:

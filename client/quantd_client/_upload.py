@@ -59,27 +59,34 @@ def _safetensors_stream(tensors: Mapping[str, Any]) -> tuple[io.BytesIO, int]:
     for key, value in tensors.items():
         if not isinstance(key, str):
             raise ValidationError(f"tensor names must be strings; got {key!r}")
+        if key == "__metadata__":
+            raise ValidationError("a tensor cannot be named '__metadata__' (safetensors' metadata key)")
         if isinstance(value, np.ndarray):
             if value.dtype.hasobject:
                 raise ValidationError(f"tensor {key!r}: object arrays cannot be uploaded (no pickles)")
-            value = torch.from_numpy(np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("=")))
-        if not isinstance(value, torch.Tensor):
+            name = value.dtype.newbyteorder("=").name  # its torch dtype (the array is converted when written)
+            shape, nbytes = list(value.shape), value.size * value.itemsize
+        elif isinstance(value, torch.Tensor):
+            name = str(value.dtype).removeprefix("torch.")
+            shape, nbytes = list(value.shape), value.numel() * value.element_size()
+        else:
             raise ValidationError(f"tensor {key!r}: a {type(value).__name__} is not a tensor or an array")
-        dtype = _SAFETENSORS_DTYPES.get(str(value.dtype).removeprefix("torch."))
+        dtype = _SAFETENSORS_DTYPES.get(name)
         if dtype is None:
-            raise ValidationError(f"tensor {key!r}: dtype {value.dtype} has no safetensors name")
-        nbytes = value.numel() * value.element_size()
-        header[key] = {"dtype": dtype, "shape": list(value.shape), "data_offsets": [offset, offset + nbytes]}
+            raise ValidationError(f"tensor {key!r}: dtype {name} has no safetensors name")
+        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
         prepared.append((key, value))
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     out = io.BytesIO()
     out.write(struct.pack("<Q", len(head)) + head)
-    for _, value in prepared:
+    for _, value in prepared:  # one tensor's contiguous CPU (and native byte order) copy at a time
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("=")))
         t = value.detach().to("cpu").contiguous()
         out.write(t.reshape(-1).view(torch.uint8).numpy().data)
-        del t
+        del t, value
     size = out.tell()
     out.seek(0)
     return out, size

@@ -97,3 +97,5 @@ def test_a_gguf_artifact_says_what_it_is_instead_of_a_bad_header(tmp_path: Path)
             art.dequantize()
         with pytest.raises(ex.QuantdError, match="GGUF artifact"):
             _ = art.metadata
+    assert "unreadable" in repr(Artifact(path=tmp_path / "missing.safetensors"))
+    assert "unreadable" in repr(Artifact(data=b"junk"))

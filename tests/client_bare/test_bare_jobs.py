@@ -404,30 +404,36 @@ def test_download_follows_a_presigned_redirect_without_the_api_key(api: Api, tmp
     assert all("authorization" not in hd and "idempotency-key" not in hd for hd in storage_headers)
 
 
-def test_download_reports_the_storage_refusing_a_presigned_url(api: Api, tmp_path: Path) -> None:
+@pytest.mark.parametrize("status", [403, 404])
+def test_download_reports_the_storage_refusing_a_presigned_url(api: Api, tmp_path: Path, status: int) -> None:
+    """A refusal (credentials, a bucket policy, a missing object) is raised at once, as the store's status."""
+    seen: list[int] = []
+
     def h(request: httpx.Request) -> httpx.Response:
         if request.url.host == "storage.test":
-            return httpx.Response(404, content=b"<Error><Code>NoSuchKey</Code></Error>")
+            seen.append(status)
+            return httpx.Response(status, content=b"<Error><Code>AccessDenied</Code></Error>")
         if request.url.path.endswith("/artifact"):
             return httpx.Response(307, headers={"location": "http://storage.test/b/x"})
         return httpx.Response(200, json=job_json("j1", "succeeded", sha=sha(ART), nbytes=len(ART)))
 
     job = api.call(api.client(h), "get_job", "j1")
-    with pytest.raises(ex.APIStatusError, match="storage answered 404"):
+    with pytest.raises(ex.APIStatusError, match=f"storage answered {status}") as e:
         api.call(job, "download", tmp_path / "o.safetensors", progress=False)
+    assert e.value.status == status and not isinstance(e.value, ex.StorageBusy) and seen == [status]
 
 
-def test_a_busy_storage_or_an_expired_url_asks_the_api_for_a_new_one(api: Api, tmp_path: Path) -> None:
-    """S3's 503 SlowDown, or a 403 of a presigned URL that expired while the client waited: the download asks
-    the API again (a fresh URL), with backoff, and succeeds; a storage that keeps failing ends it."""
-    storage = [503, 403, 200]
+def test_a_busy_storage_gets_a_new_url_from_the_api(api: Api, tmp_path: Path) -> None:
+    """S3's 503 SlowDown or a 5xx: the download asks the API again (a fresh URL) after the store's Retry-After
+    or the backoff, and succeeds; a store that stays busy ends it with StorageBusy (an APIStatusError)."""
+    storage: list[tuple[int, dict[str, str]]] = [(503, {"retry-after": "7"}), (500, {}), (200, {})]
     urls: list[str] = []
 
     def h(request: httpx.Request) -> httpx.Response:
         if request.url.host == "storage.test":
             urls.append(str(request.url))
-            status = storage.pop(0) if storage else 503
-            return httpx.Response(status, content=ART if status == 200 else b"<Error/>")
+            status, headers = storage.pop(0) if storage else (503, {})
+            return httpx.Response(status, headers=headers, content=ART if status == 200 else b"<Error/>")
         if request.url.path.endswith("/artifact"):
             return httpx.Response(307, headers={"location": f"http://storage.test/b/x?sig={len(urls)}",
                                                 "etag": f'"{sha(ART)}"'})
@@ -437,9 +443,11 @@ def test_a_busy_storage_or_an_expired_url_asks_the_api_for_a_new_one(api: Api, t
     job = api.call(api.client(h, t), "get_job", "j1")
     dst = tmp_path / "o.safetensors"
     assert api.call(job, "download", dst, progress=False) == dst and dst.read_bytes() == ART
-    assert urls == [f"http://storage.test/b/x?sig={i}" for i in range(3)] and len(t.sleeps) == 2
-    with pytest.raises(ex.APIConnectionError, match="storage answered 503"):
+    assert urls == [f"http://storage.test/b/x?sig={i}" for i in range(3)]
+    assert t.sleeps[0] == 7.0 and len(t.sleeps) == 2  # the store's Retry-After, then the backoff
+    with pytest.raises(ex.StorageBusy, match="storage answered 503") as e:
         api.call(job, "download", tmp_path / "again.safetensors", progress=False)
+    assert isinstance(e.value, ex.APIStatusError) and e.value.status == 503
 
 
 def test_download_into_a_folder_is_refused_and_missing_parents_are_made(api: Api, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ EXPECTED = {
     "CalibrateResponse", "Info", "DeviceInfo", "Limits", "DTYPES", "NF4_CODEBOOK", "DTypeInfo", "dtype_info",
     "QuantdError", "APIStatusError", "BadRequest", "AuthError", "NotFound", "Conflict", "Gone", "PayloadTooLarge",
     "UnsupportedMedia", "ValidationError", "RateLimited", "ServerError", "APIConnectionError",
-    "APITimeoutError", "ChecksumMismatch", "JobTimeout", "__version__",
+    "APITimeoutError", "ChecksumMismatch", "JobTimeout", "StorageBusy", "__version__",
     "BitWidthResult", "OutlierImpactResult", "ScaleSensitivityResult", "TensorAnalyses",
     "FileEntry", "FileList",
 }

@@ -110,9 +110,9 @@ def _qparams_searched(w: torch.Tensor, importance: torch.Tensor, scheme: Scheme,
 
 # Elements of the per-row normal equations ``[rows, G, G]`` the scale refit builds and solves at once.
 _REFIT_ELEMENTS = 1 << 23
-# Above this many groups a row, the refit is skipped: its ``[G, G]`` systems per row outgrow the rows a chunk can
-# hold (a few rows a chunk, G matmuls each), and it would cost many times GPTQ itself (in ≥ 32768 at g128,
-# ≥ 16384 at g64).
+# Above this many groups a row (in > 32768 at g128, > 16384 at g64), the refit is skipped: its ``[G, G]`` systems
+# leave room for few rows a chunk, and each chunk runs G small matmuls, so the Python loop grows as rows·G³ while
+# the arithmetic stays rows·in²/2.
 REFIT_MAX_GROUPS = 256
 
 
@@ -235,9 +235,10 @@ def gptq(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, info: DTypeInfo, *, d
     q = qt.T
     if refit_scale and n_groups <= REFIT_MAX_GROUPS:  # on columns ordered so that each group is contiguous
         order = torch.argsort(col_group, stable=True) if perm is not None and static is not None else None
-        hd = h if order is None else h[order][:, order]  # (visit order for dynamic groups); damped in place
-        hd = hd.clone() if hd is h else hd
-        hd.diagonal().add_(damp * float(hdiag.mean()))
+        lam = damp * float(hdiag.mean())
+        # h is this function's own copy, not read after this: damped in place (visit order for dynamic groups)
+        hd = h if order is None else h[order.unsqueeze(1), order]
+        hd.diagonal().add_(lam)
         wq, qq = (w, qt.T) if order is None else (w[:, order], qt.T[:, order])
         scale = refit_group_scales(wq, hd, qq, scale, gs, scale_torch_dtype(scheme.scale_dtype))
         del hd

@@ -154,9 +154,6 @@ def _importance(table: Mapping[str, torch.Tensor] | None, name: str, shape: tupl
     return imp
 
 
-_NOT_RECORDED = frozenset({"token_embd.weight", "per_layer_token_embd.weight", "output.weight"})
-
-
 def check_importance(plans: Sequence[PlannedTensor], table: Mapping[str, torch.Tensor]) -> None:
     """MalformedInputError naming the tensor when an importance matrix entry does not fit the tensor it is for
     (what the quantization would raise on reaching it), or when the matrix names none of the tensors the job
@@ -164,8 +161,9 @@ def check_importance(plans: Sequence[PlannedTensor], table: Mapping[str, torch.T
     quantized = [p for p in plans if p.scheme is not None]
     for p in quantized:
         _importance(table, p.info.name, p.info.shape)
-    # llama-imatrix records the matmuls' inputs: never the embedding's, the output head's only when asked
-    recorded = [p for p in quantized if p.info.name not in _NOT_RECORDED]
+    # llama-imatrix records the inputs of the blocks' matmuls (blk.*): never the embeddings', the output
+    # head's only when asked
+    recorded = [p for p in quantized if p.info.name.startswith("blk.")]
     if table and recorded and not any(p.info.name in table for p in recorded):
         some = ", ".join(repr(k) for k in sorted(table)[:3])
         raise MalformedInputError(f"the importance matrix has no entry for any tensor this job quantizes (it names "
