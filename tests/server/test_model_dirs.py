@@ -151,6 +151,14 @@ async def test_hostile_paths_are_422_naming_the_path(server, path):
     assert (await server.client.get("/v1/jobs")).json()["items"] == []
 
 
+async def test_a_very_long_path_is_422_naming_the_rule(server):
+    """A path past the parser's default header line (4 KiB) still reaches §8's check: 422, not a 400."""
+    path = "d/" * 3000 + "x.json"
+    body, ctype = raw_multipart([*model_dir().items(), (path, b"{}")], CONFIG)
+    r = await server.client.post("/v1/jobs", content=body, headers={"content-type": ctype})
+    assert "longer than 1024 characters" in assert_problem(r, 422)["detail"]
+
+
 async def test_a_path_given_twice_is_422(server):
     files = [*model_dir().items(), ("tokenizer.json", b"{}")]
     body = assert_problem(await submit_dir(server, files), 422)
