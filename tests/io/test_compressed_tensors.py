@@ -278,3 +278,23 @@ def test_a_model_with_nothing_to_quantize_is_refused(tmp_path: Path) -> None:
         quantize_directory(src, tmp_path / "out", QuantConfig(output="compressed-tensors"), device="cpu")
     assert e.value.field == "output" and status_of(type(e.value)) == 422
     assert not (tmp_path / "out").exists()
+
+
+def test_bits_per_weight_counts_what_the_checkpoint_stores(tmp_path: Path) -> None:
+    """compressed-tensors packs affine zero points at the codes' width (int4: 4 bits, not quantd's 8): the
+    report's bits per weight are the bits its tensors hold (codes, float16 scales, packed zero points and the
+    two-element weight_shape)."""
+    src = tmp_path / "in"
+    src.mkdir()
+    save_file({"layer.weight": torch.randn(64, 256)}, str(src / "model.safetensors"))
+    for scheme, want in (({"dtype": "int4", "group_size": 64, "symmetric": False}, 4 + (16 + 4) / 64),
+                         ({"dtype": "int4", "group_size": 128, "symmetric": True}, 4 + 16 / 128),
+                         ({"dtype": "int8", "granularity": "channel", "symmetric": True}, 8 + 16 / 256)):
+        out = tmp_path / f"out{want}"
+        report = quantize_directory(src, out, QuantConfig.model_validate({"output": "compressed-tensors",
+                                                                          "scheme": scheme}), device="cpu")
+        bpw = report.tensors[0].stats.bits_per_weight  # type: ignore[union-attr]
+        extra = 0 if scheme["dtype"] == "int8" else 128 / (64 * 256)  # weight_shape: two int64
+        assert bpw == pytest.approx(want + extra), scheme
+        stored = sum(t.numel() * t.element_size() * 8 for t in load_file(str(out / "model.safetensors")).values())
+        assert bpw * 64 * 256 == pytest.approx(stored)

@@ -514,9 +514,9 @@ class _Run:
         stats = quantized_error_stats(w, qt)
         if h is not None:
             stats = stats.model_copy(update={"output_rel_error": output_rel_error(w, qt, h)})
-        sink = self.sinks[self.where[weight]]
-        for out_name, t in self.fmt.encode(qt, weight).items():
-            sink.write(out_name, t)
+        from .pipeline import write_encoded
+
+        stats = write_encoded(self.fmt, self.sinks[self.where[weight]], qt, weight, stats)
         self.written.add(weight)
         self.reports[weight] = TensorReport(name=weight, shape=list(p.info.shape), in_dtype=p.info.dtype,
                                             scheme=scheme, stats=stats, skipped=False)

@@ -160,9 +160,20 @@ def _process(reader: ModelReader, writer: Sink, fmt: OutputFormat, p: TensorPlan
     except NonFiniteError:
         check_finite(x, name)  # the error with a count of the bad values
         raise
-    for out_name, t in fmt.encode(qt, name).items():
-        writer.write(out_name, t)
+    stats = write_encoded(fmt, writer, qt, name, stats)
     return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=p.scheme, stats=stats, skipped=False)
+
+
+def write_encoded(fmt: OutputFormat, sink: Sink, qt: QuantizedTensor, name: str, stats: ErrorStats) -> ErrorStats:
+    """``qt`` written through ``fmt``'s encoding; ``stats`` with the bits per weight that encoding stored where
+    the format counts its own (``bits_from_encoding``)."""
+    stored = 0
+    for out_name, t in fmt.encode(qt, name).items():
+        sink.write(out_name, t)
+        stored += t.numel() * t.element_size() * 8
+    if fmt.bits_from_encoding:
+        stats = stats.model_copy(update={"bits_per_weight": stored / max(1, stats.numel)})
+    return stats
 
 
 def summarize(plans: list[TensorPlan], reports: list[TensorReport], input_bytes: int, output_bytes: int,

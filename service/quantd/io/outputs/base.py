@@ -129,6 +129,10 @@ class OutputFormat(ABC):
                   extra_meta: Mapping[str, Any] | None = None) -> Sink:
         """A sink writing ``dst`` (a temporary name first, renamed by ``finish``)."""
 
+    #: True when a tensor's ``bits_per_weight`` is what :meth:`encode` writes for it (a layout that packs zero
+    #: points or pads rows its own way) rather than the engine's count for quantd's artifact.
+    bits_from_encoding: ClassVar[bool] = False
+
     #: True when the output is a model directory whose ``config.json`` this format completes
     writes_config: ClassVar[bool] = False
 

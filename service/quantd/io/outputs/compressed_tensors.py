@@ -90,6 +90,7 @@ class CompressedTensors(OutputFormat):
     description = ("vLLM / transformers checkpoint (compressed-tensors pack-quantized, int-quantized and "
                    "float-quantized Linear weights; config.json gains quantization_config)")
     writes_config = True
+    bits_from_encoding = True  # zero points packed at the codes' width, a row's codes in whole int32 words
 
     def select(self, info: TensorInfo, scheme: Scheme | None, reason: str | None,
                structure: ModelStructure) -> tuple[Scheme | None, str | None]:
