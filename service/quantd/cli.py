@@ -197,8 +197,22 @@ def build_config(args: argparse.Namespace) -> QuantConfig:
             config = QuantConfig.model_validate({**data, "scheme": scheme.model_dump(exclude_unset=True)})
         return config
     except pydantic.ValidationError as e:
-        raise UsageError("config: " + "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
-                                                for x in e.errors())) from None
+        raise UsageError("config: " + "; ".join(_validation_message(x) for x in e.errors())) from None
+
+
+def _validation_message(error: Any) -> str:
+    """One pydantic error as ``where: what``: a model-level check has no location, and its message loses
+    pydantic's "Value error, " prefix (the text says what is wrong, and where, itself)."""
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    where = ".".join(map(str, error["loc"]))
+    if hint := _FLAG_HINTS.get(msg.split(":", 1)[0]):
+        msg = f"{msg} ({hint})"
+    return f"{where}: {msg}" if where else msg
+
+
+# What a command-line user does about a config-level refusal (the message's field before its colon).
+_FLAG_HINTS = {"scheme.dtype": "add --format gguf for a GGUF input", "gguf_mix": "--gguf-mix writes GGUF: "
+               "leave --format out, or give --format gguf"}
 
 
 def _arg_default(arg: MethodArg) -> str:

@@ -551,3 +551,11 @@ def test_a_server_url_without_its_scheme_is_a_usage_error(model: Path, tmp_path:
     assert main(["quantize", str(model), "-o", str(tmp_path / "o"), "--server", "localhost:8000"]) == 2
     assert "--server 'localhost:8000' is not an http:// or https:// URL" in capsys.readouterr().err
     assert main(["jobs", "list", "--server", "127.0.0.1:8000"]) == 2
+
+
+def test_a_config_level_refusal_reads_as_one_line_with_the_flag_to_use(model: Path, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["quantize", str(model), "-o", str(tmp_path / "o.gguf"), "--dtype", "q4_k", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "config: scheme.dtype: q4_k is a ggml block type" in err and "--format gguf" in err
+    assert "Value error" not in err and "config: :" not in err
