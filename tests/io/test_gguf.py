@@ -299,6 +299,8 @@ HOSTILE = {
     "unknown value type": _file([_s("k") + struct.pack("<I", 77) + bytes(8)], [_T], bytes(256)),
     "lying string length": _file([struct.pack("<Q", 1 << 40) + b"k"], [_T], bytes(256)),
     "huge string array": _file([_s("a") + struct.pack("<IIQ", 9, 8, 1 << 58)], [_T], bytes(256)),
+    "nested array": _file([_s("a") + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 4, 1) + bytes(4)], [_T],
+                          bytes(256)),
     "bad alignment": _file([_s("general.alignment") + struct.pack("<II", 4, 24)], [_T], bytes(256)),
     "too many dims": _file([_KV], [("w.weight", (32, 2, 1, 1, 1), 0, 0)], bytes(256)),
     "zero dim": _file([_KV], [("w.weight", (32, 0), 0, 0)], bytes(256)),
@@ -584,3 +586,10 @@ def test_an_imatrix_is_checked_against_the_tensors_it_can_name(tiny: Path, tmp_p
     check_importance(plan_gguf(tensors, only_embd), table)
     with pytest.raises(MalformedInputError, match="no entry for any tensor this job quantizes"):
         check_importance(plan_gguf(tensors, QuantConfig.model_validate({"output": "gguf", "gguf_mix": "Q8_0"})), table)
+
+
+def test_a_nested_array_is_refused_saying_so(tmp_path: Path) -> None:
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(HOSTILE["nested array"])
+    with pytest.raises(MalformedInputError, match="'a' holds arrays: nested arrays are not supported"):
+        GGUFFile(path)

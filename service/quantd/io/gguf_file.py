@@ -143,6 +143,8 @@ def _value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
                 raise MalformedInputError(f"GGUF array {key!r} claims {count} strings; the file cannot hold them")
             for _ in range(count):
                 c.string(f"array {key!r}")
+        elif etype == ARRAY:  # an array of arrays: no llama.cpp metadata key has one
+            raise MalformedInputError(f"GGUF array {key!r} holds arrays: nested arrays are not supported")
         else:
             raise MalformedInputError(f"GGUF array {key!r} has an unknown element type {etype}")
         return (etype, count)
