@@ -441,6 +441,23 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path: Path, bad: f
     assert not (tmp_path / "out.gguf").exists()
 
 
+def test_a_kept_norm_with_nan_is_refused_too(tmp_path: Path) -> None:
+    """A 1-D norm stays float in GGUF output, and a NaN there is refused as in a quantized weight."""
+    from quantd.errors import NonFiniteError
+
+    path = tmp_path / "norm.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.attn_q.weight", np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.array([1.0, np.nan, 1.0, 1.0], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(NonFiniteError, match=r"blk\.0\.attn_norm\.weight.*1 of 4"):
+        _run(path, tmp_path / "out.gguf", scheme={"dtype": "q8_0"})
+    assert not (tmp_path / "out.gguf").exists()
+
+
 def test_weights_beyond_the_float16_scales_are_refused_naming_the_tensor(tmp_path: Path) -> None:
     """Finite values too large for a type's float16 scales (ggml would store an infinite scale) are a 4xx
     naming the tensor, not a crash; their float32 sum overflows, which the finite check counts again

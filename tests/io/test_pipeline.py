@@ -201,13 +201,19 @@ def test_non_finite_named(tmp_path: Path, bad: float) -> None:
     assert not dst.exists() and not dst.with_name("out.safetensors.tmp").exists()
 
 
-def test_non_finite_in_passthrough_is_kept(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_non_finite_in_a_tensor_kept_as_it_is_is_refused_too(tmp_path: Path, dtype: torch.dtype) -> None:
+    """A kept norm or bias with NaN/Inf is a NonFiniteError naming it (CONTRACT §2); nothing is written."""
     p = tmp_path / "m.safetensors"
-    save_file({"w": torch.randn(4, 32), "b": torch.tensor([float("nan"), 1.0])}, str(p))
-    report = quantize_file(p, tmp_path / "o.safetensors", CONFIG, device="cpu")
-    skipped = {t.name: t.skipped for t in report.tensors}
-    assert skipped == {"w": False, "b": True}
-    assert torch.isnan(read_artifact_torch_free(tmp_path / "o.safetensors", "b")[0])
+    save_file({"w": torch.randn(4, 32), "b": torch.tensor([float("inf"), 1.0], dtype=dtype)}, str(p))
+    with pytest.raises(NonFiniteError, match=r"tensor 'b': 1 of 2 values are NaN or Inf"):
+        quantize_file(p, tmp_path / "o.safetensors", CONFIG, device="cpu")
+    assert not (tmp_path / "o.safetensors").exists()
+    big = tmp_path / "big.safetensors"  # finite float64 values whose sum overflows are no NaN
+    save_file({"w": torch.randn(4, 32), "b": torch.tensor([1e308, 1e308], dtype=torch.float64)}, str(big))
+    report = quantize_file(big, tmp_path / "o2.safetensors", CONFIG, device="cpu")
+    assert {t.name: t.skipped for t in report.tensors} == {"w": False, "b": True}
+    assert read_artifact_torch_free(tmp_path / "o2.safetensors", "b")[0] == 1e308
 
 
 def read_artifact_torch_free(path: Path, name: str) -> torch.Tensor:

@@ -137,9 +137,18 @@ async def test_non_finite_weights_are_a_422_before_a_job_exists(server, name, da
     assert (await server.client.get("/v1/jobs")).json()["items"] == []
 
 
-async def test_a_non_finite_tensor_the_job_leaves_as_it_is_is_no_reason_to_refuse(server):
-    data = st_bytes({"w": torch.randn(8, 64), "keep": torch.tensor([float("nan"), 1.0])})
+async def test_a_non_finite_tensor_the_job_leaves_as_it_is_is_refused_too(server):
+    """CONTRACT §2: NaN/Inf weights are a 4xx, a norm or bias kept as it is included (a model with a NaN norm
+    gives NaN outputs); integer tensors are not looked at."""
+    data = st_bytes({"w": torch.randn(8, 64), "keep": torch.tensor([float("nan"), 1.0]),
+                     "ids": torch.arange(4, dtype=torch.int64)})
     config = {**CONFIG, "rules": [{"match": "keep", "skip": True}]}
+    for endpoint in ("/v1/jobs", "/v1/quantize"):
+        r = await server.client.post(endpoint, files={"file": ("m.safetensors", data, "x/y")},
+                                     data={"config": json.dumps(config)})
+        body = assert_problem(r, 422)
+        assert body["type"] == "urn:quantd:non-finite" and "'keep'" in body["detail"], (endpoint, body)
+    data = st_bytes({"w": torch.randn(8, 64), "keep": torch.tensor([2.0, 1.0]), "ids": torch.arange(4)})
     r = await server.client.post("/v1/jobs", files={"file": ("m.safetensors", data, "x/y")},
                                  data={"config": json.dumps(config)})
     assert r.status_code == 202, r.text

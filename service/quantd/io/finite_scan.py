@@ -2,8 +2,8 @@
 
 A job's upload is checked before the job is accepted (CONTRACT §2: NaN/Inf weights are a 4xx), without a
 second read of a file that may be many gigabytes: the server feeds each chunk of the upload to a
-:class:`FiniteScan` as it writes and hashes it, and at submit asks which tensors it found non-finite; those
-the job would quantize make the submit a 422 naming the first. Float tensors are tested on their bit
+:class:`FiniteScan` as it writes and hashes it, and at submit asks which tensors it found non-finite; any
+makes the submit a 422 naming the first. Float tensors are tested on their bit
 patterns (an all-ones exponent is NaN or ±Inf), a pass over memory the chunk is already in. Anything the
 scan cannot follow (not safetensors, a header it cannot read) ends it quietly: the file's own checks say
 what is wrong, and the worker checks every tensor it quantizes in any case.

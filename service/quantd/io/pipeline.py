@@ -107,6 +107,10 @@ def plan(tensors: list[TensorInfo], config: QuantConfig,
     return plans
 
 
+# Kept float tensors checked for NaN/Inf (a float64 sum is finite exactly when every value is); fp8 has no Inf.
+_CHECKED_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
 def check_finite(x: torch.Tensor, name: str) -> None:
     """NonFiniteError naming the tensor when a float tensor holds NaN or Inf."""
     if x.is_floating_point():
@@ -150,7 +154,10 @@ def _process(reader: ModelReader, writer: Sink, fmt: OutputFormat, p: TensorPlan
     # load_transient: x may share the reader's buffer, so nothing derived from it outlives this call
     # (everything is written before the next tensor is read).
     if p.scheme is None:  # kept as it is: no trip through the device
-        writer.write(name, reader.load_transient(name, "cpu"))
+        kept = reader.load_transient(name, "cpu")
+        if kept.dtype in _CHECKED_FLOATS and not bool(torch.isfinite(kept.sum(dtype=torch.float64))):
+            check_finite(kept, name)  # CONTRACT §2: NaN/Inf weights are refused, kept ones too
+        writer.write(name, kept)
         return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=None, stats=None, skipped=True,
                             reason=p.reason)
     layer = calibration.layer(name, device) if calibration is not None else None

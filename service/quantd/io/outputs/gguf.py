@@ -301,6 +301,8 @@ def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: Quan
                 raise JobCancelled(f"cancelled after {len(reports)} of {len(plans)} tensors")
             name, shape = p.info.name, list(p.info.shape)
             if p.scheme is None:
+                if reader.entry(name).type_id in FLOAT_TYPES:  # kept float tensors hold no NaN/Inf either
+                    _check_finite(reader.load(name, "cpu"), name)
                 writer.write(name, reader.raw(name))
                 reports.append(TensorReport(name=name, shape=shape, in_dtype=p.info.dtype, scheme=None, stats=None,
                                             skipped=True, reason=p.reason))

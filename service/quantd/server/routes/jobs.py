@@ -52,24 +52,28 @@ _JOB_ERRORS = problem_responses(401, 404, 410)
 _IDEM_MAX = 200
 
 
+_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
 def check_finite(up: UploadedFile, plans: Sequence[Any], reader: Any = None) -> None:
-    """A NaN or Inf in a tensor the job would quantize is a 422 naming it, before the job is accepted
-    (CONTRACT §2). A safetensors upload was scanned while it streamed (``up.non_finite``); a PyTorch or NumPy
-    file is read once more, tensor by tensor (through ``reader``, the upload's open reader, if given). A GGUF
-    input is checked by the worker (the job fails with the reason)."""
+    """A NaN or Inf in any float tensor of the upload (quantized or kept as it is) is a 422 naming it, before
+    the job is accepted (CONTRACT §2: NaN/Inf weights are a 4xx). A safetensors upload was scanned while it
+    streamed (``up.non_finite``); a PyTorch or NumPy file is read once more, tensor by tensor (through
+    ``reader``, the upload's open reader, if given). A GGUF input is checked by the worker (the job fails with
+    the reason)."""
     from quantd import io
     from quantd.errors import NonFiniteError
 
-    quantized = [p.info.name for p in plans if p.scheme is not None and math.prod(p.info.shape)]
+    floats = [p.info.name for p in plans if p.info.dtype in _FLOAT_DTYPES and math.prod(p.info.shape)]
     bad = up.non_finite
-    if quantized and bad is None and io.detect_format(up.path) in ("pytorch", "npy", "npz"):
+    if floats and bad is None and io.detect_format(up.path) in ("pytorch", "npy", "npz"):
         if reader is None:
             with io.open_model(up.path, filename=up.filename) as opened:
-                bad = opened.non_finite(quantized)
+                bad = opened.non_finite(floats)
         else:
-            bad = reader.non_finite(quantized)
-    planned = set(quantized)
-    first = next((n for n in (bad or ()) if n in planned), None)
+            bad = reader.non_finite(floats)
+    checked = set(floats)
+    first = next((n for n in (bad or ()) if n in checked), None)
     if first is not None:
         raise NonFiniteError(f"tensor {first!r} has NaN or Inf values", tensor=first)
 
