@@ -52,6 +52,7 @@ class Artifact:
         self.summary_raw: dict[str, Any] = summary or {}
         self.request_id = request_id
         self._meta: dict[str, Any] | None = None
+        self._gguf: bool | None = None
 
     def __repr__(self) -> str:
         where = f"path={str(self.path)!r}" if self.path else f"{len(self._data or b'')} bytes"
@@ -110,11 +111,14 @@ class Artifact:
 
     @property
     def is_gguf(self) -> bool:
-        """The artifact is a GGUF file (output ``"gguf"``), not quantd's safetensors."""
-        if self._data is not None:
-            return self._data[:4] == b"GGUF"
-        with open(self.path or "", "rb") as f:
-            return f.read(4) == b"GGUF"
+        """The artifact is a GGUF file (output ``"gguf"``), not quantd's safetensors (read once)."""
+        if self._gguf is None:
+            if self._data is not None:
+                self._gguf = self._data[:4] == b"GGUF"
+            else:
+                with open(self.path or "", "rb") as f:
+                    self._gguf = f.read(4) == b"GGUF"
+        return self._gguf
 
     def _source(self) -> bytes | Path:
         return self._data if self._data is not None else Path(self.path or "")
