@@ -107,16 +107,20 @@ def plan(tensors: list[TensorInfo], config: QuantConfig,
     return plans
 
 
-# Kept float tensors checked for NaN/Inf (a float64 sum is finite exactly when every value is); fp8 has no Inf.
-_CHECKED_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
 def check_finite(x: torch.Tensor, name: str) -> None:
     """NonFiniteError naming the tensor when a float tensor holds NaN or Inf."""
     if x.is_floating_point():
         bad = int((~torch.isfinite(x)).sum().item())
         if bad:
             raise NonFiniteError(f"tensor {name!r}: {bad} of {x.numel()} values are NaN or Inf", tensor=name)
+
+
+def check_finite_quickly(x: torch.Tensor, name: str) -> None:
+    """:func:`check_finite` for a tensor that is almost always finite: a NaN or an infinity makes the float32
+    sum NaN or infinite, so one vectorised reduction clears a finite tensor; only a non-finite sum (bad values,
+    or finite ones whose sum overflows) takes the counting check. Tensors of other dtypes pass."""
+    if x.dtype in QUANTIZABLE and not bool(torch.isfinite(x.sum(dtype=torch.float32))):
+        check_finite(x, name)
 
 
 def _measure(x: torch.Tensor, scheme: Scheme, name: str, calibration: LayerHessian | None = None
@@ -155,8 +159,7 @@ def _process(reader: ModelReader, writer: Sink, fmt: OutputFormat, p: TensorPlan
     # (everything is written before the next tensor is read).
     if p.scheme is None:  # kept as it is: no trip through the device
         kept = reader.load_transient(name, "cpu")
-        if kept.dtype in _CHECKED_FLOATS and not bool(torch.isfinite(kept.sum(dtype=torch.float64))):
-            check_finite(kept, name)  # CONTRACT §2: NaN/Inf weights are refused, kept ones too
+        check_finite_quickly(kept, name)  # CONTRACT §2: NaN/Inf weights are refused, kept ones too
         writer.write(name, kept)
         return TensorReport(name=name, shape=shape, in_dtype=in_dtype, scheme=None, stats=None, skipped=True,
                             reason=p.reason)

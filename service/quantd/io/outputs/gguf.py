@@ -171,16 +171,6 @@ def check_importance(plans: Sequence[PlannedTensor], table: Mapping[str, torch.T
                                   field="calibration")
 
 
-def _check_finite(x: torch.Tensor, name: str) -> None:
-    """NonFiniteError naming the tensor when it holds NaN or Inf: a NaN or an infinity makes the float32 sum
-    of the tensor NaN or infinite, so one vectorised reduction clears every finite tensor; only a non-finite
-    sum (bad values, or finite ones whose sum overflows) takes the counting check."""
-    from ..pipeline import check_finite
-
-    if not bool(torch.isfinite(x.sum(dtype=torch.float32))):
-        check_finite(x, name)
-
-
 def _quantize_one(x: torch.Tensor, scheme: Scheme, name: str, imp: torch.Tensor | None, in_bits: int
                   ) -> tuple[Any, torch.Tensor]:
     from quantd.engine import ggml
@@ -280,7 +270,7 @@ def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: Quan
                   should_cancel: Callable[[], bool] | None = None, started: float | None = None,
                   importance: Mapping[str, torch.Tensor] | None = None) -> Report:
     """Quantize the GGUF model of ``reader`` into the GGUF file ``dst`` and return the Report."""
-    from ..pipeline import summarize
+    from ..pipeline import check_finite_quickly, summarize
 
     t0 = time.perf_counter() if started is None else started
     reader = gguf_input(reader)
@@ -301,14 +291,16 @@ def quantize_gguf(reader: ModelReader, dst: str | os.PathLike[str], config: Quan
                 raise JobCancelled(f"cancelled after {len(reports)} of {len(plans)} tensors")
             name, shape = p.info.name, list(p.info.shape)
             if p.scheme is None:
-                if reader.entry(name).type_id in FLOAT_TYPES:  # kept float tensors hold no NaN/Inf either
-                    _check_finite(reader.load(name, "cpu"), name)
-                writer.write(name, reader.raw(name))
+                raw = reader.raw(name)
+                float_type = FLOAT_TYPES.get(reader.entry(name).type_id)
+                if float_type is not None and raw:  # kept float tensors hold no NaN/Inf either (checked on the bytes read)
+                    check_finite_quickly(torch.frombuffer(raw, dtype=float_type), name)
+                writer.write(name, raw)
                 reports.append(TensorReport(name=name, shape=shape, in_dtype=p.info.dtype, scheme=None, stats=None,
                                             skipped=True, reason=p.reason))
             else:
                 x = reader.load(name, device)
-                _check_finite(x, name)
+                check_finite_quickly(x, name)
                 e = reader.entry(name)
                 in_bits = FLOAT_TYPES[e.type_id].itemsize * 8
                 stats, data = _quantize_one(x, p.scheme, name, _importance(importance, name, p.info.shape), in_bits)

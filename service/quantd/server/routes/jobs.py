@@ -52,9 +52,6 @@ _JOB_ERRORS = problem_responses(401, 404, 410)
 _IDEM_MAX = 200
 
 
-_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
-
-
 def check_finite(up: UploadedFile, plans: Sequence[Any], reader: Any = None) -> None:
     """A NaN or Inf in any float tensor of the upload (quantized or kept as it is) is a 422 naming it, before
     the job is accepted (CONTRACT §2: NaN/Inf weights are a 4xx). A safetensors upload was scanned while it
@@ -63,8 +60,9 @@ def check_finite(up: UploadedFile, plans: Sequence[Any], reader: Any = None) -> 
     the reason)."""
     from quantd import io
     from quantd.errors import NonFiniteError
+    from quantd.io.formats import QUANTIZABLE, torch_dtype
 
-    floats = [p.info.name for p in plans if p.info.dtype in _FLOAT_DTYPES and math.prod(p.info.shape)]
+    floats = [p.info.name for p in plans if torch_dtype(p.info.dtype) in QUANTIZABLE and math.prod(p.info.shape)]
     bad = up.non_finite
     if floats and bad is None and io.detect_format(up.path) in ("pytorch", "npy", "npz"):
         if reader is None:
