@@ -235,8 +235,7 @@ class AsyncClient(BaseClient):
                 if attempt >= self.max_retries:
                     raise
                 after = e.retry_after if isinstance(e, StorageBusy) else None
-                await self._sleep(min(after, self.retry.max_retry_after) if after is not None
-                        else self.retry.delay(attempt, None, self._rand))
+                await self._sleep(self.retry.delay(attempt, None, self._rand, retry_after=after))
                 attempt += 1
             except ChecksumMismatch:
                 if not resuming or restarted:

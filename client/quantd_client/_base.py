@@ -65,12 +65,12 @@ class RetryPolicy:
     max_retry_after: float = 60.0
 
     def delay(self, attempt: int, response: httpx.Response | None = None,
-              rand: Callable[[], float] = random.random) -> float:
-        """Seconds to wait before retry number ``attempt + 1`` (attempt counts from 0)."""
-        if response is not None:
-            after = parse_retry_after(response.headers.get("retry-after"))
-            if after is not None:
-                return min(after, self.max_retry_after)
+              rand: Callable[[], float] = random.random, *, retry_after: float | None = None) -> float:
+        """Seconds to wait before retry number ``attempt + 1`` (attempt counts from 0); ``retry_after``: a
+        ``Retry-After`` already parsed (an error's), when there is no response."""
+        after = parse_retry_after(response.headers.get("retry-after")) if response is not None else retry_after
+        if after is not None:
+            return min(after, self.max_retry_after)
         backoff = min(self.max_delay, self.base_delay * (2 ** attempt))
         return float(backoff * (0.5 + 0.5 * rand()))  # "equal jitter": never below half the backoff
 

@@ -233,8 +233,7 @@ class Client(BaseClient):
                 if attempt >= self.max_retries:
                     raise
                 after = e.retry_after if isinstance(e, StorageBusy) else None
-                self._sleep(min(after, self.retry.max_retry_after) if after is not None
-                        else self.retry.delay(attempt, None, self._rand))
+                self._sleep(self.retry.delay(attempt, None, self._rand, retry_after=after))
                 attempt += 1
             except ChecksumMismatch:
                 if not resuming or restarted:

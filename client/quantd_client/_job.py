@@ -31,8 +31,6 @@ UNREACHABLE_MAX_S = 300.0
 _RESTARTING = frozenset({502, 503, 504})
 
 
-
-
 def _still_down(job_id: str, error: APIConnectionError | ServerError, since: float | None, now: float,
                 deadline: float | None) -> float:
     """When the server became unreachable (``since``, or ``now`` at the first failure) while a wait polls
