@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,19 @@ _ST_NUMPY: dict[str, str] = {
 
 class ArtifactError(ValueError):
     """The bytes are not a well-formed quantd artifact."""
+
+
+def safetensors_header(entries: Iterable[tuple[str, str, Sequence[int], int]]) -> bytes:
+    """The start of a safetensors file whose tensors ``(name, dtype, shape, nbytes)`` follow in that order:
+    the 8-byte little-endian length and the JSON header, padded with spaces so that the data starts 8-aligned."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
 
 
 def _fp8_table(exp_bits: int, man_bits: int, bias: int, *, finite_only: bool) -> npt.NDArray[np.float32]:

@@ -127,10 +127,9 @@ class Artifact:
         """Every tensor back in floating point (float32; NumPy only)."""
         from ._artifact import read_artifact
 
-        source = self._source()
         if self.is_gguf:
             raise QuantdError(_GGUF_ARTIFACT)
-        result: dict[str, np.ndarray] = read_artifact(source).dequantize()
+        result: dict[str, np.ndarray] = read_artifact(self._source()).dequantize()
         return result
 
     def to_torch(self) -> dict[str, Any]:

@@ -8,10 +8,8 @@ bytes) replay from memory; a caller's open file object replays only if it is see
 from __future__ import annotations
 
 import io
-import json
 import os
 import secrets
-import struct
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import IO, Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 
+from ._artifact import safetensors_header
 from ._exceptions import ValidationError
 
 CHUNK_SIZE = 1 << 20
@@ -53,9 +52,8 @@ def _safetensors_stream(tensors: Mapping[str, Any]) -> tuple[io.BytesIO, int]:
     at a time): torch is imported only because the caller already holds tensors."""
     import torch
 
-    header: dict[str, Any] = {}
-    prepared: list[tuple[str, Any]] = []
-    offset = 0
+    entries: list[tuple[str, str, list[int], int]] = []
+    values: list[Any] = []
     for key, value in tensors.items():
         if not isinstance(key, str):
             raise ValidationError(f"tensor names must be strings; got {key!r}")
@@ -65,23 +63,20 @@ def _safetensors_stream(tensors: Mapping[str, Any]) -> tuple[io.BytesIO, int]:
             if value.dtype.hasobject:
                 raise ValidationError(f"tensor {key!r}: object arrays cannot be uploaded (no pickles)")
             name = value.dtype.newbyteorder("=").name  # its torch dtype (the array is converted when written)
-            shape, nbytes = list(value.shape), value.size * value.itemsize
+            nbytes = value.size * value.itemsize
         elif isinstance(value, torch.Tensor):
             name = str(value.dtype).removeprefix("torch.")
-            shape, nbytes = list(value.shape), value.numel() * value.element_size()
+            nbytes = value.numel() * value.element_size()
         else:
             raise ValidationError(f"tensor {key!r}: a {type(value).__name__} is not a tensor or an array")
         dtype = _SAFETENSORS_DTYPES.get(name)
         if dtype is None:
             raise ValidationError(f"tensor {key!r}: dtype {name} has no safetensors name")
-        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        prepared.append((key, value))
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
+        entries.append((key, dtype, list(value.shape), nbytes))
+        values.append(value)
     out = io.BytesIO()
-    out.write(struct.pack("<Q", len(head)) + head)
-    for _, value in prepared:  # one tensor's contiguous CPU (and native byte order) copy at a time
+    out.write(safetensors_header(entries))
+    for value in values:  # one tensor's contiguous CPU (and native byte order) copy at a time
         if isinstance(value, np.ndarray):
             value = torch.from_numpy(np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("=")))
         t = value.detach().to("cpu").contiguous()

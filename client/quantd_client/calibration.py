@@ -17,7 +17,6 @@ recorder is made; the rest of the SDK never needs it.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable
 from types import TracebackType
@@ -33,25 +32,19 @@ _ST_DTYPES = {np.dtype("float32"): "F32", np.dtype("int64"): "I64", np.dtype("fl
 
 def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, npt.NDArray[Any]]) -> None:
     """Write NumPy arrays (float32, float16, int64) as a safetensors file, in the given order."""
-    header: dict[str, Any] = {}
-    offset = 0
-    arrays = []
+    from ._artifact import safetensors_header
+
+    arrays = {}
     for name, arr in tensors.items():
         a = np.asarray(arr)
         if not a.flags.c_contiguous:  # (np.ascontiguousarray would also make a 0-d count [1])
             a = a.copy(order="C")
         if a.dtype not in _ST_DTYPES:
             raise ValueError(f"{name}: dtype {a.dtype} is not one this writer stores")
-        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        arrays.append(a)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
+        arrays[name] = a
     with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for a in arrays:
+        f.write(safetensors_header((n, _ST_DTYPES[a.dtype], a.shape, a.nbytes) for n, a in arrays.items()))
+        for a in arrays.values():
             f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
 
 
