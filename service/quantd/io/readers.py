@@ -36,7 +36,7 @@ from quantd.errors import (
     check_unicode,
 )
 
-from .formats import ST_TO_TORCH, TORCH_TO_ST, Format, detect_format, dtype_name
+from .formats import QUANTIZABLE, ST_TO_TORCH, TORCH_TO_ST, Format, detect_format, dtype_name, torch_dtype
 from .growing import GrowingFile
 from .st_header import STHeader, read_header
 
@@ -100,8 +100,7 @@ class ModelReader:
 
     def non_finite(self, names: Iterable[str]) -> list[str]:
         """Those of ``names`` whose float tensors hold NaN or Inf, read one at a time."""
-        floats = ("float16", "bfloat16", "float32", "float64")
-        return [n for n in names if self.info(n).dtype in floats
+        return [n for n in names if torch_dtype(self.info(n).dtype) in QUANTIZABLE
                 and not bool(torch.isfinite(self.load_transient(n, "cpu")).all())]
 
     def _load(self, name: str) -> torch.Tensor:
