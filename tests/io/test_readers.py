@@ -51,6 +51,31 @@ def test_safetensors_round_trip_any_extension(tmp_path: Path) -> None:
     _check_all(p, ref, "safetensors")
 
 
+@pytest.mark.parametrize("header_bytes", [632, 640, 896, 1152, 1408, 640 + 65536])
+def test_safetensors_whose_header_length_starts_like_a_pickle(tmp_path: Path, header_bytes: int) -> None:
+    """A header of 640 bytes (0x280) starts the file with ``80 02``, a pickle's protocol-2 magic: the file is
+    still safetensors, as the reference reader reads it."""
+    import json
+    import struct
+
+    from safetensors.torch import load_file
+
+    w = torch.randn(8, 16)
+    header = json.dumps({"w.weight": {"dtype": "F32", "shape": [8, 16], "data_offsets": [0, w.numel() * 4]}})
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(struct.pack("<Q", header_bytes) + header.encode().ljust(header_bytes) + w.numpy().tobytes())
+    assert torch.equal(load_file(str(p))["w.weight"], w)
+    assert detect_format(p) == "safetensors"
+    _check_all(p, {"w.weight": w}, "safetensors")
+
+
+def test_a_pickle_is_not_taken_for_safetensors_by_its_ninth_byte(tmp_path: Path) -> None:
+    """A protocol-2 pickle whose ninth byte happens to be ``{`` stays a PyTorch file (refused here as one)."""
+    p = tmp_path / "x.bin"
+    p.write_bytes(b"\x80\x02" + b"}q\x00(X\x01" + b"{" + b"\x00" * 40)
+    assert detect_format(p) == "pytorch"
+
+
 def test_pytorch_zip_nested_state_dict(tmp_path: Path) -> None:
     ref = _ref_tensors()
     p = tmp_path / "ckpt.npy"

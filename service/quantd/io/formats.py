@@ -71,6 +71,21 @@ def is_safetensors_head(head: bytes) -> bool:
     return n >= 2 and head[8:9] == b"{"
 
 
+def _safetensors_header_fits(path: Path, head: bytes) -> bool:
+    """The header length of a safetensors-looking ``head`` leaves room for the header in the file, and the
+    header's last byte closes its JSON object (``}``, or the spaces it may be padded with)."""
+    (n,) = struct.unpack("<Q", head[:8])
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            if 8 + n > f.tell():
+                return False
+            f.seek(8 + n - 1)
+            return f.read(1) in (b"}", b" ")
+    except OSError:
+        return False
+
+
 def _zip_kind(path: Path) -> Format:
     try:
         with zipfile.ZipFile(path) as zf:
@@ -108,6 +123,10 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
         return "gguf"
     if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY_MAGIC):
         return _zip_kind(p)
+    if is_safetensors_head(head) and _safetensors_header_fits(p, head):
+        # checked before the pickle magic: a header length of 640, 896, 1152 or 1408 bytes (mod 65536) starts
+        # the file with ``\x80`` and a byte 2…5, as a pickle does
+        return "safetensors"
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
         return "pytorch"
     if is_safetensors_head(head):
