@@ -27,20 +27,24 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_tiny_llama(path: Path, *, seed: int = 0, dtype: type = np.float32) -> Path:
-    """Write the model to ``path`` (2-D weights in ``dtype``, norms float32) and return ``path``."""
+def write_tiny_llama(path: Path, *, seed: int = 0, dtype: type = np.float32, n_layer: int = N_LAYER,
+                     n_embd: int = N_EMBD, n_ff: int = N_FF, n_head_kv: int = N_HEAD_KV, lexicographic: bool = False
+                     ) -> Path:
+    """Write the model to ``path`` (2-D weights in ``dtype``, norms float32) and return ``path``.
+    ``lexicographic``: the blocks in the order of their names as text (blk.0, blk.1, blk.10, blk.11, blk.2, …),
+    as a converter that reads a checkpoint's sorted keys writes them."""
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocab()
     n_vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-llama-test")
     w.add_context_length(512)
-    w.add_embedding_length(N_EMBD)
-    w.add_block_count(N_LAYER)
-    w.add_feed_forward_length(N_FF)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
     w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD_KV)
-    w.add_rope_dimension_count(N_EMBD // N_HEAD)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(n_embd // N_HEAD)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(0)
     w.add_tokenizer_model("llama")
@@ -56,22 +60,22 @@ def write_tiny_llama(path: Path, *, seed: int = 0, dtype: type = np.float32) -> 
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(dtype)
 
     def norm() -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(N_EMBD)).astype(np.float32)
+        return (1.0 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32)
 
-    head_dim = N_EMBD // N_HEAD
-    w.add_tensor("token_embd.weight", mat(n_vocab, N_EMBD))
-    for i in range(N_LAYER):
+    head_dim = n_embd // N_HEAD
+    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
+    for i in sorted(range(n_layer), key=str) if lexicographic else range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm())
-        w.add_tensor(f"blk.{i}.attn_q.weight", mat(N_EMBD, N_EMBD))
-        w.add_tensor(f"blk.{i}.attn_k.weight", mat(N_HEAD_KV * head_dim, N_EMBD))
-        w.add_tensor(f"blk.{i}.attn_v.weight", mat(N_HEAD_KV * head_dim, N_EMBD))
-        w.add_tensor(f"blk.{i}.attn_output.weight", mat(N_EMBD, N_EMBD))
+        w.add_tensor(f"blk.{i}.attn_q.weight", mat(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.attn_k.weight", mat(n_head_kv * head_dim, n_embd))
+        w.add_tensor(f"blk.{i}.attn_v.weight", mat(n_head_kv * head_dim, n_embd))
+        w.add_tensor(f"blk.{i}.attn_output.weight", mat(n_embd, n_embd))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(N_FF, N_EMBD))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(N_FF, N_EMBD))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(N_EMBD, N_FF))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff))
     w.add_tensor("output_norm.weight", norm())
-    w.add_tensor("output.weight", mat(n_vocab, N_EMBD))
+    w.add_tensor("output.weight", mat(n_vocab, n_embd))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

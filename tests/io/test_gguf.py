@@ -19,8 +19,9 @@ from _gguf_models import llama_cpp_or_none, llama_logits, llama_quantize, write_
 from quantd.errors import ConfigError, MalformedInputError, UnsupportedFormatError
 from quantd.io import open_model
 from quantd.io.gguf_file import GGUFFile
-from quantd.io.gguf_mix import ModelParams, mix_types
+from quantd.io.gguf_mix import ModelParams, ggml_n_dims, mix_types
 from quantd.io.imatrix import load_imatrix
+from quantd.io.outputs.gguf import plan_file
 from quantd.io.pipeline import quantize_file
 from quantd_client import QuantConfig
 
@@ -146,6 +147,87 @@ def test_mix_fallbacks_and_special_tensors() -> None:
         assert set(plain.values()) == {mix.lower()}
         assert [weighted[n] for n, _ in downs] == [raised] * 4 + [mix.lower()] * 28
     assert mix_types("Q4_K_M", downs, p, has_imatrix=True) == mix_types("Q4_K_M", downs, p)
+
+
+def _layers(n: int, order: list[int]) -> list[tuple[str, tuple[int, ...]]]:
+    per = (("attn_q", (4096, 4096)), ("attn_v", (1024, 4096)), ("ffn_down", (4096, 11008)))
+    return [(f"blk.{i}.{kind}.weight", shape) for i in order for kind, shape in per][:3 * n]
+
+
+@pytest.mark.parametrize("mix", ["Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M"])
+def test_mixes_count_layers_in_llama_cpps_order_whatever_the_file_order(mix: str) -> None:
+    """llama.cpp counts attn_v and ffn_down tensors in its own order (layer number, then name): a file whose
+    blocks come as blk.0, blk.1, blk.10, …, blk.2 (a checkpoint's sorted keys) or reversed gets the same types."""
+    p = ModelParams(arch="llama", n_layer=12, n_head=32, n_head_kv=8, n_expert=0)
+    numeric = mix_types(mix, _layers(12, list(range(12))), p)
+    for order in (sorted(range(12), key=str), list(reversed(range(12)))):
+        shuffled = mix_types(mix, _layers(12, order), p)
+        assert shuffled == numeric
+        assert list(shuffled) == [f"blk.{i}.{k}.weight" for i in order for k in ("attn_q", "attn_v", "ffn_down")]
+
+
+def test_a_matrix_of_one_row_is_one_dimensional_to_llama_cpp() -> None:
+    """``ggml_n_dims`` drops trailing unit dims (ggml's order): a ``[1, n]`` tensor stays float, as a norm."""
+    assert ggml_n_dims((1, 2048)) == 1 and ggml_n_dims((1, 1)) == 1 and ggml_n_dims((2048, 1)) == 2
+    assert ggml_n_dims((8, 1, 2048)) == 3 and ggml_n_dims((1, 8, 2048)) == 2
+    p = ModelParams(arch="qwen2moe", n_layer=2, n_head=16, n_head_kv=16, n_expert=4)
+    t = mix_types("Q4_K_M", [("blk.0.ffn_gate_inp_shexp.weight", (1, 2048)), ("blk.0.ffn_up.weight", (5632, 2048))],
+                  p)
+    assert t == {"blk.0.ffn_up.weight": "q4_k"}
+
+
+def test_an_80_layer_grouped_query_model_raises_attn_v_as_llama_cpps_70b_type() -> None:
+    downs = [(f"blk.{i}.attn_v.weight", (1024, 8192)) for i in range(80)]
+
+    def types(**kw: object) -> set[str]:
+        params = {"arch": "llama", "n_layer": 80, "n_head": 64, "n_head_kv": 8, "n_expert": 0, **kw}
+        return set(mix_types("Q4_K_M", downs, ModelParams(**params)).values())  # type: ignore[arg-type]
+
+    assert types() == {"q5_k", "q6_k"}  # q4_k → q5_k; use_more_bits' layers stay q6_k
+    assert types(arch="qwen2") == {"q5_k", "q6_k"}
+    assert types(n_head_kv=64) == {"q4_k", "q6_k"}  # llama without grouped queries: llama.cpp's 65B type
+    assert types(n_layer=79) == {"q4_k", "q6_k"}
+    assert types(arch="gemma2") == {"q4_k", "q6_k"}
+
+
+def test_per_layer_head_counts_are_read_as_layer_0s(tmp_path: Path) -> None:
+    """deci and openelm store ``head_count``/``head_count_kv`` per layer; llama.cpp's ``n_gqa()`` is layer
+    0's, which raises Q2_K's attn_v to q4_k from 4 queries a key-value head."""
+    w = gguf.GGUFWriter(str(tmp_path / "deci.gguf"), "deci")
+    w.add_block_count(2)
+    w.add_array("deci.attention.head_count", [8, 8])
+    w.add_array("deci.attention.head_count_kv", [1, 2])
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        w.add_tensor(f"blk.{i}.attn_v.weight", rng.standard_normal((32, 256)).astype(np.float32))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(256, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open_model(tmp_path / "deci.gguf") as reader:
+        meta = {kv.key: kv.first for kv in reader.file.metadata}  # type: ignore[attr-defined]
+        assert meta["deci.attention.head_count"] == 8 and meta["deci.attention.head_count_kv"] == 1
+        plans = plan_file(reader, QuantConfig.model_validate({"output": "gguf", "gguf_mix": "Q2_K"}))  # type: ignore[arg-type]
+    assert {p.info.name: p.scheme.dtype for p in plans if p.scheme} == {"blk.0.attn_v.weight": "q4_k",
+                                                                         "blk.1.attn_v.weight": "q4_k"}
+
+
+@pytest.mark.skipif(llama_cpp_or_none() is None, reason="llama-cpp-python is not installed (or does not load)")
+@pytest.mark.parametrize("case", ["lexicographic blocks", "80 layers, grouped queries"])
+def test_mix_types_match_llama_cpps_quantizer(tmp_path: Path, case: str) -> None:
+    """The types of llama.cpp's own llama_model_quantize, tensor by tensor, where the file order and the layer
+    count decide them."""
+    if case == "lexicographic blocks":
+        src = write_tiny_llama(tmp_path / "m.gguf", n_layer=12, n_embd=256, n_ff=256, lexicographic=True)
+    else:
+        src = write_tiny_llama(tmp_path / "m.gguf", n_layer=80, n_embd=256, n_ff=256)
+    for mix, ftype in (("Q3_K_M", 12), ("Q4_K_M", 15), ("Q4_K_S", 14)):
+        llama_quantize(src, tmp_path / f"llama-{mix}.gguf", ftype)
+        _run(src, tmp_path / f"quantd-{mix}.gguf", gguf_mix=mix)
+        theirs = {t.name: t.tensor_type for t in gguf.GGUFReader(tmp_path / f"llama-{mix}.gguf").tensors}
+        ours = {t.name: t.tensor_type for t in gguf.GGUFReader(tmp_path / f"quantd-{mix}.gguf").tensors}
+        assert ours == theirs, mix
 
 
 def test_row_fallback_in_a_file(tmp_path: Path) -> None:

@@ -97,6 +97,19 @@ class KeyValue:
     value: Any  # scalars and strings; arrays as ``(element_type, count)``
     raw: bytes  # the whole pair as stored (key, type, value)
 
+    @property
+    def first(self) -> Any:
+        """A scalar's value, or the first element of a numeric array (per-layer hyper-parameters, such as
+        ``{arch}.attention.head_count`` of deci or openelm, whose layer 0 llama.cpp reads as ``n_head()``);
+        None for an empty array or one of strings."""
+        if self.value_type != ARRAY:
+            return self.value
+        etype, count = self.value
+        if etype not in _SCALARS or not count:
+            return None
+        at = 8 + len(self.key.encode()) + 4 + 4 + 8  # key length, key, value type, element type, count
+        return struct.unpack_from(_SCALARS[etype], self.raw, at)[0]
+
 
 class _Cursor:
     """Sequential reads from a file that never ask for more than it has."""

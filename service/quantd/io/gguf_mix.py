@@ -86,6 +86,36 @@ class ModelParams:
     def n_gqa(self) -> int:
         return self.n_head // self.n_head_kv if self.n_head_kv else 0
 
+    @property
+    def is_70b(self) -> bool:
+        """llama.cpp's ``LLM_TYPE_70B``, which raises ``attn_v``: decided from the layer count (80), not the
+        parameters, for llama (grouped-query, not 8 experts), qwen2, deci and olmoe."""
+        if self.n_layer != 80:
+            return False
+        if self.arch == "llama":
+            return self.n_expert != 8 and self.n_head != self.n_head_kv
+        return self.arch in ("qwen2", "deci", "olmoe")
+
+
+def ggml_n_dims(shape: Sequence[int]) -> int:
+    """``ggml_n_dims``: the dims up to the last of more than one element in ggml's order (the torch shape
+    reversed), at least 1. A ``[1, n]`` tensor is 1-D to llama.cpp, and stays float."""
+    dims = len(shape)
+    while dims > 1 and shape[len(shape) - dims] == 1:
+        dims -= 1
+    return max(dims, 1)
+
+
+def weights_order(name: str) -> tuple[int, bytes]:
+    """llama.cpp's ``weight_name_comparer``: the ``blk.N.`` layer number (−1 without one), then the name. The
+    mixes count ``attn_v`` and ``ffn_down`` tensors in this order, whatever the file's order."""
+    layer = -1
+    if name.startswith("blk."):
+        digits = name[4:].split(".", 1)
+        if len(digits) == 2 and digits[0].isdigit():
+            layer = int(digits[0])
+    return layer, name.encode()
+
 
 def _layer(name: str, counter: int, p: ModelParams) -> int:
     if p.n_expert > 1 and name.startswith("blk."):
@@ -99,8 +129,9 @@ def _layer(name: str, counter: int, p: ModelParams) -> int:
 def mix_types(mix: str, tensors: Sequence[tuple[str, tuple[int, ...]]], p: ModelParams, *,
               has_imatrix: bool = False) -> dict[str, str]:
     """The ggml type of every tensor (name, torch shape) that ``mix`` quantizes, in file order; tensors it
-    keeps as they are are absent. ``has_imatrix``: the job has an importance matrix (llama.cpp then raises
-    Q4_0's and Q5_0's first eighth of ``ffn_down`` layers to Q4_1/Q5_1)."""
+    keeps as they are are absent. The choices are made in llama.cpp's order (:func:`weights_order`), which is
+    where the ``attn_v`` and ``ffn_down`` counters matter. ``has_imatrix``: the job has an importance matrix
+    (llama.cpp then raises Q4_0's and Q5_0's first eighth of ``ffn_down`` layers to Q4_1/Q5_1)."""
     default = DEFAULT_TYPE[mix]
     names = [n for n, _ in tensors]
     tied = "output.weight" not in names
@@ -108,9 +139,9 @@ def mix_types(mix: str, tensors: Sequence[tuple[str, tuple[int, ...]]], p: Model
     i_v = i_down = 0
     n_layer = p.n_layer
     falcon = p.arch == "falcon"
-    out: dict[str, str] = {}
-    for name, shape in tensors:
-        if not allows_quantization(name, len(shape)):
+    chosen: dict[str, str] = {}
+    for name, shape in sorted(tensors, key=lambda t: weights_order(t[0])):
+        if not allows_quantization(name, ggml_n_dims(shape)):
             continue
         cat = _category(name)
         t = default
@@ -132,6 +163,8 @@ def mix_types(mix: str, tensors: Sequence[tuple[str, tuple[int, ...]]], p: Model
             elif mix in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i_v, n_attn_v):
                 t = "q6_k"
             elif mix == "Q4_K_S" and i_v < 4:
+                t = "q5_k"
+            if p.is_70b and t in ("q3_k", "q4_k"):
                 t = "q5_k"
             if p.n_expert == 8:
                 t = "q8_0"
@@ -172,5 +205,5 @@ def mix_types(mix: str, tensors: Sequence[tuple[str, tuple[int, ...]]], p: Model
                     t = "q5_k"
             elif mix == "Q3_K_L":
                 t = "q4_k"
-        out[name] = fallback(t, row)
-    return out
+        chosen[name] = fallback(t, row)
+    return {name: chosen[name] for name in names if name in chosen}

@@ -25,7 +25,7 @@ from quantd_client import DTYPES, Progress, QuantConfig, Report, Scheme, TensorR
 
 from ..artifact import OutputTensor
 from ..gguf_file import FLOAT_TYPES, TYPE_OF_DTYPE, GGUFReader, GGUFWriter, OutTensor, tensor_nbytes
-from ..gguf_mix import FILE_TYPES, ModelParams, fallback, mix_types
+from ..gguf_mix import FILE_TYPES, ModelParams, fallback, ggml_n_dims, mix_types
 from ..readers import ModelReader, TensorInfo
 from . import register
 from .base import OutputFormat, PlannedTensor, Sink
@@ -53,7 +53,7 @@ def _params(tensors: Sequence[TensorInfo], metadata: Mapping[str, Any] | None) -
     arch = str(meta.get("general.architecture", ""))
 
     def num(key: str, default: int) -> int:
-        v = meta.get(f"{arch}.{key}", default)
+        v = meta.get(f"{arch}.{key}", default)  # per-layer arrays come as their first (layer 0's) value
         return int(v) if isinstance(v, int | float) else default
 
     layers = {int(t.name.split(".")[1]) for t in tensors if t.name.startswith("blk.") and t.name.split(".")[1].isdigit()}
@@ -98,7 +98,7 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
                 raise ConfigError(f"method {scheme.method!r} cannot be held by GGUF output (its types are "
                                   "llama.cpp's round-to-nearest blocks): use method 'rtn'",
                                   tensor=t.name, field="scheme.method")
-        if scheme is not None and len(t.shape) == 1:  # a valid scheme, but llama.cpp's ops take them in float
+        if scheme is not None and ggml_n_dims(t.shape) == 1:  # valid, but llama.cpp's ops take them in float
             scheme, reason = None, "1-D: llama.cpp keeps norms and other 1-D tensors as they are"
         if scheme is not None and numel:
             if DTYPES[scheme.dtype].kind == "ggml":
@@ -117,7 +117,7 @@ def plan_gguf(tensors: Sequence[TensorInfo], config: QuantConfig, *, metadata: M
 
 def plan_file(reader: GGUFReader, config: QuantConfig, *, has_imatrix: bool = False) -> list[PlannedTensor]:
     """:func:`plan_gguf` of a GGUF file's tensors, with its metadata (the mixes read the architecture's)."""
-    return plan_gguf(reader.tensors, config, metadata={kv.key: kv.value for kv in reader.file.metadata},
+    return plan_gguf(reader.tensors, config, metadata={kv.key: kv.first for kv in reader.file.metadata},
                      has_imatrix=has_imatrix)
 
 
