@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from quantd.errors import JobCancelled, MalformedInputError
+from quantd.errors import JobCancelled, MalformedInputError, QuantdError
 from quantd.io.model_dir import PathError, check_relpath, output_relpath, quantize_directory
 from quantd.server.problems import status_of
 from quantd_client import QuantConfig
@@ -102,6 +102,21 @@ def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
     (tmp_path / "in" / "config.json").write_text("{}")
     with pytest.raises(MalformedInputError, match="no weight files"):
         quantize_directory(tmp_path / "in", tmp_path / "out", CONFIG, device="cpu")
+
+
+@pytest.mark.parametrize(("content", "status"), [
+    (b"not a weight file at all, just text", 415),
+    (b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00idq\x01\x85q\x02Rq\x03.", None),  # a pickle that runs code
+])
+def test_a_shard_refused_for_its_content_is_named(tmp_path: Path, content: bytes, status: int | None) -> None:
+    src = tmp_path / "in"
+    src.mkdir()
+    torch.save({"a.weight": torch.randn(8, 8)}, src / "pytorch_model-00001-of-00002.bin")
+    (src / "pytorch_model-00002-of-00002.bin").write_bytes(content)
+    with pytest.raises(QuantdError) as e:
+        quantize_directory(src, tmp_path / "out", CONFIG, device="cpu")
+    assert e.value.detail.startswith("pytorch_model-00002-of-00002.bin: ")
+    assert 400 <= status_of(e.value) < 500 and (status is None or status_of(e.value) == status)
 
 
 def test_tar_window_finds_members_with_few_ranged_reads(tmp_path: Path) -> None:

@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from quantd.errors import ConfigError, JobCancelled, MalformedInputError
+from quantd.errors import (
+    ConfigError,
+    JobCancelled,
+    MalformedInputError,
+    UnsafeInputError,
+    UnsupportedFormatError,
+)
 from quantd_client import Progress, QuantConfig, Report, Summary, TensorReport
 
 from .outputs import ModelStructure, OutputFormat, PlannedTensor, get_format
@@ -267,7 +273,7 @@ ProgressCallback = Callable[[Progress], None]
 def _open_shard(files: ModelFiles, rel: str) -> ModelReader:
     try:
         return open_model(files.files[rel], posixpath.basename(rel))
-    except MalformedInputError as e:
+    except (MalformedInputError, UnsupportedFormatError, UnsafeInputError) as e:  # the same refusal, naming the file
         raise type(e)(f"{rel}: {e.detail}", tensor=e.tensor, field=e.field) from None
 
 
