@@ -322,6 +322,47 @@ def test_each_blocks_inputs_come_from_the_quantized_blocks_before_it(llama_dir: 
     assert (got - float_h).abs().max() / scale > 1e-3  # the float model's inputs differ measurably
 
 
+def test_padding_stays_out_of_hessians_whose_inputs_are_flattened(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPT's MLP takes the batch as ``[B·T, H]`` rows: its Hessians count the real tokens only, as the
+    attention projections' ``[B, T, H]`` inputs do, and equal those of the model run line by line."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    import quantd.engine.methods as methods
+
+    torch.manual_seed(0)
+    src = tmp_path / "opt"
+    OPTForCausalLM(OPTConfig(vocab_size=48, hidden_size=64, ffn_dim=128, num_hidden_layers=1,
+                             num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64)
+                   ).save_pretrained(str(src))
+    seen: dict[str, Any] = {}
+    real = methods.quantize_tensor
+
+    def spy(x: torch.Tensor, scheme: Any, *, name: str = "tensor", calibration: Any = None) -> Any:
+        seen[name] = (calibration.hessian.clone(), calibration.count)
+        return real(x, scheme, name=name, calibration=calibration)
+
+    monkeypatch.setattr(methods, "quantize_tensor", spy)
+    rows = id_rows(10)  # lines of 3 to 11 tokens: one padded batch
+    quantize_directory(src, tmp_path / "out", QuantConfig.model_validate(GPTQ), device="cpu",
+                       calibration=write_jsonl(tmp_path / "c.jsonl", rows))
+    model = OPTForCausalLM.from_pretrained(str(src)).eval()
+    h = torch.zeros(64, 64)
+
+    def pre(mod: Any, args: Any) -> None:
+        x = args[0].reshape(-1, 64)
+        h.addmm_(x.T, x)
+
+    handle = model.model.decoder.layers[0].fc1.register_forward_pre_hook(pre)
+    with torch.no_grad():
+        for r in rows:
+            model(input_ids=torch.tensor([r["input_ids"]]))
+    handle.remove()
+    got, count = seen["model.decoder.layers.0.fc1.weight"]
+    assert count == sum(len(r["input_ids"]) for r in rows) == seen["model.decoder.layers.0.self_attn.q_proj.weight"][1]
+    assert (got - h).abs().max() / h.abs().max() < 1e-4
+
+
 def test_awq_folds_into_norms_and_projections_and_compressed_tensors_holds_it(llama_dir: Path, tmp_path: Path) -> None:
     config = QuantConfig.model_validate({"output": "compressed-tensors", "calibration": {"samples": 16},
                                          "scheme": {"dtype": "int4", "group_size": 32, "symmetric": True,

@@ -187,6 +187,8 @@ class _Hessians:
             x = args[0].detach()
             if self.tokens is not None and tuple(x.shape[:-1]) == tuple(self.tokens.shape):
                 x = x[self.tokens]
+            elif self.tokens is not None and x.dim() == 2 and x.shape[0] == self.tokens.numel():
+                x = x[self.tokens.reshape(-1)]  # the batch's positions flattened row-major (OPT's MLP input)
             x = x.reshape(-1, x.shape[-1]).float()
             h = self.h.get(name)
             if h is None:
