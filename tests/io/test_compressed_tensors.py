@@ -267,6 +267,24 @@ def test_a_tied_lm_head_is_ignored_and_the_model_loads(tmp_path: Path, scheme: d
     assert float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.95
 
 
+def test_experts_left_in_full_precision_are_listed_under_ignore(tmp_path: Path) -> None:
+    """Mixtral's experts are per-expert Linear modules in its checkpoint (and for loaders that read it so) but
+    fused parameters in transformers 5: they stay in full precision, and ``ignore`` says so (CONTRACT §9.1)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    src = tmp_path / "moe"
+    MixtralForCausalLM(MixtralConfig(vocab_size=48, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=4, num_local_experts=2,
+                                     num_experts_per_tok=1, max_position_embeddings=64)).save_pretrained(str(src))
+    experts = sorted(n.removesuffix(".weight") for n in load_file(str(src / "model.safetensors")) if ".experts." in n)
+    assert len(experts) == 6
+    config = {"output": CT, "scheme": {"dtype": "int4", "symmetric": True, "group_size": 32}}
+    quantize_directory(src, tmp_path / "out", QuantConfig.model_validate(config), device="cpu")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert set(experts) <= set(qc["ignore"])
+    assert not any(".experts." in m for g in qc["config_groups"].values() for m in g["targets"])
+
+
 def test_a_model_with_nothing_to_quantize_is_refused(tmp_path: Path) -> None:
     """GPT-2's projections are Conv1D, not Linear: compressed-tensors has nothing to quantize, and a
     checkpoint declaring quantization with no quantized module is no checkpoint: 422 before any work."""

@@ -363,6 +363,40 @@ def test_padding_stays_out_of_hessians_whose_inputs_are_flattened(tmp_path: Path
     assert (got - h).abs().max() / h.abs().max() < 1e-4
 
 
+def test_a_checkpoint_whose_keys_transformers_renames_on_load_runs(tmp_path: Path) -> None:
+    """GPT-NeoX checkpoints store the output layer as ``embed_out`` (the module is ``lm_head`` in transformers
+    5): the worker maps the checkpoint's keys as transformers' loader does, and the output keeps them."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    src = tmp_path / "neox"
+    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=64)).save_pretrained(str(src))
+    config = {**GPTQ, "output": "compressed-tensors", "scheme": {**GPTQ["scheme"], "symmetric": True}}
+    report = quantize_directory(src, tmp_path / "out", QuantConfig.model_validate(config), device="cpu",
+                                calibration=write_jsonl(tmp_path / "c.jsonl", id_rows(8)))
+    done = [t for t in report.tensors if not t.skipped]
+    assert len(done) == 8 and all(t.stats.output_rel_error is not None for t in done)
+    ref = AutoModelForCausalLM.from_pretrained(str(src)).eval()
+    out = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    ids = torch.tensor([id_rows(1, seed=3)[0]["input_ids"]])
+    with torch.no_grad():
+        a, b = ref(input_ids=ids).logits.flatten(), out(input_ids=ids).logits.flatten()
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.9
+
+
+def test_a_model_whose_experts_transformers_merges_on_load_is_refused_saying_so(tmp_path: Path) -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    src = tmp_path / "moe"
+    MixtralForCausalLM(MixtralConfig(vocab_size=48, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=4, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)).save_pretrained(str(src))
+    with pytest.raises(ConfigError, match="built by transformers from several checkpoint tensors"):
+        plan_text_calibration(ModelFiles.from_dir(src), QuantConfig.model_validate(GPTQ),
+                              write_jsonl(tmp_path / "c.jsonl", id_rows(4)))
+
+
 def test_awq_folds_into_norms_and_projections_and_compressed_tensors_holds_it(llama_dir: Path, tmp_path: Path) -> None:
     config = QuantConfig.model_validate({"output": "compressed-tensors", "calibration": {"samples": 16},
                                          "scheme": {"dtype": "int4", "group_size": 32, "symmetric": True,

@@ -14,7 +14,7 @@ import inspect
 import re
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,11 +288,15 @@ def plan_model(model: nn.Module, config: QuantConfig, tensor_names: Mapping[str,
     the folds AWQ can use."""
     blocks_name, blocks = find_blocks(model)
     prefix = getattr(model, "base_model_prefix", "") or ""
+    renamings, converters = _load_conversions(model)
+    renamed = {_renamed(t, renamings): t for t in tensor_names}  # transformers' load-time key renames
 
     def resolve(n: str) -> str | None:
         for cand in (n, f"{prefix}.{n}" if prefix else n, n.removeprefix(f"{prefix}.") if prefix else n):
             if cand in tensor_names:
                 return cand
+            if cand in renamed:
+                return renamed[cand]
         return None
 
     tensor_of: dict[str, str] = {}
@@ -302,6 +306,11 @@ def plan_model(model: nn.Module, config: QuantConfig, tensor_names: Mapping[str,
             tensor_of[n] = t
     for n, _ in model.named_parameters():  # tied aliases share one: each group needs one in the checkpoint
         if n not in tensor_of and not _has_alias(model, n, tensor_of):
+            if converters:
+                raise _bad(f"the architecture's parameter {n!r} is built by transformers from several checkpoint "
+                           f"tensors as it loads ({type(model).__name__}: merged experts or fused projections); "
+                           "model-aware calibration runs models whose parameters are checkpoint tensors: give "
+                           "GPTQ/AWQ a calibration file of Hessians (the SDK's recorder), or use a data-free method")
             raise _bad(f"the architecture's parameter {n!r} is in no weight file of the model directory "
                        f"({type(model).__name__} from config.json)")
     linears = {m: tensor_of[f"{m}.weight"] for m, mod in model.named_modules()
@@ -330,6 +339,31 @@ def plan_model(model: nn.Module, config: QuantConfig, tensor_names: Mapping[str,
     vocab = getattr(emb, "num_embeddings", None)
     return ModelPlan(model, blocks_name, blocks, tensor_of, linears, folds, frozenset(folded),
                      vocab if isinstance(vocab, int) else None)
+
+
+def _load_conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
+    """The key renamings and the tensor converters transformers applies to this model's checkpoint as it
+    loads it (``embed_out`` → ``lm_head`` for GPT-NeoX, per-expert weights merged for MoE models); none where
+    this transformers has no such mapping."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+    except ImportError:
+        return [], []
+    try:
+        conversions = list(get_model_conversion_mapping(model))
+    except Exception:  # a model class the mapping does not know: its checkpoint keys are its parameter names
+        return [], []
+    return ([c for c in conversions if isinstance(c, WeightRenaming)],
+            [c for c in conversions if isinstance(c, WeightConverter)])
+
+
+def _renamed(key: str, renamings: Sequence[Any]) -> str:
+    if not renamings:
+        return key
+    from transformers.core_model_loading import rename_source_key
+
+    return str(rename_source_key(key, list(renamings), [])[0])
 
 
 def _has_alias(model: nn.Module, name: str, tensor_of: Mapping[str, str]) -> bool:

@@ -226,6 +226,12 @@ class CompressedTensors(OutputFormat):
                         if (p.info.name in known if known is not None
                             else p.info.name.endswith(_SUFFIX) and len(p.info.shape) == 2))
         ignore = [m for m in linear if m not in quantized]
+        # Experts that transformers 5 merges into fused parameters are no Linear modules of the architecture,
+        # but they are Linear modules of the checkpoint (and of loaders that read it expert by expert, as vLLM):
+        # left in full precision, they are listed too.
+        ignore += sorted(m for m in {_module(p.info.name) for p in plans if p.scheme is None
+                                     and p.info.name.endswith(_SUFFIX) and len(p.info.shape) == 2
+                                     and ".experts." in f".{p.info.name}"} if m not in linear)
         # Linear modules with no tensor of their own (a tied ``lm_head`` shares the embedding's) stay in full
         # precision: listed too, or a loader targeting the class would look for their quantized tensors.
         present = {_module(p.info.name) for p in plans}
