@@ -420,7 +420,7 @@ def test_unfoldable_awq_weights_keep_channel_scale_and_compressed_tensors_refuse
     path = tiny_llama(tmp_path / "m", num_key_value_heads=2)  # grouped-query attention: o_proj has no source
     cal = write_jsonl(tmp_path / "c.jsonl", id_rows(4))
     awq = {"scheme": {"dtype": "int4", "group_size": 32, "method": "awq"}}
-    with pytest.raises(ConfigError, match=r"o_proj.*no layer before this weight to fold"):
+    with pytest.raises(ConfigError, match=r"o_proj.*no layer before this weight that its AWQ scales fold into"):
         plan_text_calibration(ModelFiles.from_dir(path), QuantConfig.model_validate(
             {**awq, "output": "compressed-tensors"}), cal)
     checked = plan_text_calibration(ModelFiles.from_dir(path), QuantConfig.model_validate(awq), cal)

@@ -118,8 +118,10 @@ def plan_text_calibration(files: ModelFiles, config: QuantConfig, calibration: s
         scheme = config.scheme_for(weight, tensors[weight])[0] if weight in tensors else None
         if weight in mplan.linears.values() and weight not in mplan.folded and scheme is not None \
                 and scheme.method == "awq":
-            e.detail = (f"{e.detail} (model-aware calibration has no layer before this weight to fold its AWQ "
-                        "scales into: quantize it with gptq through a rule, or skip it)")
+            e.detail = (f"{e.detail} (model-aware calibration found no layer before this weight that its AWQ "
+                        "scales fold into exactly: none, a norm that does not multiply by its weight, or one shared "
+                        "with weights of another scheme or head layout; quantize it with gptq through a rule, or "
+                        "skip it)")
             e.args = (e.detail,)
         raise
     return TextCalibrationPlan(plans, structure, mplan, lines, tokenizer)
