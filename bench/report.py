@@ -881,6 +881,7 @@ def gguf_oneshot_section(data: dict[str, Any]) -> list[str]:
         rows.append([f"{r['model']}: {r['layers']} blocks, vocab {r['vocab']}", f"{r['ggml_weights'] / 1e6:.0f} M",
                      fmt(r["eager_s"], ".1f"), fmt(r["compiled_cold_cache_s"], ".1f"),
                      fmt(r["compiled_warm_cache_s"], ".1f"), fmt(r["auto_s"], ".1f"),
+                     fmt(r.get("auto_warmed_cache_s"), ".1f"),
                      fmt(r["llama_cpp_1t_s"], ".1f"), fmt(r.get(f"llama_cpp_{n}t_s"), ".1f")])
     be = data["break_even_weights"]
 
@@ -895,11 +896,13 @@ def gguf_oneshot_section(data: dict[str, Any]) -> list[str]:
         "statistics, write; wall seconds), on the llama-architecture float32 models of "
         "`bench/gguf_vs_llamacpp.py` (width 2048, ffn 5632), against llama.cpp's `llama_model_quantize` on the "
         "same file. *weights*: those the mix quantizes to ggml types. Cold: `QUANTD_COMPILE=1` on an empty "
-        "kernel cache; warm: again on the cache that run filled; auto: the default. Seconds: "
+        "kernel cache; warm: again on the cache that run filled; auto: the default; auto, warmed cache: the "
+        "default on a cache `quantd warm-up` filled"
+        + (f" ({data['warm_up_s']:.0f} s, once)" if "warm_up_s" in data else "") + ". Seconds: "
         + data.get("timing", "one run of each path") + ".",
         "",
         table(["model", "weights", "eager s", "compiled, cold cache s", "compiled, warm cache s", "auto s",
-               "llama.cpp 1t s", f"llama.cpp {n}t s"], rows),
+               "auto, warmed cache s", "llama.cpp 1t s", f"llama.cpp {n}t s"], rows),
         "",
         f"Fitted per path (fixed s + ns per weight): eager {fits['eager_s']['fixed_s']:.1f} s + "
         f"{fits['eager_s']['ns_per_weight']:.1f} ns; compiled cold {fits['compiled_cold_cache_s']['fixed_s']:.1f} s "
@@ -907,7 +910,9 @@ def gguf_oneshot_section(data: dict[str, Any]) -> list[str]:
         f"{fits['compiled_warm_cache_s']['fixed_s']:.1f} s + {fits['compiled_warm_cache_s']['ns_per_weight']:.1f} ns. "
         f"The compiled kernels repay their build from {weights(be['cold_cache'])} on a cold cache and from "
         f"{weights(be['warm_cache'])} on a warm one; under `auto` a one-shot GGUF run compiles from "
-        f"{weights(data['auto_threshold_weights'])} ({n} threads).",
+        f"{weights(data['auto_threshold_weights'])} ({n} threads)"
+        + (f", and from {weights(data['auto_warmed_threshold_weights'])} once `quantd warm-up` has filled its "
+           "cache." if "auto_warmed_threshold_weights" in data else "."),
     ]
 
 

@@ -436,6 +436,36 @@ def _quantize_in_process(args: argparse.Namespace, config: QuantConfig) -> Repor
     return quantize_file(args.input, _parent_made(args.output), config, device=device, calibration=args.calibration)
 
 
+def cmd_warm_up(args: argparse.Namespace) -> int:
+    """Build the GGUF kernels into the kernel cache of the CLI's one-shot runs (or of ``--data-dir``'s
+    serve/worker), and mark it filled: one-shot GGUF runs then take the compiled kernels from
+    ``WARM_GGUF_KERNEL_WEIGHTS_PER_THREAD`` ggml weights a thread rather than a billion."""
+    from quantd.runtime import keep_freed_memory_as_configured, keep_kernel_cache_in, mark_gguf_kernels_cached
+
+    try:
+        keep_freed_memory_as_configured()
+    except ValueError as e:
+        raise UsageError(f"settings: {e}") from None
+    keep_kernel_cache_in(Path(args.data_dir) if args.data_dir else None)
+    from quantd.engine.ggml._common import take_kernels
+    from quantd.engine.kernels import KERNELS
+    from quantd.io.outputs.gguf import warm_up_gguf
+
+    if not KERNELS.available():
+        raise UsageError("the compiled kernels are off here (QUANTD_COMPILE=0, or no C++ compiler for torch.compile)")
+    take_kernels()
+    took = warm_up_gguf()
+    if took is None:
+        raise UsageError("the compiled kernels are off here")
+    mark_gguf_kernels_cached()
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    if args.json:
+        _print_json({"seconds": round(took, 1), "kernel_cache": cache})
+    else:
+        print(f"GGUF kernels ready in {took:.1f} s (kernel cache: {cache})")
+    return 0
+
+
 def cmd_dequantize(args: argparse.Namespace) -> int:
     if Path(args.output).resolve() == Path(args.input).resolve():
         raise UsageError(f"-o {args.output} is the input file: it would be overwritten")
@@ -591,6 +621,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize embedding tables and output heads too (skip_embeddings=false)")
     p.add_argument("--device", default=os.environ.get("QUANTD_DEVICE", "auto"), help=DEVICE_HELP)
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("warm-up", help="build the GGUF kernels into this machine's kernel cache (minutes once); "
+                                       "one-shot GGUF runs then take them from 0.15 billion weights a thread")
+    p.add_argument("--data-dir", help="fill the kernel cache of serve/worker with this data dir (default: the "
+                                      "cache of the CLI's one-shot runs)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_warm_up)
 
     p = sub.add_parser("dequantize", help="an artifact back to a plain safetensors file (original names and dtypes)")
     p.add_argument("input", type=Path, help="a quantd artifact (.safetensors)")

@@ -130,12 +130,57 @@ def keep_freed_memory_as_configured() -> bool:
 # weight). bench/gguf_oneshot.py measures the break-even: about 2 billion weights on 2 threads. Scaling it by the
 # threads is an estimate, on the safe side: the quantization's time shrinks with the threads, the build's less.
 ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD = 1_000_000_000
+# The same where the kernel cache already holds every GGUF kernel (a GGUF warm-up filled it: serve, worker or
+# ``quantd warm-up``): loading them costs seconds, not a build, and bench/gguf_oneshot.py puts the break-even
+# at 0.23 billion weights on 2 threads (0.12 a thread); this is on the safe side of it.
+WARM_GGUF_KERNEL_WEIGHTS_PER_THREAD = 150_000_000
+_GGUF_WARM_MARK = "quantd-gguf-kernels-{}.ok"
+
+
+def _gguf_kernels_key() -> str:
+    """What the cached GGUF kernels depend on: torch's version and the source of the code they are traced from
+    (a change to either makes Inductor build them again)."""
+    import hashlib
+
+    import torch
+
+    import quantd.engine.ggml as ggml
+    import quantd.io.outputs.gguf as gguf_out
+
+    h = hashlib.sha256(torch.__version__.encode())
+    for f in [*sorted(Path(ggml.__file__).parent.glob("*.py")), Path(gguf_out.__file__)]:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _gguf_mark() -> Path | None:
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(cache) / _GGUF_WARM_MARK.format(_gguf_kernels_key()) if cache else None
+
+
+def mark_gguf_kernels_cached() -> None:
+    """Note in the kernel cache (``TORCHINDUCTOR_CACHE_DIR``) that a GGUF warm-up has filled it, for this
+    torch and this code; nothing without a cache dir set."""
+    mark = _gguf_mark()
+    if mark is not None:
+        try:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        except OSError:
+            log.warning("could not mark the GGUF kernels cached", extra={"path": str(mark)})
+
+
+def gguf_kernels_cached() -> bool:
+    """Whether a GGUF warm-up has filled this process's kernel cache for this torch and this code."""
+    mark = _gguf_mark()
+    return mark is not None and mark.exists()
 
 
 def use_kernels_for(path: Path, config: QuantConfig | None = None) -> bool:
     """Decide, for a one-shot run over the model at ``path`` (with ``config``, when it quantizes), whether the
     compiled kernels may run: with ``QUANTD_COMPILE=1`` always; under ``auto`` (the default) only for a GGUF
-    output whose ggml-type weights reach :data:`ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD` per torch thread.
+    output whose ggml-type weights reach :data:`ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD` per torch thread, or
+    :data:`WARM_GGUF_KERNEL_WEIGHTS_PER_THREAD` where a GGUF warm-up has filled the kernel cache.
     Otherwise a one-shot run stays eager and never imports the compiler stack: importing Dynamo and Inductor
     and loading the cached kernels costs seconds, more than the kernels save over the eager chunk loops on the
     models ``bench/oneshot.py`` measures (91 MB and 800 MB). True when they may."""
@@ -156,7 +201,8 @@ def _repays_kernels(path: Path, config: QuantConfig) -> bool:
 
     from quantd.io.outputs.gguf import ggml_weights
 
-    return ggml_weights(path, config) >= ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD * torch.get_num_threads()
+    per_thread = WARM_GGUF_KERNEL_WEIGHTS_PER_THREAD if gguf_kernels_cached() else ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD
+    return ggml_weights(path, config) >= per_thread * torch.get_num_threads()
 
 
 # The warm-up builds the kernels once no request has been in flight for this long (the first requests to a new
@@ -280,6 +326,7 @@ def _warm_up_gguf() -> None:
         log.exception("GGUF kernel warm-up failed")
         return
     if took is not None:
+        mark_gguf_kernels_cached()
         log.info("GGUF k-quant kernels ready", extra={"warmup_s": round(took, 1)})
 
 

@@ -429,6 +429,50 @@ def test_a_large_one_shot_gguf_run_compiles_its_kernels_under_auto(tmp_path: Pat
     KERNELS.reset(available=None)
 
 
+def test_a_warmed_kernel_cache_lowers_the_one_shot_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``quantd warm-up`` fills the CLI's kernel cache and marks it (for this torch and this code); a one-shot
+    GGUF run then takes the compiled kernels from the warm threshold, not the cold one."""
+    import threading
+
+    import torch
+
+    from _gguf_models import write_tiny_llama
+    from quantd import runtime
+    from quantd.engine.ggml import _common
+    from quantd.engine.kernels import KERNELS
+    from quantd.io.outputs import gguf as gguf_out
+    from quantd.io.outputs.gguf import ggml_weights
+    from quantd_client import QuantConfig
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("QUANTD_COMPILE", "auto")
+    src = write_tiny_llama(tmp_path / "tiny-f32.gguf")
+    q4 = QuantConfig(output="gguf", gguf_mix="Q4_K_M")  # type: ignore[arg-type]
+    per_thread = ggml_weights(src, q4) // torch.get_num_threads()
+    monkeypatch.setattr(runtime, "ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD", per_thread + 1)  # cold: not reached
+    monkeypatch.setattr(runtime, "WARM_GGUF_KERNEL_WEIGHTS_PER_THREAD", per_thread)  # warm: reached
+
+    def decided() -> bool:
+        monkeypatch.setattr(_common.KQUANT_KERNELS, "built", threading.Event())
+        KERNELS.reset(available=None)
+        runtime.use_kernels_for(src, q4)
+        return _common.KQUANT_KERNELS.built.is_set()
+
+    assert not runtime.gguf_kernels_cached() and not decided()
+    built: list[bool] = []
+    monkeypatch.setattr(gguf_out, "warm_up_gguf", lambda: built.append(True) or 1.5)
+    if not KERNELS.available():
+        assert main(["warm-up"]) == 2
+        return
+    assert main(["warm-up", "--json"]) == 0
+    assert built == [True] and json.loads(capsys.readouterr().out)["kernel_cache"] == str(tmp_path / "cache")
+    assert runtime.gguf_kernels_cached() and decided()
+    monkeypatch.setattr(runtime, "_gguf_kernels_key", lambda: "another-torch-or-code")
+    assert not runtime.gguf_kernels_cached() and not decided()
+    KERNELS.reset(available=None)
+
+
 def test_the_quantize_command_decides_its_kernels_with_its_config(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from _gguf_models import write_tiny_llama
