@@ -416,3 +416,21 @@ async def test_a_stopping_server_answers_uploads_503_and_claims_no_more_jobs(mak
         assert r.status_code == 202
         await asyncio.sleep(1.0)
         assert (await h.client.get(f"/v1/jobs/{r.json()['id']}")).json()["status"] == "queued"
+
+
+async def test_a_local_storage_url_other_than_the_data_dir_takes_uploads(make_server, tmp_path):
+    """``QUANTD_STORAGE_URL=file:///PATH`` (CONTRACT §11) apart from the data dir: uploads are streamed into the
+    storage's own scratch folder, which it adopts them from, and the files land under PATH."""
+    store = tmp_path / "elsewhere"
+    async with make_server(storage_url=f"file://{store.as_posix()}") as h:
+        r = await h.submit(st_bytes())
+        assert r.status_code == 202, r.text
+        job = await h.wait_job(r.json()["id"])
+        assert job["status"] == "succeeded", job
+        art = await h.client.get(f"/v1/jobs/{job['id']}/artifact")
+        assert art.status_code == 200 and len(art.content) == job["result"]["artifact_bytes"]
+        parts = [("file", ("config.json", b"{}")), ("file", ("model.safetensors", st_bytes()))]
+        r = await h.client.post("/v1/jobs", files=parts, data={"config": json.dumps(CONFIG)})
+        assert r.status_code == 202, r.text
+        assert (await h.wait_job(r.json()["id"]))["status"] == "succeeded"
+    assert any((store / "artifacts").iterdir())

@@ -2,7 +2,7 @@
 
 The server uses ``JobService`` (see docs/architecture.md, "jobs API"), as specified there, with:
 - ``submit(..., calibration=None, idempotency_key=None)`` takes ownership of the upload files (moved
-  under ``uploads/`` or deleted). Stream uploads into ``new_upload_path(suffix)`` (under ``data_dir/tmp``).
+  under ``uploads/`` or deleted). Stream uploads into ``new_upload_path(suffix)`` (the storage's scratch folder, ``upload_dir``).
 - ``start()``/``stop()`` are async (``start_sync``/``stop_sync`` too). Sync, blocking (call from a
   thread): ``ready() -> {"database": bool, "storage": bool, "workers": int}``, ``live_workers() -> int``,
   ``busy_workers() -> int`` (workers of every process on the DB), ``queue_depth()``, ``counts_by_status()``.

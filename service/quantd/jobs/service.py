@@ -170,8 +170,16 @@ class JobService:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     # -- submission --------------------------------------------------------------------------
+    @property
+    def upload_dir(self) -> Path:
+        """The storage's scratch folder of this process, where the server streams the uploads it hands to jobs:
+        the storage adopts files from there only (a local ``QUANTD_STORAGE_URL`` need not be the data dir)."""
+        d = self.storage.tmp
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
     def new_upload_path(self, suffix: str = "") -> Path:
-        """A fresh path under ``data_dir/tmp`` for the server to stream an upload into."""
+        """A fresh path in the storage's scratch folder (:attr:`upload_dir`) for the server to stream an upload into."""
         return self.storage.new_tmp_path(suffix)
 
     def prepare(self, upload: Path, config: QuantConfig, *, size_bound: int) -> PreparedRun | None:

@@ -241,7 +241,7 @@ async def _accept(request: Request, state: AppState, tenant: str, idempotency_ke
 
     try:
         form = await receive_multipart(
-            request, tmp_dir=state.settings.tmp_dir, max_file_bytes=state.settings.max_upload_bytes,
+            request, tmp_dir=state.jobs.upload_dir, max_file_bytes=state.settings.max_upload_bytes,
             file_fields={"file", "calibration"}, text_fields={"config"}, required={"file", "config"},
             on_file_start=on_file_start, repeatable=frozenset({"file"}), stopping=lambda: state.jobs.draining)
         try:
