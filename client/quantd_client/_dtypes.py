@@ -94,6 +94,8 @@ METHODS = ("rtn", "hqq", "gptq", "awq")
 GRANULARITIES = ("tensor", "channel", "group")
 INPUT_FORMATS = ("safetensors", "pytorch", "npy", "npz", "gguf")
 OUTPUT_FORMATS = ("safetensors", "compressed-tensors", "gguf")
+# The formats whose output is a model directory even from one weight file (they write config.json).
+DIRECTORY_OUTPUT_FORMATS = ("compressed-tensors",)
 
 
 def dtype_info(name: str) -> DTypeInfo:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, get_args
 
-from quantd_client._dtypes import GGUF_MIXES, OUTPUT_FORMATS
+from quantd_client._dtypes import DIRECTORY_OUTPUT_FORMATS, GGUF_MIXES, OUTPUT_FORMATS
 from quantd_client._schemas import (
     AnalysisName,
     AnalyzeResponse,
@@ -381,10 +381,24 @@ def _parent_made(output: str | Path) -> Path:
     return path
 
 
+def _check_output(args: argparse.Namespace, config: QuantConfig) -> None:
+    """Before any work, in-process and with ``--server`` alike: a directory output (a model directory, or a
+    format that writes one) goes to an absent or empty directory, never mixed with files already there; a
+    file output is not an existing directory (an existing file is replaced)."""
+    out = Path(args.output)
+    if Path(args.input).is_dir() or config.output in DIRECTORY_OUTPUT_FORMATS:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise FileExistsError(f"-o {out}: exists and is not an empty directory (the output is a model "
+                                  "directory: give a new or empty one)")
+    elif out.is_dir():
+        raise IsADirectoryError(f"-o {out} is a directory: give the output file's path")
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     config = build_config(args)
     if Path(args.output).resolve() == Path(args.input).resolve():
         raise UsageError(f"-o {args.output} is the input file: it would be overwritten")
+    _check_output(args, config)
     if args.server:  # as a job: no sync size limit, and the same Report as in-process
         progress = False if args.json else None  # bars on a TTY only
         with make_client(args) as c:

@@ -420,6 +420,7 @@ def test_a_large_one_shot_gguf_run_compiles_its_kernels_under_auto(tmp_path: Pat
             (0, QuantConfig(), "auto", False),  # safetensors output: eager whatever the size
             (0, q4, "0", False)):
         monkeypatch.setenv("QUANTD_COMPILE", setting)
+        monkeypatch.setattr(runtime, "gguf_kernels_cached", lambda: False)  # the cold threshold, whatever the cache
         monkeypatch.setattr(runtime, "ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD", per_thread)
         monkeypatch.setattr(_common.KQUANT_KERNELS, "built", threading.Event())
         KERNELS.reset(available=None)

@@ -65,3 +65,28 @@ def test_a_model_directory_through_the_server_gives_the_same_files(cli_server: s
     report = json.loads(capsys.readouterr().out)
     assert report["job_id"] and report["summary"]["tensors_quantized"] == 2
     assert tree(remote) == tree(local)  # byte-identical output, file by file
+
+
+@pytest.mark.parametrize("through_server", [False, True], ids=["in-process", "server"])
+def test_outputs_are_checked_before_any_work_in_both_modes(cli_server: str, model_dir: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           through_server: bool) -> None:
+    """A model directory's output goes to an absent or empty directory, a file's output is not a directory:
+    refused alike in-process and with --server, before a job is submitted."""
+    import httpx
+
+    server = ["--server", cli_server] if through_server else ["--device", "cpu"]
+    before = httpx.get(f"{cli_server}/v1/jobs", params={"limit": 100}).json()["items"]
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "stale.txt").write_text("not the model's")
+    assert main(["quantize", str(model_dir), "-o", str(taken), *server, *ARGS]) == 1
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert [p.name for p in taken.iterdir()] == ["stale.txt"]
+    one = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(8, 32)}, str(one))
+    assert main(["quantize", str(one), "-o", str(taken), "--dtype", "int8", *server]) == 1
+    assert "is a directory" in capsys.readouterr().err
+    assert httpx.get(f"{cli_server}/v1/jobs", params={"limit": 100}).json()["items"] == before  # nothing submitted
+    (taken / "stale.txt").unlink()
+    assert main(["quantize", str(model_dir), "-o", str(taken), *server, *ARGS]) == 0  # empty: fine

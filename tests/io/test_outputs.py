@@ -14,11 +14,12 @@ from quantd.io import plan, quantize_file
 from quantd.io.outputs import OutputFormat, format_names, get_format, register
 from quantd.io.readers import TensorInfo
 from quantd_client import QuantConfig
-from quantd_client._dtypes import OUTPUT_FORMATS
+from quantd_client._dtypes import DIRECTORY_OUTPUT_FORMATS, OUTPUT_FORMATS
 
 
 def test_registry_names_the_wire_formats() -> None:
     assert sorted(format_names()) == sorted(OUTPUT_FORMATS)
+    assert {n for n in format_names() if get_format(n).writes_config} == set(DIRECTORY_OUTPUT_FORMATS)
     for name in format_names():
         fmt = get_format(name)
         assert isinstance(fmt, OutputFormat) and fmt.name == name and fmt.suffix.startswith(".")
