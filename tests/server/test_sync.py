@@ -98,6 +98,9 @@ async def test_analyze_rejects_more_than_16_configs_and_bad_schemes(server):
                                  data={"configs": json.dumps([{"dtype": "int8"}, {"dtype": "int5"}])})
     body = assert_problem(r, 422)
     assert body["errors"][0]["loc"][:4] == ["body", "configs", 1, "dtype"]
+    r = await server.client.post("/v1/analyze", files=_files(st_bytes()),  # a cross-field refusal: its field too
+                                 data={"configs": json.dumps([{"dtype": "int8"}, {"dtype": "uint4", "symmetric": True}])})
+    assert assert_problem(r, 422)["errors"][0]["loc"] == ["body", "configs", 1, "symmetric"]
 
 
 async def test_calibrate_returns_one_layer_per_tensor(server):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any
@@ -84,16 +85,43 @@ def _loc(loc: Sequence[Any]) -> list[str | int]:
     return [p if isinstance(p, int) else str(p) for p in loc]
 
 
-def validation_errors(errors: Sequence[Mapping[str, Any]], *, prefix: Sequence[str | int] = ()) -> list[dict[str, Any]]:
+# A scheme validator's message names the field it refuses (``scheme.symmetric: …``, ``rules[0] (…):
+# scheme.observer_args.percentile must …``): its error's ``loc`` stops at the model the validator is on.
+_FIELD_IN_MSG = re.compile(r"^(?:rules\[(\d+)\] \([^)]*\): )?scheme\.([a-z_]+(?:\.[A-Za-z0-9_]+)?)\b")
+
+
+def _field_loc(loc: list[str | int], msg: str, *, schemes: bool) -> list[str | int]:
+    """``loc`` extended by the field a cross-field validator's message names, where ``loc`` stops at a scheme:
+    ``…scheme`` or the config itself (a rule's) in a QuantConfig, a scheme's own root or list index where the
+    validated value is schemes (``schemes``)."""
+    m = _FIELD_IN_MSG.match(msg)
+    if m is None:
+        return loc
+    rule, path = m.group(1), m.group(2).split(".")
+    if schemes:
+        return [*loc, *path] if not loc or isinstance(loc[-1], int) else loc
+    if rule is not None:
+        return ["rules", int(rule), "scheme", *path] if not loc else loc
+    if loc and loc[-1] == "scheme":
+        return [*loc, *path]
+    return ["scheme", *path] if not loc else loc
+
+
+def validation_errors(errors: Sequence[Mapping[str, Any]], *, prefix: Sequence[str | int] = (),
+                      schemes: bool = False) -> list[dict[str, Any]]:
     """Pydantic error dicts → ``[{"loc", "msg"}]`` (input values are left out: they may be large or secret;
-    our validators' messages lose pydantic's "Value error, " prefix)."""
-    return [{"loc": [*prefix, *_loc(e.get("loc", ()))], "msg": str(e.get("msg", "")).removeprefix("Value error, ")}
-            for e in errors]
+    our validators' messages lose pydantic's "Value error, " prefix; a cross-field validator's ``loc`` goes on
+    to the field its message names: ``schemes`` when the value validated is a scheme or a list of them)."""
+    out = []
+    for e in errors:
+        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        out.append({"loc": [*prefix, *_field_loc(list(_loc(e.get("loc", ()))), msg, schemes=schemes)], "msg": msg})
+    return out
 
 
 def form_validation_problem(field: str, exc: ValidationError) -> ProblemException:
     """A pydantic error in a JSON form field (``config``, ``configs``, ``observer``) → 422 naming the field."""
-    errs = validation_errors(exc.errors(include_url=False), prefix=("body", field))
+    errs = validation_errors(exc.errors(include_url=False), prefix=("body", field), schemes=field != "config")
     first = errs[0] if errs else {"loc": ["body", field], "msg": "invalid"}
     detail = f"{'.'.join(str(p) for p in first['loc'][1:])}: {first['msg']}"
     if first["loc"][1:3] == ["config", "scheme"]:  # the tensors it concerns (CONTRACT §1: name the tensor)
