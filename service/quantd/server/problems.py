@@ -101,10 +101,10 @@ def _field_loc(loc: list[str | int], msg: str, *, schemes: bool) -> list[str | i
     if schemes:
         return [*loc, *path] if not loc or isinstance(loc[-1], int) else loc
     if rule is not None:
-        return ["rules", int(rule), "scheme", *path] if not loc else loc
+        return loc if loc else ["rules", int(rule), "scheme", *path]
     if loc and loc[-1] == "scheme":
         return [*loc, *path]
-    return ["scheme", *path] if not loc else loc
+    return loc if loc else ["scheme", *path]
 
 
 def validation_errors(errors: Sequence[Mapping[str, Any]], *, prefix: Sequence[str | int] = (),
