@@ -285,6 +285,27 @@ async def test_an_upload_that_stops_sending_is_dropped(server, monkeypatch):
     assert (await server.client.get("/v1/jobs")).json()["items"] == []
 
 
+@pytest.mark.parametrize("endpoint, limit", [("/v1/jobs", "max_upload_bytes"), ("/v1/quantize", "max_sync_bytes")])
+async def test_a_chunked_upload_gets_413_soon_after_the_file_passes_the_limit(make_server, endpoint, limit):
+    """Without Content-Length the limit is known only as the bytes come: the 413 comes within a few chunks of
+    the file passing it, not a 1 MiB batch later."""
+    sent = 0
+
+    async def body():
+        nonlocal sent
+        yield (b'--B\r\nContent-Disposition: form-data; name="config"\r\n\r\n' + json.dumps(CONFIG).encode()
+               + b'\r\n--B\r\nContent-Disposition: form-data; name="file"; filename="m.safetensors"\r\n\r\n')
+        for _ in range(500):  # 5 MB at most
+            sent += 10_000
+            yield b"\0" * 10_000
+
+    async with make_server(**({"max_sync_bytes": 50_000} if limit == "max_sync_bytes" else
+                               {"max_upload_bytes": 50_000, "max_sync_bytes": 50_000})) as h:
+        r = await h.client.post(endpoint, content=body(), headers={"Content-Type": "multipart/form-data; boundary=B"})
+        assert_problem(r, 413)
+    assert sent <= 300_000, sent  # the batches in flight to the parser at most; it was over a MiB
+
+
 def _npz_of_zeros(rows: int, cols: int) -> bytes:
     """One deflated float32 member of zeros: rows × cols × 4 bytes inflated, a thousandth of that stored."""
     buf = io.BytesIO()

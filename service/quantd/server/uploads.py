@@ -382,7 +382,9 @@ async def receive_multipart(request: Request, *, tmp_dir: Path, max_file_bytes: 
                 raise too_large(max_file_bytes, hint)
             pending.append(chunk)
             pending_bytes += len(chunk)
-            if pending_bytes >= WRITE_BATCH_BYTES:
+            # Past the file limit, every chunk is parsed at once: the part's own count then answers 413 as soon
+            # as the file exceeds it, not a batch later.
+            if pending_bytes >= WRITE_BATCH_BYTES or total > max_file_bytes:
                 await writer.put(b"".join(pending))
                 pending, pending_bytes = [], 0
         if pending:
