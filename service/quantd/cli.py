@@ -12,9 +12,9 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, get_args
+from typing import Any, NoReturn, TypeVar, get_args
 
 from quantd_client._dtypes import DIRECTORY_OUTPUT_FORMATS, GGUF_MIXES, OUTPUT_FORMATS
 from quantd_client._schemas import (
@@ -34,6 +34,9 @@ from quantd_client._schemas import (
 )
 
 DEFAULT_ANALYZE_DTYPES = ("int8", "int4")
+
+
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -580,11 +583,25 @@ def _scheme_flags(p: argparse.ArgumentParser, *, many_dtypes: bool) -> None:
                    help="an argument of the method, e.g. act_order=true; repeatable (quantd info lists them)")
 
 
+def _positive(kind: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type: ``kind`` of the text, above 0 (a usage error, exit 2, otherwise)."""
+    def parse(text: str) -> T:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:  # type: ignore[operator]
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument("--server", help="server URL (jobs/info default: QUANTD_URL, else http://127.0.0.1:8000)")
     client.add_argument("--api-key", help="bearer key (default: QUANTD_API_KEY)")
-    client.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
+    client.add_argument("--timeout", type=_positive(float), default=300.0, help="seconds per request (default 300)")
     client.add_argument("--json", action="store_true", help="machine-readable output")
 
     parser = argparse.ArgumentParser(prog="quantd", description="Quantization service for ML weights.")
@@ -597,7 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--port", type=int, help="port (default: QUANTD_PORT, else 8000)")
         p.add_argument("--data-dir", help="jobs database and files (default: QUANTD_DATA_DIR, else ./quantd-data)")
         p.add_argument("--workers", type=int, help="worker count (default: QUANTD_WORKERS, else one per CUDA "
-                                                   "device, or one on the CPU without CUDA)")
+                                                   "device, or one on the CPU without CUDA; "
+                                                   + ("0: the API alone, no embedded workers)" if name == "serve"
+                                                      else "0 means that default too)"))
         p.add_argument("--device", help=DEVICE_HELP)
         p.set_defaults(func=cmd_serve if name == "serve" else cmd_worker)
 
@@ -615,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a QuantConfig JSON file; flags override its scheme")
     p.add_argument("--format", choices=OUTPUT_FORMATS,
                    help="output format (the config's \"output\"; default: the config's, else safetensors)")
-    p.add_argument("--wait-timeout", type=float, default=None,
+    p.add_argument("--wait-timeout", type=_positive(float), default=None,
                    help="with --server: seconds to wait for the job (default: no limit); the job id is on stderr")
     p.add_argument("--gguf-mix", choices=GGUF_MIXES,
                    help="a llama.cpp mix (llama-quantize's type, e.g. Q4_K_M) for a GGUF input; implies --format gguf")
@@ -662,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs = p.add_subparsers(dest="jobs_cmd", required=True)
     q = jobs.add_parser("list", parents=[client], help="this tenant's jobs, newest first")
     q.add_argument("--status", choices=get_args(JobStatus), help="only the jobs in this state")
-    q.add_argument("--limit", type=int, default=50, help="at most this many jobs (default: %(default)s)")
+    q.add_argument("--limit", type=_positive(int), default=50, help="at most this many jobs (default: %(default)s)")
     helps = {"show": "the job as JSON", "download": "the artifact (sha256-checked, resumable)",
              "cancel": "cancel a queued or running job and delete its files (a finished job: its artifact and "
                        "report are deleted, the job stays)"}
@@ -692,6 +711,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from quantd_client._exceptions import QuantdError as ClientError
 
     args = build_parser().parse_args(argv)
+    from quantd.runtime import compile_setting_error  # torch-free
+
+    if (bad := compile_setting_error()) is not None:
+        print(f"quantd {args.command}: settings: {bad}", file=sys.stderr)
+        return 2
     try:
         rc = int(args.func(args))
         sys.stdout.flush()  # a closed pipe shows here, not as a warning at interpreter exit

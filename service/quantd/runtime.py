@@ -23,6 +23,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("quantd.runtime")
 
+# QUANTD_COMPILE's values (quantd.engine.kernels.compile_setting reads them).
+COMPILE_VALUES = ("auto", "1", "true", "on", "yes", "0", "false", "off", "no")
+
+
+def compile_setting_error() -> str | None:
+    """What is wrong with ``QUANTD_COMPILE``, or None; checked at every command's start, since the engine
+    reads an unknown value as ``auto``."""
+    raw = os.environ.get("QUANTD_COMPILE")
+    if raw is None or raw.strip().lower() in COMPILE_VALUES:
+        return None
+    return f"QUANTD_COMPILE: {raw!r} is not auto, 1/true/on/yes or 0/false/off/no"
+
+
 # QUANTD_KEEP_FREED_MEMORY's default (serve, worker and the CLI's in-process runs).
 KEEP_FREED_MEMORY_DEFAULT = True
 

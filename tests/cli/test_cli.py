@@ -604,3 +604,23 @@ def test_a_config_level_refusal_reads_as_one_line_with_the_flag_to_use(model: Pa
     err = capsys.readouterr().err
     assert "config: scheme.dtype: q4_k is a ggml block type" in err and "--format gguf" in err
     assert "Value error" not in err and "config: :" not in err
+
+
+@pytest.mark.parametrize("argv", [["jobs", "list", "--limit", "0"], ["jobs", "list", "--limit", "-3"],
+                                  ["info", "--timeout", "-1"], ["info", "--timeout", "nan"],
+                                  ["quantize", "x.npy", "-o", "y", "--server", "http://127.0.0.1:9", "--wait-timeout", "0"]])
+def test_values_a_command_does_not_take_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:  # argparse's own exit, before any request
+        main(argv)
+    assert e.value.code == 2 and "must be above 0" in capsys.readouterr().err
+
+
+def test_an_unknown_compile_setting_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("QUANTD_COMPILE", "banana")
+    assert main(["serve", "--data-dir", str(tmp_path / "d")]) == 2
+    assert "QUANTD_COMPILE: 'banana'" in capsys.readouterr().err
+    monkeypatch.setenv("QUANTD_COMPILE", " Auto ")
+    src = tmp_path / "w.npy"
+    np.save(src, W)
+    assert main(["quantize", str(src), "-o", str(tmp_path / "o.safetensors"), "--dtype", "int8", "--device", "cpu"]) == 0
