@@ -139,13 +139,13 @@ def keep_freed_memory_as_configured() -> bool:
 
 # Under QUANTD_COMPILE=auto a one-shot GGUF run compiles its kernels when it quantizes at least this many
 # weights to ggml types per torch thread: from there the build on a cold kernel cache (about a minute on 2
-# cores) costs less than the kernels save over the eager chunk loops (Q4_K_M on 2 cores: 50 against 17 ns per
+# cores) costs less than the kernels save over the eager chunk loops (Q4_K_M on 2 cores: 57 against 23 ns per
 # weight). bench/gguf_oneshot.py measures the break-even: about 2 billion weights on 2 threads. Scaling it by the
 # threads is an estimate, on the safe side: the quantization's time shrinks with the threads, the build's less.
 ONE_SHOT_GGUF_KERNEL_WEIGHTS_PER_THREAD = 1_000_000_000
 # The same where the kernel cache already holds every GGUF kernel (a GGUF warm-up filled it: serve, worker or
 # ``quantd warm-up``): loading them costs seconds, not a build, and bench/gguf_oneshot.py puts the break-even
-# at 0.23 billion weights on 2 threads (0.12 a thread); this is on the safe side of it.
+# at 0.23 to 0.29 billion weights on 2 threads (0.12 to 0.15 a thread) in its runs.
 WARM_GGUF_KERNEL_WEIGHTS_PER_THREAD = 150_000_000
 _GGUF_WARM_MARK = "quantd-gguf-kernels-{}.ok"
 
