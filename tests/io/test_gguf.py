@@ -188,6 +188,7 @@ def test_an_80_layer_grouped_query_model_raises_attn_v_as_llama_cpps_70b_type() 
     assert types(n_head_kv=64) == {"q4_k", "q6_k"}  # llama without grouped queries: llama.cpp's 65B type
     assert types(n_layer=79) == {"q4_k", "q6_k"}
     assert types(arch="gemma2") == {"q4_k", "q6_k"}
+    assert types(arch="olmo") == {"q5_k", "q6_k"} and types(arch="olmoe") == {"q4_k", "q6_k"}  # olmoe: no 70B type
 
 
 def test_per_layer_head_counts_are_read_as_layer_0s(tmp_path: Path) -> None:
@@ -211,6 +212,30 @@ def test_per_layer_head_counts_are_read_as_layer_0s(tmp_path: Path) -> None:
         plans = plan_file(reader, QuantConfig.model_validate({"output": "gguf", "gguf_mix": "Q2_K"}))  # type: ignore[arg-type]
     assert {p.info.name: p.scheme.dtype for p in plans if p.scheme} == {"blk.0.attn_v.weight": "q4_k",
                                                                          "blk.1.attn_v.weight": "q4_k"}
+
+
+def test_hostile_metadata_and_names_do_not_upset_the_mix(tmp_path: Path) -> None:
+    """A key that is not UTF-8, a NaN head count and a layer number in other digits plan as llama.cpp reads
+    them (the key's stored length, the default, no layer), never an error of the service's own."""
+    src = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(src), "llama")
+    w.add_block_count(2)
+    w.add_array("llama.attention.head_count", [float("nan"), 8.0])
+    w.add_array("odd\u00ff.key", [1, 2, 3])
+    rng = np.random.default_rng(0)
+    for name in ("blk.0.attn_v.weight", "blk.\u00b2.attn_v.weight", "blk.1.attn_v.weight"):
+        w.add_tensor(name, rng.standard_normal((32, 256)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    raw = src.read_bytes().replace("odd\u00ff.key".encode(), b"odd\xff\xff.key")  # same length, not UTF-8
+    src.write_bytes(raw)
+    with open_model(src) as reader:
+        assert any(kv.first == 1 for kv in reader.file.metadata if kv.key.startswith("odd"))  # type: ignore[attr-defined]
+        plans = plan_file(reader, QuantConfig.model_validate({"output": "gguf", "gguf_mix": "Q4_K_M"}))  # type: ignore[arg-type]
+    assert {p.info.name for p in plans if p.scheme} == {"blk.0.attn_v.weight", "blk.\u00b2.attn_v.weight",
+                                                        "blk.1.attn_v.weight"}
 
 
 @pytest.mark.skipif(llama_cpp_or_none() is None, reason="llama-cpp-python is not installed (or does not load)")

@@ -73,7 +73,7 @@ def is_safetensors_head(head: bytes) -> bool:
 
 def _safetensors_header_fits(path: Path, head: bytes) -> bool:
     """The header length of a safetensors-looking ``head`` leaves room for the header in the file, and the
-    header's last byte closes its JSON object (``}``, or the spaces it may be padded with)."""
+    header's last byte closes its JSON object (``}``, or the whitespace it may be padded with)."""
     (n,) = struct.unpack("<Q", head[:8])
     try:
         with path.open("rb") as f:
@@ -81,7 +81,7 @@ def _safetensors_header_fits(path: Path, head: bytes) -> bool:
             if 8 + n > f.tell():
                 return False
             f.seek(8 + n - 1)
-            return f.read(1) in (b"}", b" ")
+            return f.read(1) in (b"}", b" ", b"\n", b"\t", b"\r")  # JSON's end, or the whitespace after it
     except OSError:
         return False
 

@@ -107,8 +107,8 @@ class KeyValue:
         etype, count = self.value
         if etype not in _SCALARS or not count:
             return None
-        at = 8 + len(self.key.encode()) + 4 + 4 + 8  # key length, key, value type, element type, count
-        return struct.unpack_from(_SCALARS[etype], self.raw, at)[0]
+        (key_bytes,) = struct.unpack_from("<Q", self.raw)  # as stored: the decoded key may differ in length
+        return struct.unpack_from(_SCALARS[etype], self.raw, 8 + key_bytes + 4 + 4 + 8)[0]
 
 
 class _Cursor:

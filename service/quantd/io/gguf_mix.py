@@ -11,6 +11,7 @@ q6_k → q8_0, q2_k/q3_k → q4_0; float16 when even 32 does not divide it).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -89,12 +90,12 @@ class ModelParams:
     @property
     def is_70b(self) -> bool:
         """llama.cpp's ``LLM_TYPE_70B``, which raises ``attn_v``: decided from the layer count (80), not the
-        parameters, for llama (grouped-query, not 8 experts), qwen2, deci and olmoe."""
+        parameters, for llama (grouped-query, not 8 experts), qwen2, deci and olmo."""
         if self.n_layer != 80:
             return False
         if self.arch == "llama":
             return self.n_expert != 8 and self.n_head != self.n_head_kv
-        return self.arch in ("qwen2", "deci", "olmoe")
+        return self.arch in ("qwen2", "deci", "olmo")
 
 
 def ggml_n_dims(shape: Sequence[int]) -> int:
@@ -106,15 +107,15 @@ def ggml_n_dims(shape: Sequence[int]) -> int:
     return max(dims, 1)
 
 
+# ``sscanf(name, "blk.%d.", &layer)``: leading blanks, a sign, ASCII digits; the dot after them is not needed.
+_BLK = re.compile(r"blk\.[ \t\n\v\f\r]*([+-]?[0-9]{1,18})", re.ASCII)  # 18 digits: an int64 at most
+
+
 def weights_order(name: str) -> tuple[int, bytes]:
     """llama.cpp's ``weight_name_comparer``: the ``blk.N.`` layer number (−1 without one), then the name. The
     mixes count ``attn_v`` and ``ffn_down`` tensors in this order, whatever the file's order."""
-    layer = -1
-    if name.startswith("blk."):
-        digits = name[4:].split(".", 1)
-        if len(digits) == 2 and digits[0].isdigit():
-            layer = int(digits[0])
-    return layer, name.encode()
+    m = _BLK.match(name)
+    return (int(m.group(1)) if m else -1), name.encode()
 
 
 def _layer(name: str, counter: int, p: ModelParams) -> int:

@@ -25,7 +25,7 @@ from quantd_client import DTYPES, Progress, QuantConfig, Report, Scheme, TensorR
 
 from ..artifact import OutputTensor
 from ..gguf_file import FLOAT_TYPES, TYPE_OF_DTYPE, GGUFReader, GGUFWriter, OutTensor, tensor_nbytes
-from ..gguf_mix import FILE_TYPES, ModelParams, fallback, ggml_n_dims, mix_types
+from ..gguf_mix import FILE_TYPES, ModelParams, fallback, ggml_n_dims, mix_types, weights_order
 from ..readers import ModelReader, TensorInfo
 from . import register
 from .base import OutputFormat, PlannedTensor, Sink
@@ -54,9 +54,11 @@ def _params(tensors: Sequence[TensorInfo], metadata: Mapping[str, Any] | None) -
 
     def num(key: str, default: int) -> int:
         v = meta.get(f"{arch}.{key}", default)  # per-layer arrays come as their first (layer 0's) value
+        if isinstance(v, float) and not math.isfinite(v):
+            return default  # a hostile file's NaN or Inf: the default, as for a missing key
         return int(v) if isinstance(v, int | float) else default
 
-    layers = {int(t.name.split(".")[1]) for t in tensors if t.name.startswith("blk.") and t.name.split(".")[1].isdigit()}
+    layers = {n for n, _ in map(weights_order, (t.name for t in tensors)) if n >= 0}
     n_head = num("attention.head_count", 0)
     return ModelParams(arch=arch, n_layer=num("block_count", max(layers) + 1 if layers else 0), n_head=n_head,
                        n_head_kv=num("attention.head_count_kv", n_head), n_expert=num("expert_count", 0))
