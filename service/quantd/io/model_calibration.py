@@ -32,6 +32,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -170,6 +171,9 @@ class _Batch:
     by_name: bool = False  # the hidden states came as the ``hidden_states`` keyword
 
 
+_EXPERT = re.compile(r"\.experts\.\d+\.")  # a mixture's expert: fed the tokens its router picked
+
+
 class _Hessians:
     """Forward pre-hooks summing ``Σ x xᵀ`` (float32, on the device) of each hooked Linear's input rows,
     the current batch's real tokens only."""
@@ -185,12 +189,16 @@ class _Hessians:
             self._handles.append(mod.register_forward_pre_hook(self._make(name)))
 
     def _make(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        routed = _EXPERT.search(name) is not None
+
         def pre(mod: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0].detach()
             if self.tokens is not None and tuple(x.shape[:-1]) == tuple(self.tokens.shape):
                 x = x[self.tokens]
-            elif self.tokens is not None and x.dim() == 2 and x.shape[0] == self.tokens.numel():
-                x = x[self.tokens.reshape(-1)]  # the batch's positions flattened row-major (OPT's MLP input)
+            elif self.tokens is not None and x.dim() == 2 and x.shape[0] == self.tokens.numel() and not routed:
+                # the batch's positions flattened row-major (OPT's MLP input); a routed expert's rows are the
+                # tokens sent to it, in the router's order, whatever their count
+                x = x[self.tokens.reshape(-1)]
             x = x.reshape(-1, x.shape[-1]).float()
             h = self.h.get(name)
             if h is None:

@@ -289,7 +289,16 @@ def plan_model(model: nn.Module, config: QuantConfig, tensor_names: Mapping[str,
     blocks_name, blocks = find_blocks(model)
     prefix = getattr(model, "base_model_prefix", "") or ""
     renamings, converters = _load_conversions(model)
-    renamed = {_renamed(t, renamings): t for t in tensor_names}  # transformers' load-time key renames
+    renamed: dict[str, str] = {}  # transformers' load-time key renames, in its (sorted) order
+    for t in sorted(tensor_names):
+        new, converted = _renamed(t, renamings, converters)
+        if converted:
+            raise _bad(f"checkpoint tensor {t!r} is built by transformers from several checkpoint tensors or "
+                       f"transformed as it loads ({type(model).__name__}: merged experts or fused projections); "
+                       "model-aware calibration runs models whose parameters are checkpoint tensors: give "
+                       "GPTQ/AWQ a calibration file of Hessians (the SDK's recorder), or use a data-free method")
+        if renamed.setdefault(new, t) != t:
+            raise _bad(f"checkpoint tensors {renamed[new]!r} and {t!r} both load as {new!r}")
 
     def resolve(n: str) -> str | None:
         for cand in (n, f"{prefix}.{n}" if prefix else n, n.removeprefix(f"{prefix}.") if prefix else n):
@@ -306,11 +315,6 @@ def plan_model(model: nn.Module, config: QuantConfig, tensor_names: Mapping[str,
             tensor_of[n] = t
     for n, _ in model.named_parameters():  # tied aliases share one: each group needs one in the checkpoint
         if n not in tensor_of and not _has_alias(model, n, tensor_of):
-            if converters:
-                raise _bad(f"the architecture's parameter {n!r} is built by transformers from several checkpoint "
-                           f"tensors as it loads ({type(model).__name__}: merged experts or fused projections); "
-                           "model-aware calibration runs models whose parameters are checkpoint tensors: give "
-                           "GPTQ/AWQ a calibration file of Hessians (the SDK's recorder), or use a data-free method")
             raise _bad(f"the architecture's parameter {n!r} is in no weight file of the model directory "
                        f"({type(model).__name__} from config.json)")
     linears = {m: tensor_of[f"{m}.weight"] for m, mod in model.named_modules()
@@ -358,12 +362,18 @@ def _load_conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
             [c for c in conversions if isinstance(c, WeightConverter)])
 
 
-def _renamed(key: str, renamings: Sequence[Any]) -> str:
-    if not renamings:
-        return key
-    from transformers.core_model_loading import rename_source_key
+def _renamed(key: str, renamings: Sequence[Any], converters: Sequence[Any]) -> tuple[str, bool]:
+    """The name transformers loads checkpoint tensor ``key`` as, and whether a converter transforms it; the
+    key as it is where this transformers' loader API differs."""
+    if not renamings and not converters:
+        return key, False
+    try:
+        from transformers.core_model_loading import rename_source_key
 
-    return str(rename_source_key(key, list(renamings), [])[0])
+        new, converter = rename_source_key(key, list(renamings), list(converters))
+    except Exception:  # another transformers: its checkpoints' keys are taken as they are
+        return key, False
+    return str(new), converter is not None
 
 
 def _has_alias(model: nn.Module, name: str, tensor_of: Mapping[str, str]) -> bool:
