@@ -389,6 +389,8 @@ def _check_output(args: argparse.Namespace, config: QuantConfig) -> None:
     format that writes one) goes to an absent or empty directory, never mixed with files already there; a
     file output is not an existing directory (an existing file is replaced)."""
     out = Path(args.output)
+    if out.is_symlink() and not out.exists():
+        raise FileNotFoundError(f"-o {out}: a symbolic link to nothing")
     if Path(args.input).is_dir() or config.output in DIRECTORY_OUTPUT_FORMATS:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise FileExistsError(f"-o {out}: exists and is not an empty directory (the output is a model "
@@ -474,7 +476,7 @@ def cmd_warm_up(args: argparse.Namespace) -> int:
     took = warm_up_gguf()
     if took is None:
         raise UsageError("the compiled kernels are off here")
-    mark_gguf_kernels_cached()
+    mark_gguf_kernels_cached(strict=True)
     cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     if args.json:
         _print_json({"seconds": round(took, 1), "kernel_cache": cache})
@@ -583,6 +585,10 @@ def _scheme_flags(p: argparse.ArgumentParser, *, many_dtypes: bool) -> None:
                    help="an argument of the method, e.g. act_order=true; repeatable (quantd info lists them)")
 
 
+# The largest count or seconds a flag takes (a year of seconds: larger ones overflow the socket's timeout).
+_LARGEST = 365 * 24 * 3600
+
+
 def _positive(kind: Callable[[str], T]) -> Callable[[str], T]:
     """An argparse type: ``kind`` of the text, above 0 (a usage error, exit 2, otherwise)."""
     def parse(text: str) -> T:
@@ -590,8 +596,8 @@ def _positive(kind: Callable[[str], T]) -> Callable[[str], T]:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value > 0:  # type: ignore[operator]
-            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        if not 0 < value <= _LARGEST:  # type: ignore[operator]  (NaN fails too)
+            raise argparse.ArgumentTypeError(f"must be above 0 and at most {_LARGEST:g}, got {text}")
         return value
     parse.__name__ = kind.__name__
     return parse
@@ -713,7 +719,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from quantd.runtime import compile_setting_error  # torch-free
 
-    if (bad := compile_setting_error()) is not None:
+    engine_runs = args.command in ("serve", "worker", "warm-up") or (
+        args.command in ("quantize", "analyze") and not getattr(args, "server", None))
+    if engine_runs and (bad := compile_setting_error()) is not None:
         print(f"quantd {args.command}: settings: {bad}", file=sys.stderr)
         return 2
     try:

@@ -31,7 +31,7 @@ def compile_setting_error() -> str | None:
     """What is wrong with ``QUANTD_COMPILE``, or None; checked at every command's start, since the engine
     reads an unknown value as ``auto``."""
     raw = os.environ.get("QUANTD_COMPILE")
-    if raw is None or raw.strip().lower() in COMPILE_VALUES:
+    if raw is None or not raw.strip() or raw.strip().lower() in COMPILE_VALUES:  # empty: unset, as the engine reads it
         return None
     return f"QUANTD_COMPILE: {raw!r} is not auto, 1/true/on/yes or 0/false/off/no"
 
@@ -151,19 +151,31 @@ _GGUF_WARM_MARK = "quantd-gguf-kernels-{}.ok"
 
 
 def _gguf_kernels_key() -> str:
-    """What the cached GGUF kernels depend on: torch's version and the source of the code they are traced from
-    (a change to either makes Inductor build them again)."""
+    """What the cached GGUF kernels depend on: Python's and torch's versions, the C++ compiler Inductor calls,
+    and the source of the code they are traced and compiled from (a change to any makes Inductor build them
+    again)."""
     import hashlib
 
     import torch
 
     import quantd.engine.ggml as ggml
+    import quantd.engine.kernels as kernels
     import quantd.io.outputs.gguf as gguf_out
 
-    h = hashlib.sha256(torch.__version__.encode())
-    for f in [*sorted(Path(ggml.__file__).parent.glob("*.py")), Path(gguf_out.__file__)]:
-        h.update(f.read_bytes())
+    h = hashlib.sha256(f"{sys.version} {torch.__version__} {os.environ.get('CXX', '')}".encode())
+    for d in (Path(ggml.__file__).parent, Path(kernels.__file__).parent):
+        for f in sorted(d.glob("*.py")):
+            h.update(f.read_bytes())
+    h.update(Path(gguf_out.__file__).read_bytes())
     return h.hexdigest()[:16]
+
+
+def _fx_graph_cache_on() -> bool:
+    """Whether Inductor keeps compiled graphs on disk (``TORCHINDUCTOR_FX_GRAPH_CACHE``): without it a warm-up
+    fills no cache a later process can load."""
+    from torch._inductor import config
+
+    return bool(config.fx_graph_cache)
 
 
 def _gguf_mark() -> Path | None:
@@ -171,22 +183,28 @@ def _gguf_mark() -> Path | None:
     return Path(cache) / _GGUF_WARM_MARK.format(_gguf_kernels_key()) if cache else None
 
 
-def mark_gguf_kernels_cached() -> None:
+def mark_gguf_kernels_cached(*, strict: bool = False) -> None:
     """Note in the kernel cache (``TORCHINDUCTOR_CACHE_DIR``) that a GGUF warm-up has filled it, for this
-    torch and this code; nothing without a cache dir set."""
+    torch and this code; nothing without a cache dir set or with Inductor's graph cache off. ``strict``
+    (``quantd warm-up``): a mark that cannot be written raises OSError rather than a logged warning."""
     mark = _gguf_mark()
-    if mark is not None:
-        try:
-            mark.parent.mkdir(parents=True, exist_ok=True)
-            mark.touch()
-        except OSError:
-            log.warning("could not mark the GGUF kernels cached", extra={"path": str(mark)})
+    if mark is None or not _fx_graph_cache_on():
+        if strict:
+            raise OSError("Inductor's graph cache is off (TORCHINDUCTOR_FX_GRAPH_CACHE=0): nothing to keep warm")
+        return
+    try:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+    except OSError as e:
+        if strict:
+            raise OSError(f"could not mark the kernel cache warm: {e}") from None
+        log.warning("could not mark the GGUF kernels cached: %s", e)
 
 
 def gguf_kernels_cached() -> bool:
     """Whether a GGUF warm-up has filled this process's kernel cache for this torch and this code."""
     mark = _gguf_mark()
-    return mark is not None and mark.exists()
+    return mark is not None and mark.exists() and _fx_graph_cache_on()
 
 
 def use_kernels_for(path: Path, config: QuantConfig | None = None) -> bool:

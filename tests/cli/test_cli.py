@@ -608,6 +608,7 @@ def test_a_config_level_refusal_reads_as_one_line_with_the_flag_to_use(model: Pa
 
 @pytest.mark.parametrize("argv", [["jobs", "list", "--limit", "0"], ["jobs", "list", "--limit", "-3"],
                                   ["info", "--timeout", "-1"], ["info", "--timeout", "nan"],
+                                  ["info", "--timeout", "inf"], ["info", "--timeout", "1e12"],
                                   ["quantize", "x.npy", "-o", "y", "--server", "http://127.0.0.1:9", "--wait-timeout", "0"]])
 def test_values_a_command_does_not_take_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:  # argparse's own exit, before any request
@@ -620,6 +621,10 @@ def test_an_unknown_compile_setting_is_a_usage_error(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("QUANTD_COMPILE", "banana")
     assert main(["serve", "--data-dir", str(tmp_path / "d")]) == 2
     assert "QUANTD_COMPILE: 'banana'" in capsys.readouterr().err
+    assert main(["info", "--server", "http://127.0.0.1:9", "--timeout", "1"]) == 1  # a client: not its setting
+    capsys.readouterr()
+    monkeypatch.setenv("QUANTD_COMPILE", "")  # empty: unset
+    assert main(["quantize", str(tmp_path / "missing.npy"), "-o", str(tmp_path / "x"), "--device", "cpu"]) == 1
     monkeypatch.setenv("QUANTD_COMPILE", " Auto ")
     src = tmp_path / "w.npy"
     np.save(src, W)

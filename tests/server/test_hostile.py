@@ -350,3 +350,10 @@ async def test_npz_bomb_is_refused_by_the_upload_limit_before_a_job_is_accepted(
         assert "'w'" in body["detail"] and "33554432 bytes" in body["detail"]
         assert (await h.client.get("/v1/jobs")).json()["items"] == []
 
+
+
+async def test_a_by_reference_body_names_the_refused_field_as_a_form_does(server):
+    config = {"scheme": {"dtype": "int8"}, "rules": [{"match": "x*", "scheme": {"dtype": "uint8", "symmetric": True}}]}
+    r = await server.client.post("/v1/jobs", json={"config": config, "source": "s3://b/in.safetensors",
+                                                   "destination": "s3://b/out/"})
+    assert assert_problem(r, 422)["errors"][0]["loc"] == ["body", "config", "rules", 0, "scheme", "symmetric"]

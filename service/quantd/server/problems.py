@@ -98,6 +98,8 @@ def _field_loc(loc: list[str | int], msg: str, *, schemes: bool) -> list[str | i
     if m is None:
         return loc
     rule, path = m.group(1), m.group(2).split(".")
+    if not schemes and loc[:1] == ["config"]:  # a JSON body's config (by reference): the same, under "config"
+        return ["config", *_field_loc(loc[1:], msg, schemes=False)]
     if schemes:
         return [*loc, *path] if not loc or isinstance(loc[-1], int) else loc
     if rule is not None:
