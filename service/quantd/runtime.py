@@ -300,7 +300,9 @@ def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True,
     priority; with ``activity`` (a server's requests), once no request has been in flight for
     :data:`WARM_UP_QUIET_S` (at the latest :data:`WARM_UP_MAX_WAIT_S` after this call). Until it ends, the
     kernels are held by it (``KERNELS.hold``): requests and jobs meanwhile run on the eager path instead of
-    waiting for a compile. Logs when it starts, when it begins building, and when it ends.
+    waiting for a compile. After it, a variant it did not build (another scheme, dtype or shape) runs eager for
+    the request or job that meets it while a background thread builds it (``KERNELS.build_in_background``).
+    Logs when it starts, when it begins building, and when it ends.
 
     With ``gguf``, the same thread then builds the GGUF k-quant searches' kernels (minutes on a cold cache,
     under a minute from the disk cache) without holding the others: jobs of other formats take their compiled
@@ -333,9 +335,12 @@ def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True,
                 log.info("compiled kernels ready", extra={"warmup_s": round(took, 1), "devices": list(devices)})
         finally:
             KERNELS.release()
+            if took is not None:  # from now on a variant the warm-up did not build is built in the background
+                KERNELS.build_in_background(_lower_this_thread_priority)
             state.done.set()
         if gguf and took is not None:  # built, not failed or off
-            _warm_up_gguf()
+            with KERNELS.building():  # this thread builds the GGUF kernels itself, not the background one
+                _warm_up_gguf()
 
     state.thread = threading.Thread(target=run, name="quantd-warmup", daemon=True)
     if KERNELS.available():
@@ -357,8 +362,8 @@ def _warm_up_gguf() -> None:
         log.exception("GGUF kernel warm-up failed")
         return
     if took is not None:
-        mark_gguf_kernels_cached()
         log.info("GGUF k-quant kernels ready", extra={"warmup_s": round(took, 1)})
+        mark_gguf_kernels_cached()
 
 
 def run_worker(settings: Settings) -> None:

@@ -310,6 +310,9 @@ async def test_requests_run_eager_while_the_warm_up_builds_the_kernels(make_serv
                 while not KQUANT_KERNELS.built.is_set() and time.monotonic() < deadline:
                     await anyio.sleep(0.05)  # poll under a deadline
                 assert (await server.client.get("/readyz")).json()["checks"]["gguf_kernels"] == "compiled"
+                while time.monotonic() < deadline and not any(  # the thread logs just after the flag is set
+                        rec.getMessage() == "GGUF k-quant kernels ready" for rec in caplog.records):
+                    await anyio.sleep(0.05)
     finally:
         gate.set()
         gguf_gate.set()

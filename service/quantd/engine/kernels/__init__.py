@@ -33,6 +33,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -179,6 +180,10 @@ class _Compiled:
         self._forced: bool | None = None  # reset(available=...): both devices' kernels on or off
         self._exhausted: set[str] = set()  # kernels past their recompile limit: eager from then on
         self._holder: threading.Thread | None = None  # while set, the only thread that takes the kernels
+        # build_in_background: the one thread that builds variants first met by requests and jobs
+        self._builder: ThreadPoolExecutor | None = None
+        self._pending: set[tuple[Any, ...]] = set()  # variants queued for it
+        self._pending_lock = threading.Lock()
 
     def available(self) -> bool:
         """Whether the CPU kernels run: compiling is on, a C++ compiler is found, and none failed."""
@@ -223,10 +228,50 @@ class _Compiled:
         holder = self._holder
         return holder is None or holder is threading.current_thread()
 
+    def build_in_background(self, on_start: Callable[[], None] | None = None) -> None:
+        """From now on (a server or worker after its warm-up), a kernel variant not built yet runs eager for
+        the request or job that meets it, while one background thread builds it (``on_start`` runs first in
+        that thread: a lower priority); later calls take it once built. No request or job then waits on a
+        compile, which takes seconds to minutes for a scheme, dtype or shape the warm-up did not build."""
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(1, thread_name_prefix="quantd-kernel-build", initializer=on_start)
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        """In this block, this thread builds the variants it meets itself (a warm-up), background or not."""
+        was = getattr(_BUILDS_ITSELF, "on", False)
+        _BUILDS_ITSELF.on = True
+        try:
+            yield
+        finally:
+            _BUILDS_ITSELF.on = was
+
+    def _build_later(self, variant: tuple[Any, ...], name: str, fn: Callable[..., Any], key: tuple[Any, ...],
+                     args: tuple[Any, ...], options: dict[str, Any] | None, threads: int) -> None:
+        """Queue ``variant``'s build (with the caller's arguments and thread count) unless it is queued, or
+        :data:`MAX_PENDING_BUILDS` are (their arguments are held until built)."""
+        builder = self._builder
+        with self._pending_lock:
+            if builder is None or variant in self._pending or len(self._pending) >= MAX_PENDING_BUILDS:
+                return
+            self._pending.add(variant)
+
+        def build() -> None:
+            torch.set_num_threads(threads)  # this thread's own (OpenMP): the variant is per thread count
+            try:
+                with self.building():
+                    self.call(name, fn, key, *args, options=options)
+            finally:
+                with self._pending_lock:
+                    self._pending.discard(variant)
+
+        builder.submit(build)
+
     def call(self, name: str, fn: Callable[..., T], key: tuple[Any, ...], *args: Any,
              options: dict[str, Any] | None = None) -> T | None:
         """``fn(*args)`` compiled (with Inductor ``options`` on top of :data:`INDUCTOR_OPTIONS`), or None when
         compiling is off or failed (the caller runs eager)."""
+        asked = (name, key, args, options)
         device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
         on_cuda = device is not None and device.type == "cuda"
         if on_cuda:  # a kernel of its own: the CUDA options, and Dynamo's variants apart (_own_code)
@@ -243,6 +288,10 @@ class _Compiled:
             with _recompile_limit():
                 if (name, *key) in self._warm:
                     return self._fns[name](*args)  # type: ignore[no-any-return]
+                if self._builder is not None and not getattr(_BUILDS_ITSELF, "on", False):
+                    self._build_later((name, *key), asked[0], fn, asked[1], asked[2], asked[3],
+                                      torch.get_num_threads())
+                    return None  # eager this time
                 with self._lock:  # the first call of a variant compiles: one thread at a time
                     compiled = self._fns.get(name)
                     if compiled is None:
@@ -274,14 +323,22 @@ class _Compiled:
             return None
 
     def reset(self, *, available: bool | None = None) -> None:
-        """Forget the failure state, and force both devices' kernels on or off (``available``; None: as
-        ``QUANTD_COMPILE`` and the toolchain say). One-shot runs turn them off; tests force either path."""
+        """Forget the failure state and the background builder, and force both devices' kernels on or off
+        (``available``; None: as ``QUANTD_COMPILE`` and the toolchain say). One-shot runs turn them off; tests
+        force either path."""
         self._broken = None
         self.failed_cuda.clear()
         self._available = available
         self._forced = available
         self._exhausted.clear()
+        builder, self._builder = self._builder, None  # first calls compile in the caller again
+        if builder is not None:
+            builder.shutdown(wait=False, cancel_futures=True)
 
+
+# Variants queued for the background build at most (each holds its caller's arguments until built).
+MAX_PENDING_BUILDS = 8
+_BUILDS_ITSELF = threading.local()  # KERNELS.building(): this thread compiles what it meets
 
 KERNELS = _Compiled()
 
