@@ -323,7 +323,8 @@ def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True,
         start = time.perf_counter()
         took = None
         try:
-            took = warm_up(devices=devices)
+            with KERNELS.building():  # this thread builds what it meets, whatever else is on
+                took = warm_up(devices=devices)
         except Exception as e:  # a failed warm-up only means the first real tensor compiles (or runs eager)
             state.error = f"{type(e).__name__}: {e}"
             log.exception("kernel warm-up failed")
@@ -334,9 +335,9 @@ def start_warm_up(activity: RequestActivity | None = None, *, gguf: bool = True,
             else:
                 log.info("compiled kernels ready", extra={"warmup_s": round(took, 1), "devices": list(devices)})
         finally:
-            KERNELS.release()
-            if took is not None:  # from now on a variant the warm-up did not build is built in the background
+            if KERNELS.available():  # from now on a variant the warm-up did not build is built in the background
                 KERNELS.build_in_background(_lower_this_thread_priority)
+            KERNELS.release()
             state.done.set()
         if gguf and took is not None:  # built, not failed or off
             with KERNELS.building():  # this thread builds the GGUF kernels itself, not the background one

@@ -35,3 +35,8 @@ def test_after_the_warm_up_a_new_variant_runs_eager_while_a_background_thread_bu
     with compiled.building():  # a warm-up's own thread compiles what it meets, background or not
         y = torch.arange(4096, dtype=torch.float64)
         assert torch.equal(compiled.call("twice_plus_one", twice_plus_one, ("f64",), y), y * 2 + 1)
+    view = torch.arange(1 << 16, dtype=torch.float32)[: 1 << 12]
+    assert compiled.call("twice_plus_one", twice_plus_one, ("view",), view) is None  # queued with its own copy
+    compiled.reset()  # a reset drops the builder and what was queued: first calls compile in the caller again
+    assert not compiled._pending and compiled._builder is None
+    assert torch.equal(compiled.call("twice_plus_one", twice_plus_one, ("after reset",), x), x * 2 + 1)

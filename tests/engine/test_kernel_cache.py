@@ -61,4 +61,3 @@ def test_every_compiled_kernel_graph_is_cacheable(tmp_path: Path) -> None:
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     graphs = int(out.stdout.split("graphs")[-1])
     assert graphs >= 20, out.stdout  # the k-quant searches, settles and statistics, HQQ, the common schemes
-

@@ -28,12 +28,13 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import shutil
+import sys
 import threading
 import types
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -180,8 +181,8 @@ class _Compiled:
         self._forced: bool | None = None  # reset(available=...): both devices' kernels on or off
         self._exhausted: set[str] = set()  # kernels past their recompile limit: eager from then on
         self._holder: threading.Thread | None = None  # while set, the only thread that takes the kernels
-        # build_in_background: the one thread that builds variants first met by requests and jobs
-        self._builder: ThreadPoolExecutor | None = None
+        # build_in_background: the one daemon thread that builds variants first met by requests and jobs
+        self._builder: queue.SimpleQueue[Callable[[], None] | None] | None = None
         self._pending: set[tuple[Any, ...]] = set()  # variants queued for it
         self._pending_lock = threading.Lock()
 
@@ -233,8 +234,18 @@ class _Compiled:
         the request or job that meets it, while one background thread builds it (``on_start`` runs first in
         that thread: a lower priority); later calls take it once built. No request or job then waits on a
         compile, which takes seconds to minutes for a scheme, dtype or shape the warm-up did not build."""
-        if self._builder is None:
-            self._builder = ThreadPoolExecutor(1, thread_name_prefix="quantd-kernel-build", initializer=on_start)
+        if self._builder is not None:
+            return
+        jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+
+        def run() -> None:  # a daemon: an exiting process never waits on a compile
+            if on_start is not None:
+                on_start()
+            while (job := jobs.get()) is not None and not sys.is_finalizing():
+                job()
+
+        self._builder = jobs
+        threading.Thread(target=run, name="quantd-kernel-build", daemon=True).start()
 
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:
@@ -250,22 +261,27 @@ class _Compiled:
                      args: tuple[Any, ...], options: dict[str, Any] | None, threads: int) -> None:
         """Queue ``variant``'s build (with the caller's arguments and thread count) unless it is queued, or
         :data:`MAX_PENDING_BUILDS` are (their arguments are held until built)."""
-        builder = self._builder
         with self._pending_lock:
-            if builder is None or variant in self._pending or len(self._pending) >= MAX_PENDING_BUILDS:
+            builder = self._builder
+            if (builder is None or variant in self._pending or variant in self._warm
+                    or len(self._pending) >= MAX_PENDING_BUILDS):
                 return
             self._pending.add(variant)
+        # copies: a view would hold its whole base (a job's buffer) until the build runs
+        held = tuple(_held_copy(a) for a in args)
 
         def build() -> None:
-            torch.set_num_threads(threads)  # this thread's own (OpenMP): the variant is per thread count
+            # the variant is per thread count; torch also takes it as the default of threads started later
+            torch.set_num_threads(threads)
             try:
-                with self.building():
-                    self.call(name, fn, key, *args, options=options)
+                if builder is self._builder:  # not reset meanwhile
+                    with self.building():
+                        self.call(name, fn, key, *held, options=options)
             finally:
                 with self._pending_lock:
                     self._pending.discard(variant)
 
-        builder.submit(build)
+        builder.put(build)
 
     def call(self, name: str, fn: Callable[..., T], key: tuple[Any, ...], *args: Any,
              options: dict[str, Any] | None = None) -> T | None:
@@ -311,6 +327,8 @@ class _Compiled:
                         name, RECOMPILE_LIMIT)
             return None
         except Exception as e:  # any compiler or toolchain failure: fall back, never fail the job
+            if sys.is_finalizing():  # the process is exiting under a compile: no verdict on the toolchain
+                return None
             reason = f"{type(e).__name__}: {e}"
             if on_cuda:  # Triton fails kernel by kernel: this one runs eager from now on, the others stay compiled
                 self._exhausted.add(name)
@@ -331,12 +349,25 @@ class _Compiled:
         self._available = available
         self._forced = available
         self._exhausted.clear()
-        builder, self._builder = self._builder, None  # first calls compile in the caller again
+        with self._pending_lock:  # first calls compile in the caller again; queued builds find they are stale
+            builder, self._builder = self._builder, None
+            self._pending.clear()
         if builder is not None:
-            builder.shutdown(wait=False, cancel_futures=True)
+            builder.put(None)  # the thread's end
 
 
-# Variants queued for the background build at most (each holds its caller's arguments until built).
+def _held_copy(a: Any) -> Any:
+    """A tensor argument for a later build: its own copy (not a view of a caller's buffer), with the dims
+    ``mark_static`` marked on it still marked; anything else as it is."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    copy = a.detach().clone()
+    for dim in getattr(a, "_dynamo_static_indices", ()):
+        torch._dynamo.mark_static(copy, dim)
+    return copy
+
+
+# Variants queued for the background build at most (each holds a copy of its caller's arguments until built).
 MAX_PENDING_BUILDS = 8
 _BUILDS_ITSELF = threading.local()  # KERNELS.building(): this thread compiles what it meets
 
