@@ -10,7 +10,7 @@ import os
 import struct
 import zipfile
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import torch
 
@@ -71,17 +71,16 @@ def is_safetensors_head(head: bytes) -> bool:
     return n >= 2 and head[8:9] == b"{"
 
 
-def _safetensors_header_fits(path: Path, head: bytes) -> bool:
-    """The header length of a safetensors-looking ``head`` leaves room for the header in the file, and the
-    header's last byte closes its JSON object (``}``, or the whitespace it may be padded with)."""
+def _safetensors_header_fits(f: BinaryIO, head: bytes) -> bool:
+    """The header length of a safetensors-looking ``head`` (the first bytes of ``f``) leaves room for the
+    header in the file, and the header's last byte closes its JSON object (``}``, or the whitespace it may be
+    padded with)."""
     (n,) = struct.unpack("<Q", head[:8])
     try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            if 8 + n > f.tell():
-                return False
-            f.seek(8 + n - 1)
-            return f.read(1) in (b"}", b" ", b"\n", b"\t", b"\r")  # JSON's end, or the whitespace after it
+        if 8 + n > f.seek(0, os.SEEK_END):
+            return False
+        f.seek(8 + n - 1)
+        return f.read(1) in (b"}", b" ", b"\n", b"\t", b"\r")  # JSON's end, or the whitespace after it
     except OSError:
         return False
 
@@ -114,6 +113,9 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
     p = Path(path)
     with p.open("rb") as f:
         head = f.read(16)
+        # checked before the pickle magic: a header length of 640, 896, 1152 or 1408 bytes (mod 65536) starts
+        # the file with ``\x80`` and a byte 2…5, as a pickle does
+        fitting_safetensors = is_safetensors_head(head) and _safetensors_header_fits(f, head)
     if not head:
         raise MalformedInputError("the file is empty (0 bytes): expected safetensors, a PyTorch checkpoint, "
                                   ".npy or .npz")
@@ -123,9 +125,7 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
         return "gguf"
     if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY_MAGIC):
         return _zip_kind(p)
-    if is_safetensors_head(head) and _safetensors_header_fits(p, head):
-        # checked before the pickle magic: a header length of 640, 896, 1152 or 1408 bytes (mod 65536) starts
-        # the file with ``\x80`` and a byte 2…5, as a pickle does
+    if fitting_safetensors:
         return "safetensors"
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
         return "pytorch"

@@ -173,10 +173,9 @@ class JobService:
     @property
     def upload_dir(self) -> Path:
         """The storage's scratch folder of this process, where the server streams the uploads it hands to jobs:
-        the storage adopts files from there only (a local ``QUANTD_STORAGE_URL`` need not be the data dir)."""
-        d = self.storage.tmp
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+        the storage adopts files from there only (a local ``QUANTD_STORAGE_URL`` need not be the data dir).
+        The folder is made (again, if removed) as it is asked for."""
+        return self.storage.tmp
 
     def new_upload_path(self, suffix: str = "") -> Path:
         """A fresh path in the storage's scratch folder (:attr:`upload_dir`) for the server to stream an upload into."""

@@ -111,6 +111,7 @@ def compile_setting() -> str:
     a kernel applies) or ``auto`` (the default: long-lived processes compile, one-shot runs stay eager but
     large GGUF ones, ``quantd.runtime.use_kernels_for``)."""
     setting = os.environ.get("QUANTD_COMPILE", "auto").strip().lower()
+    # the same spellings as quantd.runtime.COMPILE_VALUES, which the CLI checks without importing torch
     if setting in ("0", "false", "off", "no"):
         return "off"
     return "on" if setting in ("1", "true", "on", "yes") else "auto"
@@ -257,10 +258,12 @@ class _Compiled:
         finally:
             _BUILDS_ITSELF.on = was
 
-    def _build_later(self, variant: tuple[Any, ...], name: str, fn: Callable[..., Any], key: tuple[Any, ...],
-                     args: tuple[Any, ...], options: dict[str, Any] | None, threads: int) -> None:
-        """Queue ``variant``'s build (with the caller's arguments and thread count) unless it is queued, or
-        :data:`MAX_PENDING_BUILDS` are (their arguments are held until built)."""
+    def _build_later(self, variant: tuple[Any, ...], fn: Callable[..., Any], name: str, key: tuple[Any, ...],
+                     args: tuple[Any, ...], options: dict[str, Any] | None) -> None:
+        """Queue ``variant``'s build (the call ``name, key, args, options`` as its caller made it, with its
+        thread count) unless it is queued or built, or :data:`MAX_PENDING_BUILDS` are (their arguments are
+        held until built)."""
+        threads = torch.get_num_threads()
         with self._pending_lock:
             builder = self._builder
             if (builder is None or variant in self._pending or variant in self._warm
@@ -287,7 +290,7 @@ class _Compiled:
              options: dict[str, Any] | None = None) -> T | None:
         """``fn(*args)`` compiled (with Inductor ``options`` on top of :data:`INDUCTOR_OPTIONS`), or None when
         compiling is off or failed (the caller runs eager)."""
-        asked = (name, key, args, options)
+        asked = (name, key, args, options)  # as the caller made the call (a queued build makes it again)
         device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
         on_cuda = device is not None and device.type == "cuda"
         if on_cuda:  # a kernel of its own: the CUDA options, and Dynamo's variants apart (_own_code)
@@ -305,8 +308,7 @@ class _Compiled:
                 if (name, *key) in self._warm:
                     return self._fns[name](*args)  # type: ignore[no-any-return]
                 if self._builder is not None and not getattr(_BUILDS_ITSELF, "on", False):
-                    self._build_later((name, *key), asked[0], fn, asked[1], asked[2], asked[3],
-                                      torch.get_num_threads())
+                    self._build_later((name, *key), fn, *asked)
                     return None  # eager this time
                 with self._lock:  # the first call of a variant compiles: one thread at a time
                     compiled = self._fns.get(name)
